@@ -1,0 +1,1 @@
+"""paged-jax: a paged KV cache for serving language models in JAX."""
