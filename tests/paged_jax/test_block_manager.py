@@ -37,9 +37,9 @@ class PyModel:
   def num_free(self):
     return sum(r == 0 for r in self.refs)
 
-  def reserve(self, sid, n, real_row):
+  def reserve(self, sid, n, real_row, seen):
     """Returns (ok, copy_pair or None); takes new block ids from `real_row`."""
-    if not 0 <= sid < MAX_SEQS or n < 0:
+    if not 0 <= sid < MAX_SEQS or n < 0 or sid in seen:
       return False, None
     length = self.lens[sid]
     if length + n > WIDTH * BLOCK_SIZE:
@@ -73,16 +73,22 @@ class PyModel:
     self.rows[sid], self.lens[sid] = [], 0
     return True
 
-  def fork(self, parent, child):
-    if not (0 <= parent < MAX_SEQS and 0 <= child < MAX_SEQS):
-      return False
-    if self.lens[parent] == 0 or self.lens[child] != 0 or parent == child:
-      return False
-    for b in self.rows[parent]:
-      self.refs[b] += 1
-    self.rows[child] = list(self.rows[parent])
-    self.lens[child] = self.lens[parent]
-    return True
+  def fork(self, pairs):
+    """All pairs are judged against the state at the start of the call."""
+    lens, rows = list(self.lens), [list(r) for r in self.rows]
+    oks, claimed = [], set()
+    for parent, child in pairs:
+      ok = (0 <= parent < MAX_SEQS and 0 <= child < MAX_SEQS
+            and lens[parent] > 0 and lens[child] == 0 and parent != child
+            and child not in claimed)
+      claimed.add(child)
+      if ok:
+        for b in rows[parent]:
+          self.refs[b] += 1
+        self.rows[child] = list(rows[parent])
+        self.lens[child] = lens[parent]
+      oks.append(ok)
+    return oks
 
 
 seq_id = st.integers(-1, MAX_SEQS)
@@ -101,21 +107,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
   def reserve(self, reqs):
     ids = jnp.array([r[0] for r in reqs], jnp.int32)
     ns = jnp.array([r[1] for r in reqs], jnp.int32)
-    before = self.state
     self.state, res = _reserve(self.state, ids, ns)
     tables = np.asarray(self.state.block_tables)
-    # Replay one request at a time; the rows a request changes are final
-    # unless a later request in the batch changes the same slot again.
+    seen = set()
     for i, (sid, n) in enumerate(reqs):
-      in_range = 0 <= sid < MAX_SEQS
-      later_same = any(r[0] == sid for r in reqs[i + 1:])
-      if in_range and later_same:
-        # Recompute this row by running the prefix alone on the old state.
-        prefix_state, _ = _reserve(before, ids[:i + 1], ns[:i + 1])
-        row = np.asarray(prefix_state.block_tables)[sid]
-      else:
-        row = tables[sid] if in_range else None
-      ok, pair = self.model.reserve(sid, n, row)
+      row = tables[sid] if 0 <= sid < MAX_SEQS else None
+      ok, pair = self.model.reserve(sid, n, row, seen)
+      seen.add(sid)
       assert bool(res.ok[i]) == ok, (reqs, i, res.ok)
       got = (int(res.copy_src[i]), int(res.copy_dst[i]))
       assert got == (pair or (NULL_BLOCK, NULL_BLOCK)), (reqs, i, got, pair)
@@ -131,7 +129,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     parents = jnp.array([p for p, _ in pairs], jnp.int32)
     children = jnp.array([c for _, c in pairs], jnp.int32)
     self.state, ok = _fork(self.state, parents, children)
-    expected = [self.model.fork(p, c) for p, c in pairs]
+    expected = self.model.fork(pairs)
     assert np.asarray(ok).tolist() == expected, (pairs, ok, expected)
 
   @invariant()
@@ -230,6 +228,9 @@ def test_failed_requests_leave_state_untouched():
   assert res.ok.tolist() == [False, False, False]
   state, ok = bm.release(state, jnp.array([1, 7, -3]))
   assert ok.tolist() == [False, False, False]
+  # A slot listed twice in one call is served once.
+  state2, res = bm.reserve(state, jnp.array([2, 2]), jnp.array([1, 1]))
+  assert res.ok.tolist() == [True, False] and state2.seq_lens.tolist() == [8, 0, 5]
   state, ok = bm.fork(state, jnp.array([0, 1, 0]), jnp.array([2, 2, 0]))
   assert ok.tolist() == [False, False, False]  # live child, empty parent, self
   chex.assert_trees_all_equal(before, state)
