@@ -134,12 +134,9 @@ def default_config(q, k_pages, block_tables, *,
       num_warps=4, num_stages=2)
 
 
-def unsupported_reason(q, k_pages, block_tables, *, soft_cap=None,
-                       sliding_window=None, config=None) -> str | None:
-  """Why this kernel cannot serve these inputs, or None if it can.
-
-  Accepts arrays or `jax.ShapeDtypeStruct`s; looks only at shapes and dtypes.
-  """
+def _inputs_reason(q, k_pages, block_tables, *, soft_cap, sliding_window,
+                   check_batch: bool = True) -> str | None:
+  """Shape/dtype problems shared by the GPU attention kernels, or None."""
   if len(q.shape) != 3:
     return f"q must be [batch, num_q_heads, head_dim], got {q.shape=}"
   if len(k_pages.shape) != 4:
@@ -154,13 +151,13 @@ def unsupported_reason(q, k_pages, block_tables, *, soft_cap=None,
     return f"q's {head_dim=} must equal k_pages' head_dim={kv_head_dim}"
   if num_kv_heads < 1 or num_q_heads % num_kv_heads:
     return f"{num_q_heads=} must be a multiple of {num_kv_heads=}"
-  if block_tables.shape[0] != batch:
+  if check_batch and block_tables.shape[0] != batch:
     return (f"block_tables' batch {block_tables.shape[0]} must equal q's"
             f" {batch=}")
   if jnp.dtype(block_tables.dtype) != jnp.int32:
     return f"block_tables must be int32, got {block_tables.dtype}"
-  if block_tables.shape[1] < 1:
-    return f"block_tables needs at least one column, got {block_tables.shape=}"
+  if block_tables.shape[0] < 1 or block_tables.shape[1] < 1:
+    return f"block_tables needs a row and a column, got {block_tables.shape=}"
   for name, dtype in (("q", q.dtype), ("k_pages", k_pages.dtype)):
     if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
       return (f"{name} dtype {jnp.dtype(dtype)} is not one of"
@@ -174,10 +171,11 @@ def unsupported_reason(q, k_pages, block_tables, *, soft_cap=None,
     return f"{soft_cap=} must be positive"
   if sliding_window is not None and not sliding_window >= 1:
     return f"{sliding_window=} must be at least 1"
-  if config is None:
-    config = default_config(q, k_pages, block_tables, num_sms=DEFAULT_NUM_SMS)
-  if config.k_splits < 1:
-    return f"config.k_splits={config.k_splits} must be at least 1"
+  return None
+
+
+def _tile_reason(block_size: int, config) -> str | None:
+  """Problems with a config's KV tile and launch knobs, or None."""
   if config.pages_per_compute_block < 1:
     return (f"config.pages_per_compute_block={config.pages_per_compute_block}"
             " must be at least 1")
@@ -190,6 +188,23 @@ def unsupported_reason(q, k_pages, block_tables, *, soft_cap=None,
   if config.num_stages < 1:
     return f"config.num_stages={config.num_stages} must be at least 1"
   return None
+
+
+def unsupported_reason(q, k_pages, block_tables, *, soft_cap=None,
+                       sliding_window=None, config=None) -> str | None:
+  """Why this kernel cannot serve these inputs, or None if it can.
+
+  Accepts arrays or `jax.ShapeDtypeStruct`s; looks only at shapes and dtypes.
+  """
+  reason = _inputs_reason(q, k_pages, block_tables, soft_cap=soft_cap,
+                          sliding_window=sliding_window)
+  if reason is not None:
+    return reason
+  if config is None:
+    config = default_config(q, k_pages, block_tables, num_sms=DEFAULT_NUM_SMS)
+  if config.k_splits < 1:
+    return f"config.k_splits={config.k_splits} must be at least 1"
+  return _tile_reason(k_pages.shape[2], config)
 
 
 def _paged_decode_kernel(
