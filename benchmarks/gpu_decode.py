@@ -15,8 +15,9 @@ In one run it
        xla       paged_jax.attention.paged_attention(..., implementation="xla")
        dense     jnp einsum-softmax over contiguous [batch, kv_len, heads, dim]
      Every sequence holds `context` tokens in randomly placed pages. Small
-     shapes rotate among several input sets (unrolled in one jitted call, so
-     neither L2 hits nor dispatch overhead flatter them);
+     shapes rotate among up to 64 input sets (256 MiB of K/V, beyond L2), 8
+     calls unrolled per jitted function, so neither L2 hits nor dispatch
+     overhead flatter them;
   4. sweeps a few configs of our kernel on three shapes (the heuristic's check);
   5. times the ragged (prefill + decode) kernel if it exists.
 
@@ -55,6 +56,7 @@ BATCHES = (1, 8, 64, 256)
 CONTEXTS = (512, 2048, 8192, 32768)
 ROTATION_BYTES = 256 << 20  # rotate inputs until this many K/V bytes (> L2)
 MAX_SETS = 64
+UNROLL = 8  # calls per jitted function when rotating input sets
 
 
 def log(*a):
@@ -77,16 +79,20 @@ def time_call(fn, args, *, runs: int, warmup: int = 2) -> float:
   return statistics.median(times)
 
 
-def rotated(fn, num_sets: int):
-  """One jitted call running `fn` once on each of `num_sets` input sets."""
-  def many(sets):
-    return [fn(*s) for s in sets]
-  return jax.jit(many)
+def time_per_call(fn, sets, *, runs: int, unroll: int = UNROLL) -> float:
+  """Seconds per `fn` call, rotating over `sets` (tuples of arguments).
 
-
-def time_per_call(fn, sets, *, runs: int) -> float:
-  """Seconds per `fn` call, averaged over the input sets of one jitted call."""
-  return time_call(rotated(fn, len(sets)), (sets,), runs=runs) / len(sets)
+  `unroll` calls on distinct sets run inside one jitted function (so dispatch
+  overhead does not dominate microsecond kernels) and the groups of `unroll`
+  sets are dispatched back to back before blocking once.
+  """
+  unroll = min(unroll, len(sets))
+  groups = [tuple(sets[i:i + unroll])
+            for i in range(0, len(sets) - unroll + 1, unroll)]
+  many = jax.jit(lambda group: [fn(*s) for s in group])
+  def run_all():
+    return [many(g) for g in groups]
+  return time_call(run_all, (), runs=runs) / (unroll * len(groups))
 
 
 # --------------------------------------------------------------------------
@@ -128,6 +134,12 @@ def to_dense(pages, block_tables):
   x = pages[:, block_tables]  # [kvh, batch, blocks, bs, hd]
   kvh, batch, blocks, bs, hd = x.shape
   return jnp.transpose(x, (1, 2, 3, 0, 4)).reshape(batch, blocks * bs, kvh, hd)
+
+
+def num_sets_for(nbytes: int) -> int:
+  """Input sets to rotate so that ROTATION_BYTES of K/V are touched."""
+  n = max(1, min(MAX_SETS, math.ceil(ROTATION_BYTES / nbytes)))
+  return n if n <= UNROLL else UNROLL * math.ceil(n / UNROLL)
 
 
 def kv_bytes(batch, context, dtype=DTYPE):
@@ -247,6 +259,43 @@ def correctness(interpret: bool) -> list[dict]:
                           f"{str(e)[:500]}"))
     log(f"  {'PASS' if results[-1]['ok'] else 'FAIL'}  {name}  "
         f"{results[-1].get('max_abs_err', results[-1].get('error'))}")
+  results += ragged_correctness(interpret)
+  return results
+
+
+def ragged_correctness(interpret: bool) -> list[dict]:
+  """The ragged kernel (if present) vs the float32 reference, mixed batch."""
+  try:
+    ragged = importlib.import_module("pallas_kernels.gpu.ragged_attention")
+  except ImportError:
+    return []
+  from paged_jax.reference import ragged_paged_attention_reference  # pylint: disable=g-import-not-at-top
+  from tests.cases import assert_rows_close, make_ragged_case  # pylint: disable=g-import-not-at-top
+  q_lens, kv_lens = (300, 1, 0, 77, 1), (300, 900, 5, 1000, 1)
+  if interpret:
+    q_lens, kv_lens = (9, 1, 0), (9, 30, 2)
+  results = []
+  for dtype, kw in ((jnp.bfloat16, {}),
+                    (jnp.float32, dict(soft_cap=20.0, sliding_window=64))):
+    name = f"ragged {jnp.dtype(dtype).name} q{list(q_lens)} {kw or ''}"
+    try:
+      c = make_ragged_case(
+          np.random.default_rng(1), q_lens=q_lens, kv_lens=kv_lens,
+          num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+          max_blocks_per_seq=64, max_num_seqs=len(q_lens) + 2,
+          num_tokens=sum(q_lens) + 5, dtype=dtype)
+      args = (c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens,
+              c.cu_q_lens, c.num_seqs)
+      out = ragged.ragged_paged_attention(*args, interpret=interpret, **kw)
+      ref = ragged_paged_attention_reference(*args, **kw)
+      err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
+      assert_rows_close(out, ref, dtype)
+      results.append(dict(case=name, ok=True, max_abs_err=err))
+    except Exception as e:  # pylint: disable=broad-except
+      results.append(dict(case=name, ok=False, error=f"{type(e).__name__}: "
+                          f"{str(e)[:500]}"))
+    log(f"  {'PASS' if results[-1]['ok'] else 'FAIL'}  {name}  "
+        f"{results[-1].get('max_abs_err', results[-1].get('error'))}")
   return results
 
 
@@ -267,7 +316,7 @@ def bench_decode(args, copy_gbps: float) -> list[dict]:
         rows.append(row)
         log(f"  b={batch:4d} ctx={context:6d}  skipped ({row['skipped']})")
         continue
-      num_sets = max(1, min(MAX_SETS, math.ceil(ROTATION_BYTES / nbytes)))
+      num_sets = num_sets_for(nbytes)
       if args.smoke:
         num_sets = 2
       row["num_sets"] = num_sets
@@ -324,8 +373,7 @@ def config_sweep(args) -> list[dict]:
   for batch, context in shapes:
     s = make_inputs(jax.random.key(1), batch=batch, context=context)
     nbytes = kv_bytes(batch, context)
-    num_sets = 1 if args.smoke else max(
-        1, min(MAX_SETS, math.ceil(ROTATION_BYTES / nbytes)))
+    num_sets = 1 if args.smoke else num_sets_for(nbytes)
     sets = [s.args()] + [
         make_inputs(jax.random.key(2 + i), batch=batch, context=context).args()
         for i in range(num_sets - 1)]
