@@ -17,7 +17,6 @@ from paged_jax.reference import paged_attention_reference
 from pallas_kernels.gpu import paged_decode as pd
 from pallas_kernels.gpu.paged_decode import PagedDecodeConfig
 from tests.cases import TOLERANCES, assert_rows_close, make_decode_case
-from tests.pallas_kernels.batched_reference import paged_decode_reference
 from tests.pallas_kernels.gpu_lowering import lower_for_cuda, shape_structs
 
 
@@ -86,7 +85,7 @@ def _check_against_reference(p: Params, seed=0):
   out = pd.paged_decode(*_args(c), config=p.config(), interpret=True,
                         **p.kwargs())
   assert out.dtype == c.q.dtype
-  ref = paged_decode_reference(*_args(c), **p.kwargs())
+  ref = paged_attention_reference(*_args(c), **p.kwargs())
   assert_rows_close(out, ref, p.dtype)
   zero = np.asarray(c.kv_lens) == 0
   assert not np.asarray(out, np.float32)[zero].any(), "kv_len == 0 must be 0"
@@ -123,15 +122,6 @@ def test_large_pool_lowers_with_64_bit_offsets():
   lower_for_cuda(pd.paged_decode, *args)
 
 
-@pytest.mark.slow  # checks the test oracle, not the kernel
-def test_batched_reference_is_the_reference():
-  p = Params(jnp.bfloat16, 4, 2, 64, 8, 3, batch=4)
-  c = _case(p, kv_lens=[0, 1, 9, 24])
-  kw = dict(soft_cap=2.0, sliding_window=9, sm_scale=0.2)
-  np.testing.assert_allclose(
-      paged_decode_reference(*_args(c), **kw),
-      paged_attention_reference(*_args(c), **kw), rtol=1e-6, atol=1e-6)
-
 
 def test_all_lengths_zero_gives_zeros():
   p = Params(jnp.float32, 4, 2, 64, 16, 3, 1, 2, batch=3)
@@ -160,7 +150,7 @@ def test_agrees_with_jax_builtin(dtype):
                          interpret=True)
   theirs = _jax_builtin_paged_attention()(
       *args, k_splits=2, pages_per_compute_block=2, interpret=True)
-  ref = paged_decode_reference(*args, sm_scale=1.0)
+  ref = paged_attention_reference(*args, sm_scale=1.0)
   assert_rows_close(ours, ref, dtype)
   assert_rows_close(theirs, ref, dtype)
   tol = {k: 2 * v for k, v in TOLERANCES[jnp.dtype(dtype)].items()}
@@ -183,7 +173,7 @@ def test_vmap_over_layers():
 
   out = per_layer(True)(qs, k_pages, v_pages, c0.block_tables, c0.kv_lens)
   for i in range(2):
-    ref = paged_decode_reference(qs[i], k_pages[i], v_pages[i],
+    ref = paged_attention_reference(qs[i], k_pages[i], v_pages[i],
                                  c0.block_tables, c0.kv_lens)
     assert_rows_close(out[i], ref, p.dtype)
   lower_for_cuda(per_layer(False), *shape_structs(
@@ -218,7 +208,7 @@ def test_decode_step_with_donated_cache_traces_once():
         (p.batch, p.num_kv_heads, p.head_dim)), jnp.float32) for _ in range(2))
     k_pages, v_pages, out = step(c.k_pages, c.v_pages, c.q, new_k,
                                  new_v, c.block_tables, c.kv_lens)
-    ref = paged_decode_reference(c.q, k_pages, v_pages, c.block_tables,
+    ref = paged_attention_reference(c.q, k_pages, v_pages, c.block_tables,
                                  c.kv_lens)
     assert_rows_close(out, ref, p.dtype)
 
