@@ -1,1 +1,34 @@
-"""paged-jax: a paged KV cache for serving language models in JAX."""
+"""paged-jax: a paged KV cache for serving language models in JAX.
+
+Public API:
+  * block manager (`paged_jax.block_manager`): `BlockState`, `Reservation`,
+    `init`, `reserve`, `release`, `fork`, `slot_mapping`, `gather_tables`,
+    `check_invariants`, `usage`, `NULL_BLOCK`;
+  * KV cache (`paged_jax.kv_cache`): `KVCache`, `write_kv`, `copy_blocks`,
+    `gather_kv`;
+  * attention (`paged_jax.attention`): `paged_attention`;
+  * reference (`paged_jax.reference`): float32 oracles.
+"""
+
+from paged_jax import block_manager
+from paged_jax import kv_cache
+from paged_jax import reference
+from paged_jax.attention import IMPLEMENTATIONS
+from paged_jax.attention import paged_attention
+from paged_jax.block_manager import BlockState
+from paged_jax.block_manager import NULL_BLOCK
+from paged_jax.block_manager import Reservation
+from paged_jax.kv_cache import KVCache
+
+__all__ = [
+    "BlockState",
+    "IMPLEMENTATIONS",
+    "KVCache",
+    "NULL_BLOCK",
+    "Reservation",
+    "block_manager",
+    "kv_cache",
+    "paged_attention",
+    "reference",
+]
+__version__ = "0.1.0"

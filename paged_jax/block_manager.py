@@ -1,4 +1,454 @@
-"""Pure-functional block manager (work in progress)."""
+"""Pure-functional block manager: allocation, release, fork and copy-on-write.
 
-# Unused block-table entries hold this value. No attention backend reads them.
+The whole state is one pytree (`BlockState`); every operation is a pure,
+jittable function `state -> (new state, result)`. Nothing leaves the device:
+allocation, reference counting and copy-on-write decisions run inside
+`jax.jit` with no host round trip, and only array values change between calls,
+so a jitted step compiles once.
+
+Layout of the state:
+
+* `block_tables` `i32[max_seqs, max_blocks_per_seq]`: logical block `j` of
+  sequence slot `s` lives in physical block `block_tables[s, j]`. Entries past
+  the sequence's last block hold `NULL_BLOCK` (-1); an empty slot's row is all
+  `NULL_BLOCK`. Attention backends never read `NULL_BLOCK` entries.
+* `seq_lens` `i32[max_seqs]`: token slots reserved per sequence slot. A slot with
+  `seq_lens == 0` is empty (not live).
+* `refcounts` `i32[num_blocks]`: how many block-table entries point at each block.
+* `free_stack` `i32[num_blocks]`, `num_free` `i32[]`: `free_stack[:num_free]`
+  are the free blocks; allocation pops from the top, release pushes.
+
+Operations serve the sequences of a batch in the order given (a `lax.scan`
+over the batch), so repeated ids and siblings that share a block behave exactly
+as if the calls were made one at a time. Each step touches one table row and
+at most `max_blocks_per_seq` blocks: the cost is O(batch x max_blocks_per_seq),
+independent of `num_blocks`. Jit the caller with the state donated
+(`donate_argnums`) so the pool-sized arrays are updated in place.
+
+Failure is a value: every operation returns an `ok` mask, and a failed request
+leaves its part of the state exactly as it was. Out-of-range ids, negative or
+oversized requests, forking onto a live slot and releasing an empty slot all
+come back as `ok == False`; nothing a caller passes can corrupt the pool.
+Static mistakes (wrong shapes or dtypes, bad sizes) raise `ValueError`.
+
+Example:
+  >>> state = init(num_blocks=8, block_size=4, max_seqs=2, max_blocks_per_seq=4)
+  >>> state, res = reserve(state, jnp.array([0]), jnp.array([6]))  # 2 blocks
+  >>> bool(res.ok[0]), int(state.num_free)
+  (True, 6)
+  >>> state, ok = fork(state, jnp.array([0]), jnp.array([1]))      # shares both
+  >>> state, res = reserve(state, jnp.array([1]), jnp.array([1]))  # copy-on-write
+  >>> int(res.copy_src[0]), int(res.copy_dst[0])
+  (1, 2)
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Unused block-table entries, and "no copy" in copy-on-write pairs.
 NULL_BLOCK = -1
+
+
+@flax.struct.dataclass
+class BlockState:
+  """The block manager's whole state (a pytree; sizes are static).
+
+  Attributes:
+    block_tables: `i32[max_seqs, max_blocks_per_seq]`, `NULL_BLOCK` where unused.
+    seq_lens: `i32[max_seqs]` token slots reserved per sequence slot.
+    refcounts: `i32[num_blocks]` number of table entries referencing each block.
+    free_stack: `i32[num_blocks]`; `free_stack[:num_free]` are the free blocks.
+    num_free: `i32[]` number of free blocks.
+    block_size: tokens per block (static).
+  """
+
+  block_tables: jax.Array
+  seq_lens: jax.Array
+  refcounts: jax.Array
+  free_stack: jax.Array
+  num_free: jax.Array
+  block_size: int = flax.struct.field(pytree_node=False)
+
+  @property
+  def num_blocks(self) -> int:
+    return self.refcounts.shape[0]
+
+  @property
+  def max_seqs(self) -> int:
+    return self.block_tables.shape[0]
+
+  @property
+  def max_blocks_per_seq(self) -> int:
+    return self.block_tables.shape[1]
+
+  @property
+  def max_seq_len(self) -> int:
+    """Largest number of tokens one sequence can hold."""
+    return self.max_blocks_per_seq * self.block_size
+
+  @property
+  def num_used(self) -> jax.Array:
+    """`i32[]` blocks currently referenced by at least one sequence."""
+    return self.num_blocks - self.num_free
+
+
+@flax.struct.dataclass
+class Reservation:
+  """Result of `reserve`, one entry per requested sequence.
+
+  Attributes:
+    ok: `bool[n]` whether the sequence got all the slots it asked for.
+    copy_src: `i32[n]` copy-on-write source block, `NULL_BLOCK` if none.
+    copy_dst: `i32[n]` copy-on-write destination block, `NULL_BLOCK` if none.
+  """
+
+  ok: jax.Array
+  copy_src: jax.Array
+  copy_dst: jax.Array
+
+
+def _check_positive_int(name: str, value) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise ValueError(f"{name} must be a positive int, got {value!r}")
+  if value <= 0:
+    raise ValueError(f"{name} must be a positive int, got {name}={value}")
+  return int(value)
+
+
+def init(num_blocks: int, block_size: int, max_seqs: int,
+         max_blocks_per_seq: int) -> BlockState:
+  """An empty pool: every block free, every sequence slot empty.
+
+  Args:
+    num_blocks: physical blocks in the pool.
+    block_size: tokens per block.
+    max_seqs: sequence slots (rows of the block table).
+    max_blocks_per_seq: block-table width; a sequence holds at most
+      `max_blocks_per_seq * block_size` tokens.
+
+  Returns:
+    A `BlockState`. Blocks are handed out lowest id first from a fresh pool.
+
+  Raises:
+    ValueError: if a size is not a positive int.
+  """
+  num_blocks = _check_positive_int("num_blocks", num_blocks)
+  block_size = _check_positive_int("block_size", block_size)
+  max_seqs = _check_positive_int("max_seqs", max_seqs)
+  max_blocks_per_seq = _check_positive_int("max_blocks_per_seq",
+                                           max_blocks_per_seq)
+  return BlockState(
+      block_tables=jnp.full((max_seqs, max_blocks_per_seq), NULL_BLOCK,
+                            jnp.int32),
+      seq_lens=jnp.zeros((max_seqs,), jnp.int32),
+      refcounts=jnp.zeros((num_blocks,), jnp.int32),
+      free_stack=jnp.arange(num_blocks - 1, -1, -1, dtype=jnp.int32),
+      num_free=jnp.asarray(num_blocks, jnp.int32),
+      block_size=block_size,
+  )
+
+
+def _as_ids(name: str, x) -> jax.Array:
+  x = jnp.asarray(x)
+  if x.ndim != 1:
+    raise ValueError(f"{name} must be a 1-D integer array, got shape {x.shape}")
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"{name} must have an integer dtype, got {x.dtype}")
+  return x.astype(jnp.int32)
+
+
+def _same_length(a_name, a, b_name, b):
+  if a.shape != b.shape:
+    raise ValueError(f"{a_name} and {b_name} must have the same shape, got "
+                     f"{a_name}.shape={a.shape} and {b_name}.shape={b.shape}")
+
+
+def _cdiv(a, b):
+  return (a + b - 1) // b
+
+
+def _scatter_add(x: jax.Array, idx: jax.Array, mask: jax.Array, val: int):
+  """`x[idx] += val` where `mask`, in place when `x` is donated."""
+  return x.at[jnp.where(mask, idx, x.shape[0])].add(val, mode="drop")
+
+
+def reserve(state: BlockState, seq_ids, num_new_tokens
+            ) -> tuple[BlockState, Reservation]:
+  """Grows each listed sequence by `num_new_tokens` token slots.
+
+  Sequences are served in the order given. A sequence crossing a block
+  boundary takes new blocks from the pool; it either gets everything it asked
+  for or is left exactly as it was (`ok`). Reserving on an empty slot starts a
+  new sequence there.
+
+  Copy-on-write: a sequence that grows into a partially filled last block
+  whose refcount is > 1 (shared after `fork`) gets a fresh block for it, and
+  the pair (`copy_src`, `copy_dst`) tells the caller to copy that block's K/V
+  (`kv_cache.copy_blocks`) before writing. Full shared blocks are never copied.
+
+  Args:
+    state: the block state.
+    seq_ids: `i32[n]` sequence slots. Ids outside `[0, max_seqs)` fail.
+    num_new_tokens: `i32[n]` slots to add; negative requests fail, and so do
+      requests past `max_blocks_per_seq * block_size` tokens.
+
+  Returns:
+    `(new_state, Reservation)`.
+
+  Raises:
+    ValueError: if the arguments are not 1-D integer arrays of equal length.
+  """
+  seq_ids = _as_ids("seq_ids", seq_ids)
+  num_new_tokens = _as_ids("num_new_tokens", num_new_tokens)
+  _same_length("seq_ids", seq_ids, "num_new_tokens", num_new_tokens)
+  bs = state.block_size
+  num_blocks, max_seqs, width = (state.num_blocks, state.max_seqs,
+                                 state.max_blocks_per_seq)
+  cols = jnp.arange(width, dtype=jnp.int32)
+
+  def step(carry, x):
+    tables, lens, refs, stack, num_free = carry
+    sid, n = x
+    valid_id = (sid >= 0) & (sid < max_seqs)
+    sid = jnp.clip(sid, 0, max_seqs - 1)
+    old_len = lens[sid]
+    row = tables[sid]
+    new_len = old_len + n
+    cur_blocks = _cdiv(old_len, bs)
+    new_blocks = _cdiv(new_len, bs)
+    last = row[jnp.maximum(cur_blocks - 1, 0)]
+    cow = ((n > 0) & (old_len % bs != 0)
+           & (refs[jnp.clip(last, 0, num_blocks - 1)] > 1))
+    need = new_blocks - cur_blocks + cow.astype(jnp.int32)
+    ok = (valid_id & (n >= 0) & (new_len <= width * bs) & (need <= num_free))
+    first = cur_blocks - cow.astype(jnp.int32)  # first table column to fill
+    k = cols - first
+    taking = ok & (k >= 0) & (k < need)
+    new_ids = stack[jnp.clip(num_free - 1 - k, 0, num_blocks - 1)]
+    new_row = jnp.where(taking, new_ids, row)
+    refs = _scatter_add(refs, new_ids, taking, 1)
+    do_copy = ok & cow
+    refs = _scatter_add(refs, last[None], do_copy[None], -1)
+    tables = tables.at[sid].set(new_row)
+    lens = lens.at[sid].set(jnp.where(ok, new_len, old_len))
+    num_free = num_free - jnp.where(ok, need, 0)
+    copy_src = jnp.where(do_copy, last, NULL_BLOCK)
+    copy_dst = jnp.where(do_copy, new_row[jnp.maximum(first, 0)], NULL_BLOCK)
+    return (tables, lens, refs, stack, num_free), (ok, copy_src, copy_dst)
+
+  carry = (state.block_tables, state.seq_lens, state.refcounts,
+           state.free_stack, state.num_free)
+  carry, (ok, src, dst) = jax.lax.scan(step, carry, (seq_ids, num_new_tokens))
+  tables, lens, refs, stack, num_free = carry
+  new_state = state.replace(block_tables=tables, seq_lens=lens, refcounts=refs,
+                            free_stack=stack, num_free=num_free)
+  return new_state, Reservation(ok=ok, copy_src=src, copy_dst=dst)
+
+
+def release(state: BlockState, seq_ids) -> tuple[BlockState, jax.Array]:
+  """Drops the listed sequences; their blocks lose one reference each.
+
+  A block returns to the pool when its refcount reaches zero; blocks still
+  shared with other sequences stay.
+
+  Args:
+    state: the block state.
+    seq_ids: `i32[n]` sequence slots to free.
+
+  Returns:
+    `(new_state, ok)`; `ok` is `bool[n]`, False for out-of-range ids and
+    empty slots (including a slot released earlier in the same call).
+
+  Raises:
+    ValueError: if `seq_ids` is not a 1-D integer array.
+  """
+  seq_ids = _as_ids("seq_ids", seq_ids)
+  bs = state.block_size
+  num_blocks, max_seqs, width = (state.num_blocks, state.max_seqs,
+                                 state.max_blocks_per_seq)
+  cols = jnp.arange(width, dtype=jnp.int32)
+
+  def step(carry, sid):
+    tables, lens, refs, stack, num_free = carry
+    valid_id = (sid >= 0) & (sid < max_seqs)
+    sid = jnp.clip(sid, 0, max_seqs - 1)
+    length = lens[sid]
+    ok = valid_id & (length > 0)
+    row = tables[sid]
+    owned = ok & (cols < _cdiv(length, bs))
+    refs = _scatter_add(refs, row, owned, -1)
+    freed = owned & (refs[jnp.clip(row, 0, num_blocks - 1)] == 0)
+    pos = num_free + jnp.cumsum(freed.astype(jnp.int32)) - 1
+    stack = stack.at[jnp.where(freed, pos, num_blocks)].set(row, mode="drop")
+    num_free = num_free + jnp.sum(freed, dtype=jnp.int32)
+    tables = tables.at[sid].set(jnp.where(ok, NULL_BLOCK, row))
+    lens = lens.at[sid].set(jnp.where(ok, 0, length))
+    return (tables, lens, refs, stack, num_free), ok
+
+  carry = (state.block_tables, state.seq_lens, state.refcounts,
+           state.free_stack, state.num_free)
+  carry, ok = jax.lax.scan(step, carry, seq_ids)
+  tables, lens, refs, stack, num_free = carry
+  return state.replace(block_tables=tables, seq_lens=lens, refcounts=refs,
+                       free_stack=stack, num_free=num_free), ok
+
+
+def fork(state: BlockState, parent_ids, child_ids
+         ) -> tuple[BlockState, jax.Array]:
+  """Makes each child share every block of its parent (refcounts go up).
+
+  For parallel sampling, beam search and shared prompts. The child gets the
+  parent's length; the first time either grows into the shared partial last
+  block, `reserve` copies it (copy-on-write).
+
+  Args:
+    state: the block state.
+    parent_ids: `i32[n]` live sequence slots to fork from.
+    child_ids: `i32[n]` empty sequence slots to fork into.
+
+  Returns:
+    `(new_state, ok)`; `ok` is `bool[n]`, False when an id is out of range, the
+    parent is empty, the child is live (or the parent itself).
+
+  Raises:
+    ValueError: if the arguments are not 1-D integer arrays of equal length.
+  """
+  parent_ids = _as_ids("parent_ids", parent_ids)
+  child_ids = _as_ids("child_ids", child_ids)
+  _same_length("parent_ids", parent_ids, "child_ids", child_ids)
+  bs = state.block_size
+  max_seqs, width = state.max_seqs, state.max_blocks_per_seq
+  cols = jnp.arange(width, dtype=jnp.int32)
+
+  def step(carry, x):
+    tables, lens, refs = carry
+    pid, cid = x
+    valid = (pid >= 0) & (pid < max_seqs) & (cid >= 0) & (cid < max_seqs)
+    pid = jnp.clip(pid, 0, max_seqs - 1)
+    cid = jnp.clip(cid, 0, max_seqs - 1)
+    length = lens[pid]
+    ok = valid & (length > 0) & (lens[cid] == 0) & (pid != cid)
+    row = tables[pid]
+    refs = _scatter_add(refs, row, ok & (cols < _cdiv(length, bs)), 1)
+    tables = tables.at[cid].set(jnp.where(ok, row, tables[cid]))
+    lens = lens.at[cid].set(jnp.where(ok, length, lens[cid]))
+    return (tables, lens, refs), ok
+
+  carry = (state.block_tables, state.seq_lens, state.refcounts)
+  (tables, lens, refs), ok = jax.lax.scan(step, carry, (parent_ids, child_ids))
+  return state.replace(block_tables=tables, seq_lens=lens, refcounts=refs), ok
+
+
+def slot_mapping(state: BlockState, seq_ids, positions) -> jax.Array:
+  """Flat cache slots (`block * block_size + offset`) for writing new tokens.
+
+  Writes into shared blocks are impossible by construction: a position whose
+  block has refcount > 1 maps to -1, and so does a position outside
+  `[0, seq_lens[seq])` or an out-of-range id. `kv_cache.write_kv` drops -1
+  slots. After `reserve` (and its copy-on-write), every newly reserved
+  position maps to an exclusively owned block.
+
+  Args:
+    state: the block state.
+    seq_ids: `i32[T]` sequence slot of each token.
+    positions: `i32[T]` token position within its sequence.
+
+  Returns:
+    `i32[T]` flat slots, -1 where the token must not be written.
+
+  Raises:
+    ValueError: if the arguments are not 1-D integer arrays of equal length.
+  """
+  seq_ids = _as_ids("seq_ids", seq_ids)
+  positions = _as_ids("positions", positions)
+  _same_length("seq_ids", seq_ids, "positions", positions)
+  bs = state.block_size
+  valid = (seq_ids >= 0) & (seq_ids < state.max_seqs)
+  sid = jnp.clip(seq_ids, 0, state.max_seqs - 1)
+  valid &= (positions >= 0) & (positions < state.seq_lens[sid])
+  col = jnp.clip(positions // bs, 0, state.max_blocks_per_seq - 1)
+  block = state.block_tables[sid, col]
+  valid &= state.refcounts[jnp.clip(block, 0, state.num_blocks - 1)] == 1
+  return jnp.where(valid, block * bs + positions % bs, -1)
+
+
+def gather_tables(state: BlockState, seq_ids) -> tuple[jax.Array, jax.Array]:
+  """Block tables and lengths of `seq_ids`, in the form attention takes.
+
+  Args:
+    state: the block state.
+    seq_ids: `i32[n]`; out-of-range ids (e.g. -1 for padding) give an all-
+      `NULL_BLOCK` row and length 0.
+
+  Returns:
+    `(block_tables i32[n, max_blocks_per_seq], kv_lens i32[n])`.
+  """
+  seq_ids = _as_ids("seq_ids", seq_ids)
+  valid = (seq_ids >= 0) & (seq_ids < state.max_seqs)
+  sid = jnp.clip(seq_ids, 0, state.max_seqs - 1)
+  tables = jnp.where(valid[:, None], state.block_tables[sid], NULL_BLOCK)
+  lens = jnp.where(valid, state.seq_lens[sid], 0)
+  return tables, lens
+
+
+def usage(state: BlockState) -> dict:
+  """Host-side usage figures for monitoring.
+
+  Returns:
+    `{"blocks_used", "blocks_total", "fraction", "live_seqs", "tokens"}`, where
+    `fraction` is `blocks_used / blocks_total`.
+  """
+  used = int(state.num_used)
+  return {
+      "blocks_used": used,
+      "blocks_total": state.num_blocks,
+      "fraction": used / state.num_blocks,
+      "live_seqs": int(jnp.sum(state.seq_lens > 0)),
+      "tokens": int(jnp.sum(state.seq_lens)),
+  }
+
+
+def check_invariants(state: BlockState) -> None:
+  """Checks the pool's bookkeeping on the host (tests and debugging).
+
+  Checked: every block is either free or referenced, never both; refcounts
+  equal the number of table references; free + used = `num_blocks`; no block
+  appears twice in one row or twice in the free list; each row holds exactly
+  `ceil(seq_len / block_size)` blocks followed by `NULL_BLOCK`; lengths lie
+  within the table's capacity.
+
+  Raises:
+    AssertionError: naming the broken invariant.
+  """
+  tables = np.asarray(state.block_tables)
+  lens = np.asarray(state.seq_lens)
+  refs = np.asarray(state.refcounts)
+  num_free = int(state.num_free)
+  free = np.asarray(state.free_stack)[:num_free]
+  n, bs = state.num_blocks, state.block_size
+  assert 0 <= num_free <= n, f"num_free={num_free} outside [0, {n}]"
+  assert np.all((lens >= 0) & (lens <= state.max_seq_len)), (
+      f"seq_lens outside [0, {state.max_seq_len}]: {lens}")
+  need = -(-lens // bs)
+  counts = np.zeros(n, np.int64)
+  for s, row in enumerate(tables):
+    used, rest = row[:need[s]], row[need[s]:]
+    assert np.all(rest == NULL_BLOCK), (
+        f"slot {s}: entries past its {need[s]} blocks are not NULL_BLOCK: {row}")
+    assert np.all((used >= 0) & (used < n)), f"slot {s}: bad block ids {used}"
+    assert len(set(used.tolist())) == len(used), f"slot {s}: repeated block {used}"
+    np.add.at(counts, used, 1)
+  assert np.array_equal(counts, refs), (
+      f"refcounts != table references at blocks "
+      f"{np.nonzero(counts != refs)[0].tolist()}")
+  assert len(set(free.tolist())) == num_free, "a block is twice in the free list"
+  assert np.all((free >= 0) & (free < n)), f"bad ids in the free list: {free}"
+  assert np.all(refs[free] == 0), (
+      f"blocks both free and referenced: {free[refs[free] != 0].tolist()}")
+  used_blocks = int(np.sum(refs > 0))
+  assert used_blocks + num_free == n, (
+      f"free ({num_free}) + used ({used_blocks}) != num_blocks ({n})")

@@ -1,0 +1,113 @@
+"""The XLA attention path: what CPU users get, and the fallback everywhere.
+
+It never materialises a gathered copy of the whole cache: it walks the block
+tables a few pages at a time (`pages_per_step`), gathers only those pages,
+and folds them into a float32 online softmax. The loop stops after the
+longest sequence's last block (a `fori_loop` with a traced trip count), and
+starts at the first block inside the sliding window when there is one.
+
+Masking uses `where` throughout, so stale or NaN contents past `kv_len` (and
+`NULL_BLOCK` table entries, which are clamped, then masked) never reach the
+output.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def _cdiv(a, b):
+  return (a + b - 1) // b
+
+
+def default_pages_per_step(block_size: int, max_blocks_per_seq: int) -> int:
+  """About 256 tokens per step, at most the whole table."""
+  return max(1, min(max_blocks_per_seq, 256 // block_size))
+
+
+def _online_softmax_step(carry, s, v, valid):
+  """One online-softmax update.
+
+  s: f32[..., t] scores; v: [..., t, head_dim] (broadcastable); valid: bool[..., t].
+  carry: (m f32[...], l f32[...], acc f32[..., head_dim]).
+  """
+  m, l, acc = carry
+  s = jnp.where(valid, s, -jnp.inf)
+  m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+  m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+  p = jnp.where(valid, jnp.exp(s - m_safe[..., None]), 0.0)
+  alpha = jnp.exp(m - m_safe)  # m == -inf -> 0
+  l = l * alpha + jnp.sum(p, axis=-1)
+  acc = acc * alpha[..., None] + v(p)
+  return m_new, l, acc
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap",
+                                             "sliding_window", "pages_per_step"))
+def paged_decode_xla(
+    q: jax.Array,  # [batch, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    block_tables: jax.Array,  # i32[batch, max_blocks_per_seq]
+    kv_lens: jax.Array,  # i32[batch]
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    pages_per_step: int | None = None,
+) -> jax.Array:
+  """Decode attention through block tables in plain XLA.
+
+  Arguments as `paged_jax.attention.paged_attention`, with `sm_scale`
+  resolved. Returns `[batch, num_q_heads, head_dim]` in `q.dtype`.
+  """
+  batch, num_q_heads, head_dim = q.shape
+  num_kv_heads, num_blocks, block_size, _ = k_pages.shape
+  width = block_tables.shape[1]
+  group = num_q_heads // num_kv_heads
+  pps = pages_per_step or default_pages_per_step(block_size, width)
+  steps = _cdiv(width, pps)
+  tables = jnp.pad(block_tables, ((0, 0), (0, steps * pps - width)))
+  tables = jnp.clip(tables, 0, num_blocks - 1)
+  tokens = pps * block_size
+  qg = q.reshape(batch, num_kv_heads, group, head_dim)
+  kv_lens = kv_lens.astype(jnp.int32)
+  offs = jnp.arange(tokens, dtype=jnp.int32)
+
+  def body(i, carry):
+    ids = jax.lax.dynamic_slice_in_dim(tables, i * pps, pps, axis=1)  # [b, pps]
+    k = k_pages[:, ids].reshape(num_kv_heads, batch, tokens, head_dim)
+    v = v_pages[:, ids].reshape(num_kv_heads, batch, tokens, head_dim)
+    pos = i * tokens + offs  # [tokens]
+    valid = pos[None, :] < kv_lens[:, None]  # [b, tokens]
+    if sliding_window is not None:
+      valid &= pos[None, :] >= kv_lens[:, None] - sliding_window
+    valid = valid[:, None, None, :]  # [b, 1, 1, tokens]
+    s = jnp.einsum("bhgd,hbtd->bhgt", qg, k,
+                   preferred_element_type=jnp.float32) * sm_scale
+    if soft_cap is not None:
+      s = soft_cap * jnp.tanh(s / soft_cap)
+    v = jnp.where(valid[:, :, 0, :, None].transpose(1, 0, 2, 3), v, 0)
+
+    def pv(p):
+      return jnp.einsum("bhgt,hbtd->bhgd", p.astype(v.dtype), v,
+                        preferred_element_type=jnp.float32)
+
+    return _online_softmax_step(carry, s, pv, valid)
+
+  init = (jnp.full((batch, num_kv_heads, group), -jnp.inf, jnp.float32),
+          jnp.zeros((batch, num_kv_heads, group), jnp.float32),
+          jnp.zeros((batch, num_kv_heads, group, head_dim), jnp.float32))
+  hi = _cdiv(jnp.max(kv_lens, initial=0), tokens)
+  lo = 0
+  if sliding_window is not None:
+    live = kv_lens > 0
+    first = jnp.where(live, jnp.maximum(kv_lens - sliding_window, 0), 2**30)
+    lo = jnp.minimum(jnp.min(first, initial=2**30) // tokens, hi)
+  _, l, acc = jax.lax.fori_loop(lo, hi, body, init)
+  out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None],
+                  0.0)
+  return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
