@@ -16,6 +16,8 @@ and every implementation that serves the call (xla, pallas_gpu):
 from __future__ import annotations
 
 import functools
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +30,7 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 GOAL = 1.10  # time / best for block sizes 8..64
 SHAPES = {
     # batch, query heads, KV heads, head_dim, mean kv_len (lengths vary +-50%).
-    "cpu": dict(batch=16, num_q_heads=32, num_kv_heads=8, head_dim=128,
+    "cpu": dict(batch=8, num_q_heads=32, num_kv_heads=8, head_dim=128,
                 mean_kv_len=1024, dtype="float32"),
     "quick": dict(batch=4, num_q_heads=8, num_kv_heads=2, head_dim=64,
                   mean_kv_len=256, dtype="float32"),
@@ -64,24 +66,34 @@ def make_inputs(shape: dict, block_size: int, seed: int = 0):
 
 
 def time_block_sizes(shape: dict, implementation: str, *, repeats: int) -> dict:
+  """Median time per block size, timed in interleaved rounds.
+
+  Each round calls every block size once, so load that comes and goes on a
+  shared machine lands on all of them alike.
+  """
   fn = jax.jit(functools.partial(attention.paged_attention,
                                  implementation=implementation))
-  out, ref = {}, None
+  inputs, ref = {}, None
   for bs in BLOCK_SIZES:
-    args = make_inputs(shape, bs)
+    inputs[bs] = make_inputs(shape, bs)
     try:
-      result = jax.block_until_ready(fn(*args))
+      result = np.asarray(jax.block_until_ready(fn(*inputs[bs])), np.float32)
     except ValueError as e:  # this implementation cannot serve the call
       return {"error": str(e)}
     # Every layout holds the same sequences: the outputs must agree.
-    if ref is None:
-      ref = np.asarray(result, np.float32)
-    else:
-      np.testing.assert_allclose(np.asarray(result, np.float32), ref,
-                                 atol=2e-2, rtol=2e-2)
-    out[str(bs)] = common.time_calls(lambda: jax.block_until_ready(fn(*args)),
-                                     repeats=repeats)
-    del args
+    ref = result if ref is None else ref
+    np.testing.assert_allclose(result, ref, atol=2e-2, rtol=2e-2)
+  times = {bs: [] for bs in BLOCK_SIZES}
+  for _ in range(repeats + 1):  # the first round warms up
+    for bs in BLOCK_SIZES:
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*inputs[bs]))
+      times[bs].append(time.perf_counter() - t0)
+  out = {}
+  for bs, t in times.items():
+    q = statistics.quantiles(t[1:], n=4)
+    out[str(bs)] = {"median_s": statistics.median(t[1:]), "min_s": min(t[1:]),
+                    "p25_s": q[0], "p75_s": q[2], "repeats": repeats}
   best = min(t["median_s"] for t in out.values())
   for t in out.values():
     t["relative"] = t["median_s"] / best
@@ -120,7 +132,7 @@ def run(quick: bool = False, out=common.RESULTS_DIR, gpu: bool = False) -> dict:
   impls = ("xla", "pallas_gpu") if gpu else ("xla",)
   results = {}
   for impl in impls:
-    results[impl] = time_block_sizes(shape, impl, repeats=3 if quick else 20)
+    results[impl] = time_block_sizes(shape, impl, repeats=3 if quick else 30)
     res = results[impl]
     if "error" in res:
       print(f"  {impl}: not run ({res['error']})")

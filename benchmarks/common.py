@@ -43,6 +43,7 @@ def machine() -> dict:
       "cpu_count": os.cpu_count(),
       "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
       "devices": [str(d) for d in jax.devices()],
+      "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
       "python": platform.python_version(),
       "jax": jax.__version__,
       "jaxlib": jaxlib.__version__,

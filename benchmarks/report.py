@@ -145,6 +145,8 @@ def _block_size(d: dict, title: str) -> list[str]:
         "|---|" + "---:|" * len(bss),
         "| time / best | " + " | ".join(f"{res['times'][b]['relative']:.3f}" for b in bss) + " |",
         "| median ms | " + " | ".join(f"{1e3 * res['times'][b]['median_s']:.2f}" for b in bss) + " |",
+        "| p25-p75 ms | " + " | ".join(f"{1e3 * res['times'][b]['p25_s']:.0f}-"
+                                        f"{1e3 * res['times'][b]['p75_s']:.0f}" for b in bss) + " |",
         "",
     ]
   lines += [f"![block size](results/{'block_size_gpu' if 'GPU' in title else 'block_size'}.png)", ""]
@@ -165,7 +167,8 @@ def write(out: pathlib.Path = common.RESULTS_DIR, *, wall_s: dict | None = None,
       "",
       f"- Machine: {m['cpu']}, {m['affinity'] or m['cpu_count']} CPU cores visible, "
       f"devices {', '.join(m['devices'])} (no accelerator unless listed)",
-      f"- Date: {m['date']}",
+      f"- Date: {m['date']}; load average {m.get('load_average_1m', 0):.1f} when "
+      "the last benchmark finished (the 2 cores are shared, so timings are noisy)",
       f"- Versions: Python {m['python']}, jax {m['jax']}, jaxlib {m['jaxlib']}, "
       f"numpy {m['numpy']}",
   ]

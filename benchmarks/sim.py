@@ -54,6 +54,7 @@ class SimResult:
     host_s: wall time of the whole simulation (host + device calls).
     manager_s: of which in block-manager calls (paged only; includes the
       transfer of their results and per-step state statistics).
+    step_s: f64[steps] wall time of each step (paged only).
   """
   running: np.ndarray
   tokens: np.ndarray
@@ -63,6 +64,7 @@ class SimResult:
   preemptions: int = 0
   host_s: float = 0.0
   manager_s: float = 0.0
+  step_s: np.ndarray | None = None
 
   @property
   def steps(self) -> int:
@@ -219,6 +221,7 @@ def simulate_paged(trace: Trace, *, block_size: int, num_blocks: int,
   while next_arrival < len(trace) or waiting or (req_of >= 0).any():
     if max_steps is not None and step >= max_steps:
       break
+    step_start = time.perf_counter()
     while next_arrival < len(trace) and arrive[next_arrival] <= step:
       waiting.append(next_arrival)
       next_arrival += 1
@@ -291,6 +294,7 @@ def simulate_paged(trace: Trace, *, block_size: int, num_blocks: int,
     rec["tokens"].append(int(length.sum()))
     rec["slots"].append((num_blocks - num_free) * bs)
     rec["waiting"].append(len(waiting))
+    rec["step_s"].append(time.perf_counter() - step_start)
     step += 1
   host_s = time.perf_counter() - t0
   if max_steps is None:
@@ -302,7 +306,7 @@ def simulate_paged(trace: Trace, *, block_size: int, num_blocks: int,
       slots=np.asarray(rec["slots"], np.int64),
       waiting=np.asarray(rec["waiting"], np.int64),
       finished=finished, preemptions=preemptions, host_s=host_s,
-      manager_s=manager_s)
+      manager_s=manager_s, step_s=np.asarray(rec["step_s"]))
 
 
 # ----------------------------------------------------------------------------
