@@ -86,7 +86,7 @@ def _host(d: dict) -> list[str]:
       "## 4. Host overhead",
       "",
       f"(a) Block-manager op cost, {d['batch']} sequences per call, block_size "
-      f"{d['block_size']}, jitted with the state donated, median of up to 100 calls:",
+      f"{d['block_size']}, jitted with the state donated, median of 200 calls (pool sizes interleaved):",
       "",
       "| num_blocks | reserve (ms) | release (ms) |",
       "|---:|---:|---:|",

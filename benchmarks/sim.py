@@ -5,23 +5,23 @@ One step is one decode iteration of a continuous-batching engine:
   1. finished sequences are released;
   2. arrived requests are admitted first-come first-served while memory allows
      (a request's prompt is reserved; its first decode happens next step);
-  3. every running sequence that was already running grows by one token slot
-     (the token this step generates). If the pool runs dry, the most recently
-     admitted sequences are preempted (released and requeued at the front,
-     to be re-admitted with prompt + tokens generated so far: vLLM's
-     recompute preemption) until the rest fit;
+  3. every sequence that was already running gains one token (the one this
+     step generates), taking a new block first if its last block is full. If
+     the pool runs dry, the most recently admitted sequences are preempted
+     (released and requeued at the front, to be re-admitted with prompt +
+     tokens generated so far: vLLM's recompute preemption) until the rest fit;
   4. the step is measured: sequences running, token slots holding tokens,
      token slots allocated.
 
-A request holds prompt + output token slots when it finishes. Compute is not
+A request holds prompt + output tokens when it finishes. Compute is not
 modelled: a step is `step_s` seconds of arrival time, whatever the batch.
 
 `simulate_paged` runs through the real block manager (`paged_jax.block_manager`
 reserve/release, jitted with the state donated, one vectorised call per step
 for the sequences that need a block), and reads allocated slots back from the
-block state. `simulate_contiguous` is the baseline: each admitted sequence holds a
-fixed contiguous reservation (max_model_len, or its exact final length) for
-its whole life, so it never grows and is never preempted.
+block state. `simulate_contiguous` is the baseline: each admitted sequence
+holds a fixed contiguous reservation (max_model_len, or its exact final
+length) for its whole life, so it never grows and is never preempted.
 """
 
 from __future__ import annotations
@@ -148,10 +148,11 @@ def simulate_paged(trace: Trace, *, block_size: int, num_blocks: int,
   prompt reserves `ceil(prompt / block_size)` blocks, and a sequence whose
   tokens fill its last block reserves one more block's worth of slots when it
   generates its next token. Only those sequences go to `reserve` in a step
-  (in one call, padded to 16, 32, 64, ... or max_seqs); the others already own the slot
-  their token goes into. Tokens are counted on the host; allocated slots come
-  from the block state (`num_free`), and the host checks each step that the
-  manager's reserved slots equal the block-rounded token counts.
+  (in one call, padded to 16, 32, 64, ... or max_seqs ids); the others
+  already own the slot their token goes into. Tokens are counted on the host;
+  allocated slots come from the block state (`num_free`), and every step the
+  host checks that the manager's reserved slots equal the block-rounded token
+  counts, and that it grants every admission the host sized.
 
   Args:
     trace: requests (prompt + output must fit max_model_len).
@@ -169,16 +170,24 @@ def simulate_paged(trace: Trace, *, block_size: int, num_blocks: int,
   Returns:
     A `SimResult`; at the end the block state passes `check_invariants` and
     every block is free again.
+
+  Raises:
+    ValueError: a request longer than max_model_len, or one that would not fit
+      in the pool on its own (it would wait forever).
   """
-  if int(trace.total_lens.max()) > max_model_len:
-    raise ValueError(f"trace has sequences longer than {max_model_len=}")
+  longest = int(trace.total_lens.max())
+  if longest > max_model_len:
+    raise ValueError(f"trace has a sequence of {longest} tokens > {max_model_len=}")
   bs = block_size
+  watermark_blocks = int(math.ceil(watermark * num_blocks))
+  if -(-longest // bs) > num_blocks - watermark_blocks:
+    raise ValueError(f"a {longest}-token request does not fit in {num_blocks=} "
+                     f"of {block_size=} (less the {watermark_blocks}-block watermark)")
   width = -(-max_model_len // bs)
   state = block_manager.init(num_blocks, bs, max_seqs, width)
   arrive = _arrival_steps(trace, step_s)
   total = trace.total_lens.astype(np.int64)
   prompt = trace.prompt_lens.astype(np.int64)
-  watermark_blocks = int(math.ceil(watermark * num_blocks))
 
   # Host bookkeeping: which request sits in which slot, and its token count.
   req_of = np.full(max_seqs, -1, np.int64)
