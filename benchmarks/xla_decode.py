@@ -4,7 +4,7 @@ Measured in one run so the ratios share the machine's noise:
 
 1. `paged_attention(implementation="xla")` over random non-contiguous block
    tables vs dense decode attention on the same tokens held contiguously
-   (`[batch, kv_len, kv_heads, head_dim]`), for block sizes 8-64, batch 1-64,
+   (`[batch, kv_heads, kv_len, head_dim]`), for block sizes 8-64, batch 1-64,
    context 256-8192 (a sampled grid; `--full` for the whole product).
 2. `reserve` for a batch of 64 (jitted, state donated) at num_blocks 2**10 and
    2**20: the cost must not grow with the pool.
@@ -45,13 +45,14 @@ def median_time(fn, *args, reps=10, warmup=2):
 
 @jax.jit
 def dense_decode(q, k, v):
-  """q [b, hq, d]; k, v [b, L, hkv, d]: plain softmax attention, all L visible."""
+  """q [b, hq, d]; k, v [b, hkv, L, d] (the best contiguous layout for XLA):
+  plain softmax attention, all L tokens visible."""
   b, hq, d = q.shape
-  hkv = k.shape[2]
+  hkv = k.shape[1]
   qg = q.reshape(b, hkv, hq // hkv, d)
-  s = jnp.einsum("bhgd,blhd->bhgl", qg, k) * d**-0.5
+  s = jnp.einsum("bhgd,bhld->bhgl", qg, k) * d**-0.5
   p = jax.nn.softmax(s, axis=-1)
-  return jnp.einsum("bhgl,blhd->bhgd", p, v).reshape(b, hq, d)
+  return jnp.einsum("bhgl,bhld->bhgd", p, v).reshape(b, hq, d)
 
 
 def bench_decode(batch, context, block_size, hq=8, hkv=2, d=128, seed=0):
@@ -74,6 +75,7 @@ def bench_decode(batch, context, block_size, hq=8, hkv=2, d=128, seed=0):
   lens = jnp.full((batch,), context, jnp.int32)
   paged = jax.jit(functools.partial(attention.paged_attention,
                                     implementation="xla"))
+  k, v = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))
   err = float(jnp.max(jnp.abs(paged(q, k_pages, v_pages, tables, lens)
                               - dense_decode(q, k, v))))
   assert err < 1e-4, err

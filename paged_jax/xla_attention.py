@@ -74,7 +74,10 @@ def paged_decode_xla(
   tables = jnp.pad(block_tables, ((0, 0), (0, steps * pps - width)))
   tables = jnp.clip(tables, 0, num_blocks - 1)
   tokens = pps * block_size
-  qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)
+  # KV-head-major throughout ([kv_heads, batch, ...], the pages' own order), so
+  # the gathered pages feed the dots without a transpose.
+  qg = jnp.swapaxes(q.reshape(batch, num_kv_heads, group, head_dim), 0, 1)
+  qg = qg.astype(jnp.float32)
   kv_lens = kv_lens.astype(jnp.int32)
   offs = jnp.arange(tokens, dtype=jnp.int32)
 
@@ -87,22 +90,19 @@ def paged_decode_xla(
     valid = pos[None, :] < kv_lens[:, None]  # [b, tokens]
     if sliding_window is not None:
       valid &= pos[None, :] >= kv_lens[:, None] - sliding_window
-    valid = valid[:, None, None, :]  # [b, 1, 1, tokens]
-    s = jnp.einsum("bhgd,hbtd->bhgt", qg, k,
-                   preferred_element_type=jnp.float32) * sm_scale
+    s = jnp.einsum("hbgd,hbtd->hbgt", qg, k) * sm_scale
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
-    v = jnp.where(valid[:, :, 0, :, None].transpose(1, 0, 2, 3), v, 0)
+    v = jnp.where(valid[None, :, :, None], v, 0.0)
 
     def pv(p):
-      return jnp.einsum("bhgt,hbtd->bhgd", p, v,
-                        preferred_element_type=jnp.float32)
+      return jnp.einsum("hbgt,hbtd->hbgd", p, v)
 
-    return _online_softmax_step(carry, s, pv, valid)
+    return _online_softmax_step(carry, s, pv, valid[None, :, None, :])
 
-  init = (jnp.full((batch, num_kv_heads, group), -jnp.inf, jnp.float32),
-          jnp.zeros((batch, num_kv_heads, group), jnp.float32),
-          jnp.zeros((batch, num_kv_heads, group, head_dim), jnp.float32))
+  init = (jnp.full((num_kv_heads, batch, group), -jnp.inf, jnp.float32),
+          jnp.zeros((num_kv_heads, batch, group), jnp.float32),
+          jnp.zeros((num_kv_heads, batch, group, head_dim), jnp.float32))
   hi = _cdiv(jnp.max(kv_lens, initial=0), tokens)
   lo = 0
   if sliding_window is not None:
@@ -112,6 +112,7 @@ def paged_decode_xla(
   _, l, acc = jax.lax.fori_loop(lo, hi, body, init)
   out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None],
                   0.0)
+  out = jnp.swapaxes(out, 0, 1)  # [batch, kv_heads, group, head_dim]
   return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
