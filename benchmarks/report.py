@@ -19,7 +19,7 @@ def _load(out: pathlib.Path, name: str) -> dict | None:
 
 
 def _pct(x: float) -> str:
-  return f"{100 * x:.1f}%"
+  return f"{100 * x:.1f}%" if x >= 0.01 else f"{100 * x:.2f}%"
 
 
 def _yes(ok: bool) -> str:
