@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from typing import Any
 
 import jax
@@ -34,20 +33,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
-import numpy as np
 
-DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
-# Default scoped-VMEM limit of Mosaic kernels (v4/v5e; v6e allows more).
-DEFAULT_VMEM_LIMIT_BYTES = 16 * 1024 * 1024
-# Block tables and lengths are scalar-prefetched into SMEM (1 MiB on v4+).
-SMEM_BUDGET_BYTES = 512 * 1024
+from pallas_kernels.tpu import _common
+
 # Tokens per compute block that `default_config` aims for.
 TARGET_TOKENS_PER_COMPUTE_BLOCK = 512
-
-_ANY = getattr(pl, "ANY", None) or pltpu.MemorySpace.HBM
-_SQUEEZED = getattr(pl, "squeezed", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,15 +60,6 @@ class PagedDecodeConfig:
       raise ValueError(f"{pages_per_compute_block=} must be at least 1")
     if vmem_limit_bytes is not None and vmem_limit_bytes <= 0:
       raise ValueError(f"{vmem_limit_bytes=} must be positive")
-
-
-def _sublane_tile(dtype) -> int:
-  """Rows of one (sublane x 128) VMEM tile for `dtype` (8 for f32, 16 for bf16)."""
-  return 8 * (4 // jnp.dtype(dtype).itemsize)
-
-
-def _compute_dtype(q_dtype, kv_dtype):
-  return kv_dtype if jnp.dtype(q_dtype) == jnp.dtype(kv_dtype) else jnp.float32
 
 
 def _q_kernel_layout(q_shape, q_dtype, num_kv_heads):
@@ -151,7 +132,7 @@ def _paged_decode_kernel(
   num_steps = num_kv_heads * num_blocks  # flat (kv head, block) pipeline
 
   def page_copy(kv, h, page, j, slot):
-    """Async copy of K (kv=0) or V (kv=1) `page` of head `h` to row `j` of `slot`."""
+    """Async copy of K (kv=0) or V (kv=1) `page` of head `h` to `[slot, j]`."""
     hbm_ref, buf = ((k_pages_hbm_ref, k_buf) if kv == 0 else
                     (v_pages_hbm_ref, v_buf))
     idx = block_tables_ref[b * max_blocks_per_seq + page]
@@ -160,7 +141,7 @@ def _paged_decode_kernel(
         sems.at[kv, slot])
 
   def for_each_page(block, fn):
-    """Calls `fn(page, j)` for the pages `j` of compute `block` below num_pages."""
+    """Calls `fn(page, j)` for pages `j` of compute `block` below num_pages."""
     for j in range(pages_per_block):
       page = first_page + block * pages_per_block + j
       pl.when(page < num_pages)(functools.partial(fn, page, j))
@@ -216,7 +197,7 @@ def _paged_decode_kernel(
     pos = block_start + lax.broadcasted_iota(
         jnp.int32, (num_groups, tokens_per_block), 1)
     visible = (pos < kv_len) & (pos >= window_start)
-    s = jnp.where(visible, s, DEFAULT_MASK_VALUE)
+    s = jnp.where(visible, s, _common.DEFAULT_MASK_VALUE)
 
     m_prev = m_ref[...]
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -263,9 +244,10 @@ def _build_paged_decode(
   q_shape_kernel, q_dtype_kernel = _q_kernel_layout(q_shape, q_dtype,
                                                     num_kv_heads)
   if len(q_shape_kernel) == 4:  # [batch, num_kv_heads, num_groups, head_dim]
-    block = (_SQUEEZED, num_kv_heads, num_groups, head_dim)
+    block = (_common.SQUEEZED, num_kv_heads, num_groups, head_dim)
   else:  # [batch, num_kv_heads, num_groups, 1, head_dim]
-    block = (_SQUEEZED, num_kv_heads, num_groups, _SQUEEZED, head_dim)
+    block = (_common.SQUEEZED, num_kv_heads, num_groups, _common.SQUEEZED,
+             head_dim)
   q_spec = pl.BlockSpec(block, lambda b, *_: (b,) + (0,) * (len(block) - 1))
 
   kv_buf = pltpu.VMEM((2, pages_per_block * block_size, head_dim), kv_dtype)
@@ -276,7 +258,7 @@ def _build_paged_decode(
       sliding_window=sliding_window,
       block_size=block_size,
       max_blocks_per_seq=max_blocks_per_seq,
-      compute_dtype=_compute_dtype(q_dtype, kv_dtype),
+      compute_dtype=_common.compute_dtype(q_dtype, kv_dtype),
   )
   return pl.pallas_call(
       kernel,
@@ -285,8 +267,8 @@ def _build_paged_decode(
           grid=(batch,),
           in_specs=[
               q_spec,
-              pl.BlockSpec(memory_space=_ANY),
-              pl.BlockSpec(memory_space=_ANY),
+              pl.BlockSpec(memory_space=_common.ANY),
+              pl.BlockSpec(memory_space=_common.ANY),
           ],
           out_specs=q_spec,
           scratch_shapes=[
@@ -303,19 +285,9 @@ def _build_paged_decode(
           vmem_limit_bytes=config.vmem_limit_bytes,
       ),
       out_shape=jax.ShapeDtypeStruct(q_shape_kernel, q_dtype_kernel),
-      interpret=_interpret_params(interpret),
+      interpret=_common.interpret_params(interpret),
       name=f"paged_decode_ppcb{pages_per_block}",
   )
-
-
-def _interpret_params(interpret):
-  """`True` -> TPU interpret mode, races detected, uninitialised memory NaN."""
-  if interpret is True:
-    wanted = dict(detect_races=True, uninitialized_memory="nan")
-    accepted = inspect.signature(pltpu.InterpretParams).parameters
-    return pltpu.InterpretParams(
-        **{k: v for k, v in wanted.items() if k in accepted})
-  return interpret
 
 
 # ----------------------------------------------------------------------------
@@ -323,77 +295,23 @@ def _interpret_params(interpret):
 # ----------------------------------------------------------------------------
 
 
-def _check_inputs(q, k_pages, block_tables, *, soft_cap, sliding_window,
-                  v_pages=None, kv_lens=None):
-  """Raises ValueError for malformed inputs (shape/dtype, static only)."""
-  if len(q.shape) != 3:
-    raise ValueError(
-        f"q must be [batch, num_q_heads, head_dim], got {q.shape=}")
-  if len(k_pages.shape) != 4:
-    raise ValueError(
-        "k_pages must be [num_kv_heads, num_blocks, block_size, head_dim],"
-        f" got {k_pages.shape=}")
-  batch, num_q_heads, head_dim = q.shape
-  num_kv_heads, _, _, kv_head_dim = k_pages.shape
-  if v_pages is not None and (v_pages.shape != k_pages.shape
-                              or v_pages.dtype != k_pages.dtype):
-    raise ValueError(
-        "v_pages must match k_pages: expected"
-        f" {k_pages.shape} {k_pages.dtype}, got {v_pages.shape} {v_pages.dtype}")
-  if kv_head_dim != head_dim:
-    raise ValueError(f"q {head_dim=} must equal k_pages head_dim={kv_head_dim}")
-  if num_kv_heads == 0 or num_q_heads % num_kv_heads:
-    raise ValueError(
-        f"{num_q_heads=} must be a multiple of {num_kv_heads=}")
-  if len(block_tables.shape) != 2 or block_tables.shape[0] != batch:
-    raise ValueError(
-        f"block_tables must be i32[{batch=}, max_blocks_per_seq], got"
-        f" {block_tables.shape=}")
-  if block_tables.dtype != jnp.int32:
-    raise ValueError(f"block_tables must be int32, got {block_tables.dtype=}")
-  if kv_lens is not None and (kv_lens.shape != (batch,)
-                              or kv_lens.dtype != jnp.int32):
-    raise ValueError(
-        f"kv_lens must be i32[{batch}], got {kv_lens.shape} {kv_lens.dtype}")
-  if soft_cap is not None and not soft_cap > 0:
-    raise ValueError(f"{soft_cap=} must be positive")
-  if sliding_window is not None and not sliding_window >= 1:
-    raise ValueError(f"{sliding_window=} must be at least 1")
-
-
 def _limitation(q, k_pages, block_tables, config) -> str | None:
   """Why this (well-formed) input cannot be served by the kernel, or None."""
+  reason = _common.dtype_and_tiling_limitation(q, k_pages)
+  if reason is not None:
+    return reason
   batch, num_q_heads, head_dim = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
-  for name, dtype in (("q", q.dtype), ("k_pages", k_pages.dtype)):
-    if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-      return f"{name} dtype {jnp.dtype(dtype)} is not float32 or bfloat16"
-  if head_dim not in SUPPORTED_HEAD_DIMS:
-    return f"{head_dim=} is not one of {SUPPORTED_HEAD_DIMS}"
-  tile = _sublane_tile(k_pages.dtype)
-  if block_size % tile:
-    return (f"{block_size=} must be a multiple of {tile} for"
-            f" {jnp.dtype(k_pages.dtype)} pages (VMEM sublane tiling)")
-  smem = 4 * (batch * block_tables.shape[1] + batch)
-  if smem > SMEM_BUDGET_BYTES:
-    return (f"block tables and kv_lens take {smem} bytes of SMEM, more than"
-            f" the {SMEM_BUDGET_BYTES} budgeted for scalar prefetch")
   num_groups = num_q_heads // num_kv_heads
+  lanes = _common.round_up(head_dim, 128)
   # q and out blocks (double-buffered, float32 at most; a small group's rows
-  # may each be padded to a full 8-row tile) and the accumulator.
+  # may each be padded to a full 8-row tile), the accumulator, K/V buffers.
   q_rows = num_q_heads if num_groups % 8 == 0 else 8 * num_q_heads
-  q_bytes = 4 * _round_up(head_dim, 128) * (2 * 2 * q_rows + num_groups + 16)
-  kv_bytes = (2 * 2 * config.pages_per_compute_block * block_size *
-              _round_up(head_dim, 128) * jnp.dtype(k_pages.dtype).itemsize)
-  vmem_limit = config.vmem_limit_bytes or DEFAULT_VMEM_LIMIT_BYTES
-  if q_bytes + kv_bytes > vmem_limit:
-    return (f"K/V buffers need {q_bytes + kv_bytes} bytes of VMEM, more than"
-            f" {vmem_limit=}; lower pages_per_compute_block")
-  return None
-
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
+  vmem = 4 * lanes * (2 * 2 * q_rows + num_groups + 16)
+  vmem += (2 * 2 * config.pages_per_compute_block * block_size * lanes *
+           jnp.dtype(k_pages.dtype).itemsize)
+  smem = 4 * (batch * block_tables.shape[1] + batch)
+  return _common.memory_limitation(smem, vmem, config.vmem_limit_bytes)
 
 
 def default_config(q, k_pages, block_tables) -> PagedDecodeConfig:
@@ -427,8 +345,9 @@ def unsupported_reason(q, k_pages, block_tables, *, soft_cap=None,
     config: a `PagedDecodeConfig`, default `default_config(...)`.
   """
   try:
-    _check_inputs(q, k_pages, block_tables, soft_cap=soft_cap,
-                  sliding_window=sliding_window)
+    _common.check_attention_inputs(q, k_pages, block_tables,
+                                   soft_cap=soft_cap,
+                                   sliding_window=sliding_window)
   except ValueError as e:
     return f"invalid inputs: {e}"
   config = config or default_config(q, k_pages, block_tables)
@@ -489,16 +408,18 @@ def paged_decode(
 
   Example (TPU interpret mode, runs on CPU):
     >>> q = jnp.ones((2, 8, 128), jnp.bfloat16)      # 8 query heads
-    >>> k_pages = v_pages = jnp.ones((2, 4, 16, 128), jnp.bfloat16)  # 2 KV heads
+    >>> k_pages = jnp.ones((2, 4, 16, 128), jnp.bfloat16)  # 2 KV heads
+    >>> v_pages = k_pages
     >>> block_tables = jnp.array([[3, 0], [1, -1]], jnp.int32)
     >>> kv_lens = jnp.array([20, 5], jnp.int32)
     >>> paged_decode(q, k_pages, v_pages, block_tables, kv_lens,
     ...              interpret=True).shape
     (2, 8, 128)
   """
-  _check_inputs(q, k_pages, block_tables, soft_cap=soft_cap,
-                sliding_window=sliding_window, v_pages=v_pages,
-                kv_lens=kv_lens)
+  _common.check_attention_inputs(q, k_pages, block_tables, soft_cap=soft_cap,
+                                 sliding_window=sliding_window,
+                                 v_pages=v_pages)
+  _common.check_i32_vector("kv_lens", kv_lens, q.shape[0])
   config = config or default_config(q, k_pages, block_tables)
   reason = _limitation(q, k_pages, block_tables, config)
   if reason is not None:

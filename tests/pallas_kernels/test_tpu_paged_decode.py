@@ -2,10 +2,8 @@
 
 Interpret mode runs with race detection on and uninitialised memory filled
 with NaN. Unused block-table entries (and, with a sliding window, the entries
-of pages wholly before the window) are set to `FAR_BLOCK`, far outside the
-page pool: the interpreter raises on any copy of such a page, so a passing
-test proves they were never touched (-1 itself would wrap around in the
-interpreter's NumPy-style indexing and go unnoticed).
+of pages wholly before the window) are set to `FAR_BLOCK` (see tpu_testing):
+a passing test proves they were never touched.
 """
 
 from __future__ import annotations
@@ -21,12 +19,12 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from paged_jax.reference import (dense_attention_reference,
-                                 paged_attention_reference)
+from paged_jax.reference import paged_attention_reference
 from pallas_kernels.tpu import paged_decode as pd
 from tests.cases import assert_rows_close, make_decode_case
-
-FAR_BLOCK = 2**30
+from tests.pallas_kernels.tpu_testing import (FAR_BLOCK,
+                                              batched_decode_reference,
+                                              races_found)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,16 +127,6 @@ def _fresh_interpreter():
   yield
 
 
-def _races_found() -> bool | None:
-  """Whether the TPU interpreter's race detector fired (None: not exposed)."""
-  try:
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-  except ImportError:
-    return None
-  races = getattr(ipc, "races", None)
-  return None if races is None else bool(races.races_found)
-
-
 def _hide_skipped_pages(tables, kv_lens, block_size, sliding_window):
   """Tables whose entries the kernel must not read all point at FAR_BLOCK."""
   tables = np.array(tables)
@@ -162,33 +150,8 @@ def _make_case(spec: Spec, seed: int, **kw):
   return case
 
 
-def _batched_reference(q, k_pages, v_pages, block_tables, kv_lens, **kw):
-  """`paged_attention_reference`, vmapped over the batch.
-
-  Same oracle (`dense_attention_reference` on the gathered sequence), but one
-  compilation per shape instead of one per distinct length: the per-length
-  eager loop dominated this file's run time. Keys are zero-padded to a common
-  length; the causal mask (keys after position kv_len - 1) hides the padding.
-  """
-  pages = {n: np.asarray(jnp.asarray(x, jnp.float32))
-           for n, x in (("k", k_pages), ("v", v_pages))}
-  num_kv_heads, _, block_size, head_dim = pages["k"].shape
-  max_len = block_tables.shape[1] * block_size
-  tables, lens = np.asarray(block_tables), np.asarray(kv_lens)
-  padded = {n: np.zeros((len(lens), max_len, num_kv_heads, head_dim),
-                        np.float32) for n in pages}
-  for b, kv_len in enumerate(lens):
-    ids = tables[b, :-(-int(kv_len) // block_size)]
-    for n, x in pages.items():
-      seq = x[:, ids].reshape(num_kv_heads, -1, head_dim)[:, :kv_len]
-      padded[n][b, :kv_len] = seq.transpose(1, 0, 2)
-  ref = jax.jit(jax.vmap(functools.partial(dense_attention_reference, **kw)))
-  return ref(q[:, None], padded["k"], padded["v"],
-             jnp.asarray(lens - 1)[:, None])[:, 0]
-
-
 def _check_against_reference(spec: Spec, case, *, hide_skipped=True,
-                             reference=_batched_reference):
+                             reference=batched_decode_reference):
   tables = case.block_tables
   if hide_skipped:
     tables = _hide_skipped_pages(tables, case.kv_lens, spec.block_size,
@@ -197,7 +160,7 @@ def _check_against_reference(spec: Spec, case, *, hide_skipped=True,
                         case.kv_lens, config=spec.config, interpret=True,
                         **spec.attn_kwargs)
   out = jax.block_until_ready(out)
-  assert _races_found() in (False, None), "race detected in interpret mode"
+  assert races_found() in (False, None), "race detected in interpret mode"
   assert out.shape == case.q.shape and out.dtype == case.q.dtype
   empty = np.asarray(case.kv_lens) == 0
   assert not np.asarray(out, np.float32)[empty].any(), "kv_len 0 must give 0"
@@ -252,8 +215,8 @@ def test_all_empty_sequences_give_zeros():
 
 def test_under_jit_with_donated_query():
   case = _make_case(BASE, seed=5, unused_entry=FAR_BLOCK)
-  ref = _batched_reference(case.q, case.k_pages, case.v_pages,
-                           case.block_tables, case.kv_lens)
+  ref = batched_decode_reference(case.q, case.k_pages, case.v_pages,
+                                 case.block_tables, case.kv_lens)
   params = pltpu.InterpretParams(detect_races=True)
   step = jax.jit(
       functools.partial(pd.paged_decode, config=BASE.config,
@@ -262,7 +225,7 @@ def test_under_jit_with_donated_query():
   q = jnp.array(case.q, copy=True)
   out = step(q, case.k_pages, case.v_pages, case.block_tables, case.kv_lens)
   assert_rows_close(out, ref, jnp.float32)
-  assert _races_found() in (False, None)
+  assert races_found() in (False, None)
 
 
 # ---------------------------------------------------------------------------
@@ -347,7 +310,7 @@ f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
 
 
 @pytest.mark.parametrize("changes, kwargs, match", [
-    (dict(q=((6, 4, 1, 128), f32)), {}, r"q must be \[batch"),
+    (dict(q=((6, 4, 1, 128), f32)), {}, r"q must be \[tokens"),
     (dict(k=((27, 8, 128), f32)), {}, r"k_pages must be \[num_kv_heads"),
     (dict(v=((1, 27, 16, 128), f32)), {}, "v_pages must match k_pages"),
     (dict(v=((1, 27, 8, 128), bf16)), {}, "v_pages must match k_pages"),
@@ -355,7 +318,7 @@ f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
     (dict(q=((6, 3, 128), f32), k=((2, 27, 8, 128), f32),
           v=((2, 27, 8, 128), f32)), {},
      "num_q_heads=3 must be a multiple of num_kv_heads=2"),
-    (dict(tables=((5, 4), i32)), {}, r"block_tables must be i32\[batch=6"),
+    (dict(tables=((5, 4), i32)), {}, r"block_tables must be i32\[num_seqs=6"),
     (dict(tables=((6, 4), jnp.int16)), {}, "block_tables must be int32"),
     (dict(lens=((5,), i32)), {}, r"kv_lens must be i32\[6\]"),
     (dict(lens=((6,), jnp.uint32)), {}, r"kv_lens must be i32\[6\]"),
