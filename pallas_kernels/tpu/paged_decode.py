@@ -1,0 +1,438 @@
+"""Paged decode attention for TPU (Mosaic Pallas).
+
+One query token per sequence attends over that sequence's K/V pages. Layout:
+
+  q:            [batch, num_q_heads, head_dim]
+  k/v pages:    [num_kv_heads, num_blocks, block_size, head_dim]   (stay in HBM)
+  block_tables: i32[batch, max_blocks_per_seq]   (-1 = unused, never read)
+  kv_lens:      i32[batch]
+
+The grid is `(batch,)`, marked parallel: every grid step owns one sequence and
+is self-contained (no state crosses grid steps, so megacore chips may split
+the batch). Inside a step the sequence's KV heads are walked one after the
+other, and each head's pages in compute blocks of `pages_per_compute_block`
+pages. The query heads that share a KV head (the GQA group) are computed
+together, so each page is read from HBM once. The (head, block) pairs form one
+flat pipeline: the next pair's pages are copied HBM -> VMEM (one async copy
+per page, into the other half of a double buffer) while the current pair is
+computed, so only the first copy of each sequence is exposed. Pages past
+`kv_len`, and pages wholly before the sliding window, are never copied; the
+softmax is an online softmax in float32.
+
+Block tables and lengths are scalar-prefetched into SMEM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+import jax.numpy as jnp
+
+from pallas_kernels.tpu import _common
+
+# Tokens per compute block that `default_config` aims for.
+TARGET_TOKENS_PER_COMPUTE_BLOCK = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedDecodeConfig:
+  """Tuning knobs of the TPU paged-decode kernel (hashable, static).
+
+  Attributes:
+    pages_per_compute_block: pages copied and attended per step of the inner
+      loop; two such blocks of K and of V live in VMEM at once.
+    vmem_limit_bytes: scoped-VMEM limit passed to Mosaic; `None` keeps the
+      compiler default (assumed `DEFAULT_VMEM_LIMIT_BYTES` when checking fit).
+  """
+  pages_per_compute_block: int = 8
+  vmem_limit_bytes: int | None = None
+
+  def __post_init__(self):
+    pages_per_compute_block = self.pages_per_compute_block
+    vmem_limit_bytes = self.vmem_limit_bytes
+    if pages_per_compute_block < 1:
+      raise ValueError(f"{pages_per_compute_block=} must be at least 1")
+    if vmem_limit_bytes is not None and vmem_limit_bytes <= 0:
+      raise ValueError(f"{vmem_limit_bytes=} must be positive")
+
+
+def _q_kernel_layout(q_shape, q_dtype, num_kv_heads):
+  """Shape and dtype in which q (and the output) cross the kernel boundary.
+
+  A GQA group that fills whole 8-row sublane tiles goes as
+  `[batch, num_kv_heads, num_groups, head_dim]` in `q.dtype`. A smaller group
+  goes as float32 `[batch, num_kv_heads, num_groups, 1, head_dim]`: one
+  `(1, 128)`-tiled row per head, the layout JAX's own paged-attention kernel
+  uses for small groups.
+  """
+  batch, num_q_heads, head_dim = q_shape
+  num_groups = num_q_heads // num_kv_heads
+  if num_groups % 8 == 0:
+    return (batch, num_kv_heads, num_groups, head_dim), q_dtype
+  return (batch, num_kv_heads, num_groups, 1, head_dim), jnp.float32
+
+
+# ----------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------
+
+
+def _paged_decode_kernel(
+    # Scalar prefetch (SMEM).
+    kv_lens_ref,  # i32[batch]
+    block_tables_ref,  # i32[batch * max_blocks_per_seq]
+    # Inputs.
+    q_ref,  # [num_kv_heads, num_groups, head_dim] queries of one sequence
+    k_pages_hbm_ref,  # [num_kv_heads, num_blocks, block_size, head_dim] (HBM)
+    v_pages_hbm_ref,  # [num_kv_heads, num_blocks, block_size, head_dim] (HBM)
+    # Output.
+    o_ref,  # [num_kv_heads, num_groups, head_dim]
+    # Scratch.
+    k_buf,  # [2, pages_per_compute_block * block_size, head_dim] (VMEM)
+    v_buf,  # [2, pages_per_compute_block * block_size, head_dim] (VMEM)
+    sems,  # DMA semaphores [2 (k, v), 2 (buffer slot)]
+    m_ref,  # f32[num_groups, 1] running max
+    l_ref,  # f32[num_groups, 1] running denominator
+    acc_ref,  # f32[num_groups, head_dim] running numerator
+    *,
+    sm_scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+    block_size: int,
+    max_blocks_per_seq: int,
+    compute_dtype: Any,
+):
+  """One grid step: every KV head of sequence `b`, one compute block at a time.
+
+  The (kv head, compute block) pairs of the sequence form one flat pipeline:
+  the copies of pair `t + 1` (possibly the next head's first block) are in
+  flight while pair `t` is computed.
+  """
+  b = pl.program_id(0)
+  _, tokens_per_block, head_dim = k_buf.shape
+  pages_per_block = tokens_per_block // block_size
+  num_kv_heads, num_groups, _ = q_ref.shape
+
+  kv_len = kv_lens_ref[b]
+  num_pages = jnp.minimum(pl.cdiv(kv_len, block_size), max_blocks_per_seq)
+  if sliding_window is None:
+    window_start = jnp.int32(0)
+  else:
+    window_start = jnp.maximum(kv_len - sliding_window, 0)
+  # Pages wholly before the window are skipped. (lax.div: `//` on traced ints
+  # lowers through `sign`, which needs a TPU to be present at lowering time.)
+  first_page = lax.div(window_start, block_size)
+  num_blocks = jnp.maximum(pl.cdiv(num_pages - first_page, pages_per_block), 0)
+  num_steps = num_kv_heads * num_blocks  # flat (kv head, block) pipeline
+
+  def page_copy(kv, h, page, j, slot):
+    """Async copy of K (kv=0) or V (kv=1) `page` of head `h` to `[slot, j]`."""
+    hbm_ref, buf = ((k_pages_hbm_ref, k_buf) if kv == 0 else
+                    (v_pages_hbm_ref, v_buf))
+    idx = block_tables_ref[b * max_blocks_per_seq + page]
+    return pltpu.make_async_copy(
+        hbm_ref.at[h, idx], buf.at[slot, pl.ds(j * block_size, block_size)],
+        sems.at[kv, slot])
+
+  def for_each_page(block, fn):
+    """Calls `fn(page, j)` for pages `j` of compute `block` below num_pages."""
+    for j in range(pages_per_block):
+      page = first_page + block * pages_per_block + j
+      pl.when(page < num_pages)(functools.partial(fn, page, j))
+
+  def start(h, block, slot):
+    def fn(page, j):
+      page_copy(0, h, page, j, slot).start()
+      page_copy(1, h, page, j, slot).start()
+    for_each_page(block, fn)
+
+  def wait(kv, h, block, slot):
+    for_each_page(block,
+                  lambda page, j: page_copy(kv, h, page, j, slot).wait())
+
+  # Heads are written as they finish; kv_len == 0 leaves these zeros.
+  o_ref[...] = jnp.zeros_like(o_ref)
+
+  @pl.when(num_steps > 0)
+  def _():
+    start(0, 0, 0)
+
+  precision = (lax.Precision.HIGHEST
+               if jnp.dtype(compute_dtype) == jnp.float32 else None)
+
+  def body(t, carry):
+    h, i = carry  # kv head, compute block of step t
+    slot = lax.rem(t, 2)
+    last_block = i + 1 == num_blocks
+    next_h = jnp.where(last_block, h + 1, h)
+    next_i = jnp.where(last_block, 0, i + 1)
+
+    @pl.when(t + 1 < num_steps)
+    def _():
+      start(next_h, next_i, 1 - slot)
+
+    @pl.when(i == 0)
+    def _():
+      m_ref[...] = jnp.full_like(m_ref, -jnp.inf)
+      l_ref[...] = jnp.zeros_like(l_ref)
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    block_start = (first_page + i * pages_per_block) * block_size
+    wait(0, h, i, slot)
+    q = q_ref[h].astype(compute_dtype)  # [num_groups, head_dim]
+    k = k_buf[slot].astype(compute_dtype)  # [tokens_per_block, head_dim]
+    s = lax.dot_general(
+        q, k, (((1,), (1,)), ((), ())), precision=precision,
+        preferred_element_type=jnp.float32)  # [num_groups, tokens_per_block]
+    s = s * sm_scale
+    if soft_cap is not None:
+      s = soft_cap * jnp.tanh(s / soft_cap)
+    # Slots past kv_len (and of pages not copied) hold garbage: mask with where.
+    pos = block_start + lax.broadcasted_iota(
+        jnp.int32, (num_groups, tokens_per_block), 1)
+    visible = (pos < kv_len) & (pos >= window_start)
+    s = jnp.where(visible, s, _common.DEFAULT_MASK_VALUE)
+
+    m_prev = m_ref[...]
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.where(visible, jnp.exp(s - m_next), 0.0)
+    alpha = jnp.exp(m_prev - m_next)
+    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+    m_ref[...] = m_next
+
+    wait(1, h, i, slot)
+    v_rows = block_start + lax.broadcasted_iota(
+        jnp.int32, (tokens_per_block, head_dim), 0)
+    # 0 * NaN is NaN: garbage rows of V must be zeroed, not just weighted by 0.
+    v = jnp.where(v_rows < kv_len, v_buf[slot].astype(jnp.float32), 0.0)
+    pv = lax.dot_general(
+        p.astype(compute_dtype), v.astype(compute_dtype),
+        (((1,), (0,)), ((), ())), precision=precision,
+        preferred_element_type=jnp.float32)  # [num_groups, head_dim]
+    acc_ref[...] = alpha * acc_ref[...] + pv
+
+    @pl.when(last_block)
+    def _():
+      # Every processed block holds a visible key, so l > 0 here.
+      o_ref[h] = (acc_ref[...] / l_ref[...]).astype(o_ref.dtype)
+
+    return next_h, next_i
+
+  lax.fori_loop(0, num_steps, body, (jnp.int32(0), jnp.int32(0)))
+
+
+# ----------------------------------------------------------------------------
+# pallas_call builder
+# ----------------------------------------------------------------------------
+
+
+def _build_paged_decode(
+    q_shape, q_dtype, k_shape, kv_dtype, max_blocks_per_seq, *, sm_scale,
+    soft_cap, sliding_window, config: PagedDecodeConfig, interpret):
+  """Returns `f(kv_lens, tables_flat, q_kernel, k_pages, v_pages) -> out`."""
+  batch, num_q_heads, head_dim = q_shape
+  num_kv_heads, _, block_size, _ = k_shape
+  num_groups = num_q_heads // num_kv_heads
+  pages_per_block = config.pages_per_compute_block
+
+  q_shape_kernel, q_dtype_kernel = _q_kernel_layout(q_shape, q_dtype,
+                                                    num_kv_heads)
+  if len(q_shape_kernel) == 4:  # [batch, num_kv_heads, num_groups, head_dim]
+    block = (_common.SQUEEZED, num_kv_heads, num_groups, head_dim)
+  else:  # [batch, num_kv_heads, num_groups, 1, head_dim]
+    block = (_common.SQUEEZED, num_kv_heads, num_groups, _common.SQUEEZED,
+             head_dim)
+  q_spec = pl.BlockSpec(block, lambda b, *_: (b,) + (0,) * (len(block) - 1))
+
+  kv_buf = pltpu.VMEM((2, pages_per_block * block_size, head_dim), kv_dtype)
+  kernel = functools.partial(
+      _paged_decode_kernel,
+      sm_scale=sm_scale,
+      soft_cap=soft_cap,
+      sliding_window=sliding_window,
+      block_size=block_size,
+      max_blocks_per_seq=max_blocks_per_seq,
+      compute_dtype=_common.compute_dtype(q_dtype, kv_dtype),
+  )
+  return pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2,
+          grid=(batch,),
+          in_specs=[
+              q_spec,
+              pl.BlockSpec(memory_space=_common.ANY),
+              pl.BlockSpec(memory_space=_common.ANY),
+          ],
+          out_specs=q_spec,
+          scratch_shapes=[
+              kv_buf,
+              kv_buf,
+              pltpu.SemaphoreType.DMA((2, 2)),
+              pltpu.VMEM((num_groups, 1), jnp.float32),
+              pltpu.VMEM((num_groups, 1), jnp.float32),
+              pltpu.VMEM((num_groups, head_dim), jnp.float32),
+          ],
+      ),
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel",),
+          vmem_limit_bytes=config.vmem_limit_bytes,
+      ),
+      out_shape=jax.ShapeDtypeStruct(q_shape_kernel, q_dtype_kernel),
+      interpret=_common.interpret_params(interpret),
+      name=f"paged_decode_ppcb{pages_per_block}",
+  )
+
+
+# ----------------------------------------------------------------------------
+# Checks and configuration
+# ----------------------------------------------------------------------------
+
+
+def _limitation(q, k_pages, block_tables, config) -> str | None:
+  """Why this (well-formed) input cannot be served by the kernel, or None."""
+  reason = _common.dtype_and_tiling_limitation(q, k_pages)
+  if reason is not None:
+    return reason
+  batch, num_q_heads, head_dim = q.shape
+  num_kv_heads, _, block_size, _ = k_pages.shape
+  num_groups = num_q_heads // num_kv_heads
+  lanes = _common.round_up(head_dim, 128)
+  # q and out blocks (double-buffered, float32 at most; a small group's rows
+  # may each be padded to a full 8-row tile), the accumulator, K/V buffers.
+  q_rows = num_q_heads if num_groups % 8 == 0 else 8 * num_q_heads
+  vmem = 4 * lanes * (2 * 2 * q_rows + num_groups + 16)
+  vmem += (2 * 2 * config.pages_per_compute_block * block_size * lanes *
+           jnp.dtype(k_pages.dtype).itemsize)
+  smem = 4 * (batch * block_tables.shape[1] + batch)
+  return _common.memory_limitation(smem, vmem, config.vmem_limit_bytes)
+
+
+def default_config(q, k_pages, block_tables) -> PagedDecodeConfig:
+  """A config chosen from shapes: ~512 tokens per compute block.
+
+  Args:
+    q: `[batch, num_q_heads, head_dim]` array or `jax.ShapeDtypeStruct`.
+    k_pages: `[num_kv_heads, num_blocks, block_size, head_dim]`.
+    block_tables: `i32[batch, max_blocks_per_seq]`.
+  """
+  del q
+  block_size = k_pages.shape[2]
+  max_blocks_per_seq = block_tables.shape[1]
+  pages = max(1, TARGET_TOKENS_PER_COMPUTE_BLOCK // block_size)
+  return PagedDecodeConfig(
+      pages_per_compute_block=max(1, min(pages, max_blocks_per_seq)))
+
+
+def unsupported_reason(q, k_pages, block_tables, *, soft_cap=None,
+                       sliding_window=None, config=None) -> str | None:
+  """None if `paged_decode` can serve these inputs, else a readable reason.
+
+  Only `.shape` and `.dtype` are used: arrays or `jax.ShapeDtypeStruct` work.
+
+  Args:
+    q: `[batch, num_q_heads, head_dim]` queries.
+    k_pages: `[num_kv_heads, num_blocks, block_size, head_dim]` pages.
+    block_tables: `i32[batch, max_blocks_per_seq]`.
+    soft_cap: optional logit soft cap.
+    sliding_window: optional window in tokens.
+    config: a `PagedDecodeConfig`, default `default_config(...)`.
+  """
+  try:
+    _common.check_attention_inputs(q, k_pages, block_tables,
+                                   soft_cap=soft_cap,
+                                   sliding_window=sliding_window)
+  except ValueError as e:
+    return f"invalid inputs: {e}"
+  config = config or default_config(q, k_pages, block_tables)
+  return _limitation(q, k_pages, block_tables, config)
+
+
+# ----------------------------------------------------------------------------
+# Public entry point
+# ----------------------------------------------------------------------------
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "soft_cap", "sliding_window", "config",
+                     "interpret"))
+def paged_decode(
+    q: jax.Array,  # [batch, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    block_tables: jax.Array,  # i32[batch, max_blocks_per_seq]
+    kv_lens: jax.Array,  # i32[batch]
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    config: PagedDecodeConfig | None = None,
+    interpret: bool | Any = False,
+) -> jax.Array:
+  """Decode attention of one query per sequence over its paged K/V (TPU).
+
+  The query of sequence `b` sits at position `kv_lens[b] - 1` and sees keys
+  `max(0, kv_lens[b] - sliding_window) .. kv_lens[b] - 1`.
+
+  Args:
+    q: `[batch, num_q_heads, head_dim]`, float32 or bfloat16.
+    k_pages: `[num_kv_heads, num_blocks, block_size, head_dim]`, float32 or
+      bfloat16; `num_q_heads` must be a multiple of `num_kv_heads`.
+    v_pages: same shape and dtype as `k_pages`.
+    block_tables: `i32[batch, max_blocks_per_seq]`; entry `i` is the physical
+      block of tokens `i * block_size ..`. Entries past
+      `cdiv(kv_lens[b], block_size)` (e.g. -1) are never read.
+    kv_lens: `i32[batch]`, at most `max_blocks_per_seq * block_size`.
+    sm_scale: score scale, default `head_dim ** -0.5`.
+    soft_cap: optional `s -> soft_cap * tanh(s / soft_cap)` after `sm_scale`.
+    sliding_window: optional window in tokens (counting the query's own).
+    config: tuning knobs, default `default_config(q, k_pages, block_tables)`.
+    interpret: `False` to compile for TPU; `True` for TPU interpret mode with
+      race detection on and uninitialised memory filled with NaN; or a
+      `pltpu.InterpretParams`.
+
+  Returns:
+    `[batch, num_q_heads, head_dim]` in `q.dtype`; rows with `kv_lens == 0`
+    are zeros.
+
+  Raises:
+    ValueError: malformed shapes/dtypes, or inputs the kernel cannot serve
+      (see `unsupported_reason`).
+
+  Example (TPU interpret mode, runs on CPU):
+    >>> q = jnp.ones((2, 8, 128), jnp.bfloat16)      # 8 query heads
+    >>> k_pages = jnp.ones((2, 4, 16, 128), jnp.bfloat16)  # 2 KV heads
+    >>> v_pages = k_pages
+    >>> block_tables = jnp.array([[3, 0], [1, -1]], jnp.int32)
+    >>> kv_lens = jnp.array([20, 5], jnp.int32)
+    >>> paged_decode(q, k_pages, v_pages, block_tables, kv_lens,
+    ...              interpret=True).shape
+    (2, 8, 128)
+  """
+  _common.check_attention_inputs(q, k_pages, block_tables, soft_cap=soft_cap,
+                                 sliding_window=sliding_window,
+                                 v_pages=v_pages)
+  _common.check_i32_vector("kv_lens", kv_lens, q.shape[0])
+  config = config or default_config(q, k_pages, block_tables)
+  reason = _limitation(q, k_pages, block_tables, config)
+  if reason is not None:
+    raise ValueError(f"paged_decode (TPU) cannot serve these inputs: {reason}")
+  head_dim = q.shape[2]
+  if sm_scale is None:
+    sm_scale = head_dim**-0.5
+  call = _build_paged_decode(
+      q.shape, q.dtype, k_pages.shape, k_pages.dtype, block_tables.shape[1],
+      sm_scale=float(sm_scale), soft_cap=soft_cap,
+      sliding_window=sliding_window, config=config, interpret=interpret)
+  q_shape_kernel, q_dtype_kernel = _q_kernel_layout(q.shape, q.dtype,
+                                                    k_pages.shape[0])
+  q_kernel = q.astype(q_dtype_kernel).reshape(q_shape_kernel)
+  out = call(kv_lens, block_tables.reshape(-1), q_kernel, k_pages, v_pages)
+  return out.reshape(q.shape).astype(q.dtype)
