@@ -297,33 +297,36 @@ def correctness(smoke: bool) -> list[dict]:
   blocks = 64
   if smoke:
     q_lens, kv_lens, blocks = (9, 1, 0, 17), (9, 30, 2, 40), 4
-  cases = [("pallas_gpu", jnp.bfloat16, {}), ("xla", jnp.bfloat16, {}),
-           ("pallas_gpu", jnp.float32, dict(soft_cap=20.0, sliding_window=64))]
+  cases = [(jnp.bfloat16, {}, ("pallas_gpu", "xla")),
+           (jnp.float32, dict(soft_cap=20.0, sliding_window=64),
+            ("pallas_gpu",))]
   out = []
-  for impl, dtype, kw in cases:
-    name = f"{impl} {jnp.dtype(dtype).name} q_lens={list(q_lens)} {kw or ''}"
-    try:
-      c = make_ragged_case(
-          np.random.default_rng(7), q_lens=q_lens, kv_lens=kv_lens,
-          num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
-          max_blocks_per_seq=blocks, max_num_seqs=len(q_lens) + 2,
-          num_tokens=sum(q_lens) + 5, dtype=dtype)
-      args = (c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens,
-              c.cu_q_lens, c.num_seqs)
-      got = attention.ragged_paged_attention(
-          *args, implementation=impl, interpret=smoke, **kw)
-      ref = ragged_paged_attention_reference(*args, **kw)
-      rec = dict(case=name, rel_err=rel_err(got, ref),
-                 max_abs_err=float(jnp.max(jnp.abs(
-                     jnp.asarray(got, jnp.float32) - ref))))
-      assert_rows_close(got, ref, dtype)
-      rec["ok"] = True
-    except Exception as e:  # pylint: disable=broad-except
-      rec = dict(case=name, ok=False, error=f"{type(e).__name__}: {e}"[:600])
-    out.append(rec)
-    log(f"  {'PASS' if rec['ok'] else 'FAIL'}  {name}  "
-        + (f"rel {rec['rel_err']:.1e} max abs {rec['max_abs_err']:.1e}"
-           if "rel_err" in rec and rec["ok"] else rec.get("error", "")))
+  for dtype, kw, impls in cases:
+    c = make_ragged_case(
+        np.random.default_rng(7), q_lens=q_lens, kv_lens=kv_lens,
+        num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+        max_blocks_per_seq=blocks, max_num_seqs=len(q_lens) + 2,
+        num_tokens=sum(q_lens) + 5, dtype=dtype)
+    args = (c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens,
+            c.cu_q_lens, c.num_seqs)
+    ref = ragged_paged_attention_reference(*args, **kw)
+    for impl in impls:
+      rec = dict(case=f"{impl} {jnp.dtype(dtype).name} q_lens={list(q_lens)}"
+                 f" {kw or ''}".strip(), ok=False)
+      try:
+        got = attention.ragged_paged_attention(
+            *args, implementation=impl, interpret=smoke, **kw)
+        rec["rel_err"] = rel_err(got, ref)
+        rec["max_abs_err"] = float(jnp.max(jnp.abs(
+            jnp.asarray(got, jnp.float32) - ref)))
+        assert_rows_close(got, ref, dtype)
+        rec["ok"] = True
+      except Exception as e:  # pylint: disable=broad-except
+        rec["error"] = f"{type(e).__name__}: {e}"[:600]
+      out.append(rec)
+      log(f"  {'PASS' if rec['ok'] else 'FAIL'}  {rec['case']}  "
+          + (f"rel {rec['rel_err']:.1e} max abs {rec['max_abs_err']:.1e}"
+             if "max_abs_err" in rec else "") + f" {rec.get('error', '')}")
   return out
 
 
@@ -480,14 +483,17 @@ def prefill(s: Shapes, ceil: dict, args) -> dict:
     out["ours_s"] = ours["s"]
     out["ours_tflops"] = ours["tflops"]
     out["ours_frac_matmul"] = ours["frac_matmul"]
-    out["goal_frac_matmul_met"] = bool(ours["frac_matmul"] >= GOAL_FRAC_MATMUL)
+    out["ours_correct"] = ours.get("correct", False)
+    out["goal_frac_matmul_met"] = bool(
+        out["ours_correct"] and ours["frac_matmul"] >= GOAL_FRAC_MATMUL)
   if best is not None:
     out["best_contiguous"] = best["name"]
     out["contiguous_s"] = best["s"]
     if "s" in ours:
       out["paged_over_contiguous"] = ours["s"] / best["s"]
       out["goal_paged_over_contiguous_met"] = bool(
-          out["paged_over_contiguous"] <= GOAL_PAGED_OVER_CONTIGUOUS)
+          out["ours_correct"]
+          and out["paged_over_contiguous"] <= GOAL_PAGED_OVER_CONTIGUOUS)
   return out
 
 
