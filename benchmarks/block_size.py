@@ -39,17 +39,32 @@ SHAPES = {
 }
 
 
-def make_inputs(shape: dict, block_size: int, seed: int = 0):
-  """Paged K/V and tables for the same sequences at `block_size`."""
+@functools.lru_cache(maxsize=1)
+def _sequences(shape_items: tuple, seed: int):
+  """The random sequences (host float32), drawn once for all block sizes.
+
+  Returns the lengths, q, k, v and the generator's state after drawing them,
+  from which every block size draws the same page placement as before.
+  """
+  shape = dict(shape_items)
   rng = np.random.default_rng(seed)
   b, hq, hkv, d = (shape[k] for k in ("batch", "num_q_heads", "num_kv_heads", "head_dim"))
   mean = shape["mean_kv_len"]
   kv_lens = rng.integers(mean // 2, mean + mean // 2 + 1, size=b)
   max_len = int(-(-kv_lens.max() // 128) * 128)  # same token capacity for all sizes
-  dtype = jnp.dtype(shape["dtype"])
   q = rng.standard_normal((b, hq, d), np.float32)
   k = rng.standard_normal((hkv, b, max_len, d), np.float32)
   v = rng.standard_normal((hkv, b, max_len, d), np.float32)
+  return kv_lens, q, k, v, rng.bit_generator.state
+
+
+def make_inputs(shape: dict, block_size: int, seed: int = 0):
+  """Paged K/V and tables for the same sequences at `block_size`."""
+  kv_lens, q, k, v, state = _sequences(tuple(sorted(shape.items())), seed)
+  rng = np.random.default_rng()
+  rng.bit_generator.state = state
+  hkv, b, max_len, d = k.shape
+  dtype = jnp.dtype(shape["dtype"])
   width = max_len // block_size
   num_blocks = b * width
   perm = rng.permutation(num_blocks)  # physical block of (seq, logical block)
@@ -60,22 +75,26 @@ def make_inputs(shape: dict, block_size: int, seed: int = 0):
   v_pages[:, perm] = v.reshape(hkv, b * width, block_size, d)
   used = -(-kv_lens // block_size)
   tables[np.arange(width)[None, :] >= used[:, None]] = -1  # NULL_BLOCK
-  return (jnp.asarray(q, dtype), jnp.asarray(k_pages, dtype),
-          jnp.asarray(v_pages, dtype), jnp.asarray(tables),
+  # Cast on the device: a host-side cast to bfloat16 is slow at GPU sizes.
+  return (jnp.asarray(q).astype(dtype), jnp.asarray(k_pages).astype(dtype),
+          jnp.asarray(v_pages).astype(dtype), jnp.asarray(tables),
           jnp.asarray(kv_lens.astype(np.int32)))
 
 
-def time_block_sizes(shape: dict, implementation: str, *, repeats: int) -> dict:
+def time_block_sizes(shape: dict, implementation: str, *, repeats: int,
+                     inputs: dict | None = None) -> dict:
   """Median time per block size, timed in interleaved rounds.
 
   Each round calls every block size once, so load that comes and goes on a
-  shared machine lands on all of them alike.
+  shared machine lands on all of them alike. `inputs` ({block_size:
+  make_inputs(shape, block_size)}) may be shared between implementations.
   """
   fn = jax.jit(functools.partial(attention.paged_attention,
                                  implementation=implementation))
-  inputs, ref = {}, None
+  if inputs is None:
+    inputs = {bs: make_inputs(shape, bs) for bs in BLOCK_SIZES}
+  ref = None
   for bs in BLOCK_SIZES:
-    inputs[bs] = make_inputs(shape, bs)
     try:
       result = np.asarray(jax.block_until_ready(fn(*inputs[bs])), np.float32)
     except ValueError as e:  # this implementation cannot serve the call
@@ -130,9 +149,11 @@ def plot(data: dict, path) -> None:
 def run(quick: bool = False, out=common.RESULTS_DIR, gpu: bool = False) -> dict:
   shape = SHAPES["gpu" if gpu else "quick" if quick else "cpu"]
   impls = ("xla", "pallas_gpu") if gpu else ("xla",)
+  inputs = {bs: make_inputs(shape, bs) for bs in BLOCK_SIZES}
   results = {}
   for impl in impls:
-    results[impl] = time_block_sizes(shape, impl, repeats=3 if quick else 30)
+    results[impl] = time_block_sizes(shape, impl, repeats=3 if quick else 30,
+                                     inputs=inputs)
     res = results[impl]
     if "error" in res:
       print(f"  {impl}: not run ({res['error']})")

@@ -3,6 +3,7 @@
 Run from the repository root on a machine with one NVIDIA GPU:
 
     PYTHONPATH=. python benchmarks/gpu_decode.py            # a few minutes on an H200
+    PYTHONPATH=. python benchmarks/gpu_decode.py --quick-gpu  # ~2 min: fewer shapes
     PYTHONPATH=. python benchmarks/gpu_decode.py --smoke    # tiny, CPU interpret mode
 
 In one run it
@@ -17,12 +18,18 @@ In one run it
      Every sequence holds `context` tokens in randomly placed pages. Small
      shapes rotate among up to 64 input sets (256 MiB of K/V, beyond L2), 8
      calls unrolled per jitted function, so neither L2 hits nor dispatch
-     overhead flatter them;
+     overhead flatter them; shapes with fewer than 8 sets are padded to 8
+     with sets that share K/V but have their own random q (so XLA cannot
+     merge the calls);
   4. sweeps a few configs of our kernel on three shapes (the heuristic's check);
   5. times the ragged (prefill + decode) kernel if it exists.
 
+`--quick-gpu` times the shapes in QUICK_SHAPES (the goal's batch x context >=
+64 x 4096 among them) and sweeps configs on QUICK_SWEEP_SHAPES only.
+
 Prints a table and writes JSON to benchmarks/results/gpu_decode.json (the smoke
-run to gpu_decode_smoke.json) and to $OUT/ when that variable is set.
+run to gpu_decode_smoke.json) and to $OUT/ when that variable is set; the JSON
+is rewritten after every section, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import dataclasses
 import datetime
 import gc
 import importlib
+import itertools
 import json
 import math
 import os
@@ -54,6 +62,9 @@ BLOCK_SIZE = 16
 DTYPE = jnp.bfloat16
 BATCHES = (1, 8, 64, 256)
 CONTEXTS = (512, 2048, 8192, 32768)
+SWEEP_SHAPES = ((1, 32768), (8, 8192), (64, 2048))  # (batch, context)
+QUICK_SHAPES = ((1, 32768), (8, 8192), (64, 4096), (256, 4096), (64, 16384))
+QUICK_SWEEP_SHAPES = ((1, 32768), (64, 4096))
 ROTATION_BYTES = 256 << 20  # rotate inputs until this many K/V bytes (> L2)
 MAX_SETS = 64
 UNROLL = 8  # calls per jitted function when rotating input sets
@@ -140,6 +151,22 @@ def num_sets_for(nbytes: int) -> int:
   """Input sets to rotate so that ROTATION_BYTES of K/V are touched."""
   n = max(1, min(MAX_SETS, math.ceil(ROTATION_BYTES / nbytes)))
   return n if n <= UNROLL else UNROLL * math.ceil(n / UNROLL)
+
+
+def with_fresh_queries(sets, key, n=UNROLL):
+  """`sets` padded to `n` entries; each added set has a new random q.
+
+  The added sets share K/V with the originals, so no memory is spent on them,
+  but every call computes something different and XLA cannot merge two calls
+  unrolled in one jitted function. K/V of these shapes exceed L2 anyway.
+  """
+  out = list(sets)
+  for i in range(len(sets), n):
+    base = sets[i % len(sets)]
+    q = jax.random.normal(jax.random.fold_in(key, i), base[0].shape,
+                          base[0].dtype)
+    out.append((q,) + tuple(base[1:]))
+  return out
 
 
 def kv_bytes(batch, context, dtype=DTYPE):
@@ -307,68 +334,70 @@ def bench_decode(args, copy_gbps: float) -> list[dict]:
     log(f"  note: skipping the xla row: {xla_note}")
   rows = []
   key = jax.random.key(0)
-  for batch in args.batches:
-    for context in args.contexts:
-      nbytes = kv_bytes(batch, context)
-      row = dict(batch=batch, context=context, kv_bytes=nbytes)
-      if nbytes > args.budget_gib * (1 << 30):
-        row["skipped"] = f"K/V {nbytes / 2**30:.1f} GiB > {args.budget_gib} GiB"
-        rows.append(row)
-        log(f"  b={batch:4d} ctx={context:6d}  skipped ({row['skipped']})")
-        continue
-      num_sets = num_sets_for(nbytes)
-      if args.smoke:
-        num_sets = 2
-      row["num_sets"] = num_sets
-      sets = [make_inputs(jax.random.fold_in(key, i), batch=batch,
-                          context=context) for i in range(num_sets)]
-      paged = [s.args() for s in sets]
-      row["our_config"] = dataclasses.asdict(gpu_decode.default_config(
-          sets[0].q, sets[0].k_pages, sets[0].block_tables))
-      impls = {"ours": ours_fn(interpret)}
-      builtin, row["jax_config"] = jax_builtin_fn(context // BLOCK_SIZE,
-                                                  interpret)
-      impls["jax"] = builtin
-      if xla is not None:
-        impls["xla"] = xla
-      for name, fn in impls.items():
-        try:
-          row[f"{name}_s"] = time_per_call(fn, paged, runs=runs)
-        except Exception as e:  # pylint: disable=broad-except
-          row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-          log(f"    {name} failed: {row[f'{name}_error']}")
-      dense = [(s.q, to_dense(s.k_pages, s.block_tables),
-                to_dense(s.v_pages, s.block_tables)) for s in sets]
-      try:
-        row["dense_s"] = time_per_call(dense_decode, dense, runs=runs)
-      except Exception as e:  # pylint: disable=broad-except
-        row["dense_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-      if "ours_s" in row and "dense_s" in row:
-        ours = gpu_decode.paged_decode(*paged[0], interpret=interpret)
-        ref = dense_decode(*dense[0])
-        row["ours_vs_dense_max_abs"] = float(jnp.max(jnp.abs(
-            ours.astype(jnp.float32) - ref.astype(jnp.float32))))
-      for name in ("ours", "jax", "xla", "dense"):
-        if f"{name}_s" in row:
-          row[f"{name}_gbps"] = nbytes / row[f"{name}_s"] / 1e9
-          row[f"{name}_frac_copy"] = row[f"{name}_gbps"] / copy_gbps
-      if "ours_s" in row and "dense_s" in row:
-        row["paged_over_dense"] = row["ours_s"] / row["dense_s"]
-      if "ours_s" in row and "jax_s" in row:
-        row["speedup_vs_jax"] = row["jax_s"] / row["ours_s"]
+  for batch, context in args.shapes:
+    nbytes = kv_bytes(batch, context)
+    row = dict(batch=batch, context=context, kv_bytes=nbytes)
+    if nbytes > args.budget_gib * (1 << 30):
+      row["skipped"] = f"K/V {nbytes / 2**30:.1f} GiB > {args.budget_gib} GiB"
       rows.append(row)
-      log(format_row(row))
-      del sets, paged, dense
-      gc.collect()
+      log(f"  b={batch:4d} ctx={context:6d}  skipped ({row['skipped']})")
+      continue
+    num_sets = num_sets_for(nbytes)
+    if args.smoke:
+      num_sets = 2
+    row["num_sets"] = num_sets
+    sets = [make_inputs(jax.random.fold_in(key, i), batch=batch,
+                        context=context) for i in range(num_sets)]
+    paged = [s.args() for s in sets]
+    if not args.smoke:
+      paged = with_fresh_queries(paged, jax.random.fold_in(key, 10_000))
+    row["our_config"] = dataclasses.asdict(gpu_decode.default_config(
+        sets[0].q, sets[0].k_pages, sets[0].block_tables))
+    impls = {"ours": ours_fn(interpret)}
+    builtin, row["jax_config"] = jax_builtin_fn(context // BLOCK_SIZE,
+                                                interpret)
+    impls["jax"] = builtin
+    if xla is not None:
+      impls["xla"] = xla
+    for name, fn in impls.items():
+      try:
+        row[f"{name}_s"] = time_per_call(fn, paged, runs=runs)
+      except Exception as e:  # pylint: disable=broad-except
+        row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        log(f"    {name} failed: {row[f'{name}_error']}")
+    dense = [(s.q, to_dense(s.k_pages, s.block_tables),
+              to_dense(s.v_pages, s.block_tables)) for s in sets]
+    if not args.smoke:
+      dense = with_fresh_queries(dense, jax.random.fold_in(key, 20_000))
+    try:
+      row["dense_s"] = time_per_call(dense_decode, dense, runs=runs)
+    except Exception as e:  # pylint: disable=broad-except
+      row["dense_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    if "ours_s" in row and "dense_s" in row:
+      ours = gpu_decode.paged_decode(*paged[0], interpret=interpret)
+      ref = dense_decode(*dense[0])
+      row["ours_vs_dense_max_abs"] = float(jnp.max(jnp.abs(
+          ours.astype(jnp.float32) - ref.astype(jnp.float32))))
+    for name in ("ours", "jax", "xla", "dense"):
+      if f"{name}_s" in row:
+        row[f"{name}_gbps"] = nbytes / row[f"{name}_s"] / 1e9
+        row[f"{name}_frac_copy"] = row[f"{name}_gbps"] / copy_gbps
+    if "ours_s" in row and "dense_s" in row:
+      row["paged_over_dense"] = row["ours_s"] / row["dense_s"]
+    if "ours_s" in row and "jax_s" in row:
+      row["speedup_vs_jax"] = row["jax_s"] / row["ours_s"]
+    rows.append(row)
+    log(format_row(row))
+    del sets, paged, dense
+    gc.collect()
   return rows
 
 
 def config_sweep(args) -> list[dict]:
-  """Our kernel under a few configs around the default, on three shapes."""
+  """Our kernel under a few configs around the default, on a few shapes."""
   interpret = args.smoke
   runs = 3 if args.smoke else args.runs
-  shapes = ([(1, 128)] if args.smoke
-            else [(1, 32768), (8, 8192), (64, 2048)])
+  shapes = [(1, 128)] if args.smoke else args.sweep_shapes
   out = []
   for batch, context in shapes:
     s = make_inputs(jax.random.key(1), batch=batch, context=context)
@@ -377,6 +406,8 @@ def config_sweep(args) -> list[dict]:
     sets = [s.args()] + [
         make_inputs(jax.random.key(2 + i), batch=batch, context=context).args()
         for i in range(num_sets - 1)]
+    if not args.smoke:
+      sets = with_fresh_queries(sets, jax.random.key(99))
     d = gpu_decode.default_config(s.q, s.k_pages, s.block_tables)
     configs = {d}
     for k in (d.k_splits // 4, d.k_splits // 2, d.k_splits * 2,
@@ -487,7 +518,7 @@ def device_info():
               python=sys.version.split()[0])
 
 
-def write_json(result, smoke):
+def write_json(result, smoke, quiet=False):
   name = "gpu_decode_smoke.json" if smoke else "gpu_decode.json"
   paths = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                         name)]
@@ -497,7 +528,8 @@ def write_json(result, smoke):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
       json.dump(result, f, indent=1, default=str)
-    log(f"wrote {path}")
+    if not quiet:
+      log(f"wrote {path}")
 
 
 def parse_args(argv=None):
@@ -511,9 +543,16 @@ def parse_args(argv=None):
                  help="skip shapes whose K/V exceed this many GiB")
   p.add_argument("--no-sweep", action="store_true",
                  help="skip the config sweep")
+  p.add_argument("--quick-gpu", action="store_true",
+                 help="time QUICK_SHAPES instead of batches x contexts and "
+                 "sweep configs on QUICK_SWEEP_SHAPES only (about 2 min)")
   args = p.parse_args(argv)
   if args.smoke:
     args.batches, args.contexts = (1, 2), (64, 128)
+  args.shapes = list(itertools.product(args.batches, args.contexts))
+  args.sweep_shapes = SWEEP_SHAPES
+  if args.quick_gpu and not args.smoke:
+    args.shapes, args.sweep_shapes = QUICK_SHAPES, QUICK_SWEEP_SHAPES
   return args
 
 
@@ -532,28 +571,31 @@ def main(argv=None):
                   dtype=jnp.dtype(DTYPE).name))
   log(f"device: {result['device']}")
 
-  def section(name, fn, *a):
+  def section(key, name, fn, *a):
+    """result[key] = fn(*a) (or the traceback); the JSON so far is written."""
     if name:
       log(f"\n== {name}")
     try:
-      return fn(*a)
+      result[key] = fn(*a)
     except Exception:  # pylint: disable=broad-except
       tb = traceback.format_exc()
       log(tb)
-      return dict(error=tb[-2000:])
+      result[key] = dict(error=tb[-2000:])
+    result["seconds"] = time.time() - t_start
+    write_json(result, args.smoke, quiet=True)
 
-  result["correctness"] = section("correctness (ours vs float32 reference)",
-                                  correctness, args.smoke)
-  result["copy"] = section("device copy bandwidth", copy_bandwidth, args.smoke)
+  section("correctness", "correctness (ours vs float32 reference)",
+          correctness, args.smoke)
+  section("copy", "device copy bandwidth", copy_bandwidth, args.smoke)
   copy_gbps = result["copy"].get("gbps", float("nan"))
   log(f"  copy {result['copy'].get('copy_gbps', 0):.0f} GB/s, "
       f"elementwise {result['copy'].get('add_gbps', 0):.0f} GB/s")
   log(f"\n== decode timings (median of {args.runs if not args.smoke else 3})")
   log(HEADER)
-  result["decode"] = section("", bench_decode, args, copy_gbps)
+  section("decode", "", bench_decode, args, copy_gbps)
   if not args.no_sweep:
-    result["config_sweep"] = section("config sweep (ours)", config_sweep, args)
-  result["ragged"] = section("ragged / prefill", ragged_section, args)
+    section("config_sweep", "config sweep (ours)", config_sweep, args)
+  section("ragged", "ragged / prefill", ragged_section, args)
   result["seconds"] = time.time() - t_start
   log(f"\n== summary ({result['seconds']:.0f} s)")
   log(HEADER)
