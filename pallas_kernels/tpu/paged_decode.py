@@ -434,5 +434,32 @@ def paged_decode(
   q_shape_kernel, q_dtype_kernel = _q_kernel_layout(q.shape, q.dtype,
                                                     k_pages.shape[0])
   q_kernel = q.astype(q_dtype_kernel).reshape(q_shape_kernel)
-  out = call(kv_lens, block_tables.reshape(-1), q_kernel, k_pages, v_pages)
+  out = _map_when_vmapped(call)(kv_lens, block_tables.reshape(-1), q_kernel,
+                                k_pages, v_pages)
   return out.reshape(q.shape).astype(q.dtype)
+
+
+def _map_when_vmapped(call):
+  """`call`, batched under `jax.vmap` by a `lax.map` over the vmapped axis.
+
+  A `pallas_call` with scalar-prefetch operands has no batching rule, so a
+  vmapped call (e.g. over layers) runs the kernel once per element instead;
+  unbatched operands (the pages, typically) are closed over, not broadcast.
+  """
+
+  @jax.custom_batching.custom_vmap
+  def run(*args):
+    return call(*args)
+
+  @run.def_vmap
+  def _(axis_size, in_batched, *args):
+    del axis_size
+
+    def one(xs):
+      it = iter(xs)
+      return run(*[next(it) if b else a for a, b in zip(args, in_batched)])
+
+    batched = [a for a, b in zip(args, in_batched) if b]
+    return jax.lax.map(one, batched), True
+
+  return run

@@ -22,9 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 from paged_jax.reference import paged_attention_reference
 from pallas_kernels.tpu import paged_decode as pd
 from tests.cases import assert_rows_close, make_decode_case
-from tests.pallas_kernels.tpu_testing import (FAR_BLOCK,
-                                              batched_decode_reference,
-                                              races_found)
+from tests.pallas_kernels.tpu_testing import FAR_BLOCK, races_found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +149,7 @@ def _make_case(spec: Spec, seed: int, **kw):
 
 
 def _check_against_reference(spec: Spec, case, *, hide_skipped=True,
-                             reference=batched_decode_reference):
+                             reference=paged_attention_reference):
   tables = case.block_tables
   if hide_skipped:
     tables = _hide_skipped_pages(tables, case.kv_lens, spec.block_size,
@@ -215,7 +213,7 @@ def test_all_empty_sequences_give_zeros():
 
 def test_under_jit_with_donated_query():
   case = _make_case(BASE, seed=5, unused_entry=FAR_BLOCK)
-  ref = batched_decode_reference(case.q, case.k_pages, case.v_pages,
+  ref = paged_attention_reference(case.q, case.k_pages, case.v_pages,
                                  case.block_tables, case.kv_lens)
   params = pltpu.InterpretParams(detect_races=True)
   step = jax.jit(

@@ -28,9 +28,7 @@ from paged_jax.reference import ragged_paged_attention_reference
 from pallas_kernels.tpu import paged_decode as pd
 from pallas_kernels.tpu import ragged_attention as ra
 from tests.cases import assert_rows_close, make_ragged_case
-from tests.pallas_kernels.tpu_testing import (FAR_BLOCK,
-                                              batched_ragged_reference,
-                                              races_found)
+from tests.pallas_kernels.tpu_testing import FAR_BLOCK, races_found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +206,7 @@ def _run(spec: Spec, case, *, hide=True):
 
 def _check_against_reference(spec: Spec, case):
   out = _run(spec, case)
-  ref = batched_ragged_reference(
+  ref = ragged_paged_attention_reference(
       case.q, case.k_pages, case.v_pages, case.block_tables, case.kv_lens,
       case.cu_q_lens, case.num_seqs, **spec.attn_kwargs)
   assert_rows_close(out, ref, case.q.dtype)
@@ -310,7 +308,7 @@ def test_one_trace_for_many_batch_mixes():
                             spec.sliding_window)
     out = step(case.q, case.k_pages, case.v_pages, tables, case.kv_lens,
                case.cu_q_lens, case.num_seqs)
-    ref = batched_ragged_reference(
+    ref = ragged_paged_attention_reference(
         case.q, case.k_pages, case.v_pages, case.block_tables, case.kv_lens,
         case.cu_q_lens, case.num_seqs, **spec.attn_kwargs)
     assert_rows_close(out, ref, jnp.float32)
