@@ -477,6 +477,18 @@ class Engine:
     st.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
     return self._take_outputs()
 
+  def warmup(self):
+    """Compiles both step shapes with all-padding inputs (changes nothing)."""
+    if self.has_unfinished() or self._release_next or self._release_late_next:
+      raise RuntimeError("warmup() needs an idle engine")
+    for decode_only in (True, False):
+      x, _, _, _ = self._build([])
+      if not decode_only:
+        x = x.replace(tokens=np.zeros(self.config.max_tokens_per_step, np.int32))
+      self._cache, self._state, out = self._steps[decode_only](
+          self._params, self._cache, self._state, x)
+      self._num_free = int(out.num_free)
+
   def _take_outputs(self):
     outs, self._outputs = self._outputs, []
     return outs

@@ -1,0 +1,217 @@
+"""Workloads and the paged-vs-contiguous comparison.
+
+`synthetic_requests` draws a seeded workload with ShareGPT-like length variety
+(log-normal prompt and output lengths, a long tail). `run_workload` serves a
+list of requests with either engine kind on the same KV memory and returns a
+stats dict; `benchmarks/` and `examples/generate.py` both call it.
+
+* "paged": blocks of `block_size` tokens, continuous batching, preemption.
+* "contiguous": every sequence reserves a `max_model_len` slot up front
+  (one block of `max_model_len` tokens) and requests run in static batches:
+  the next batch starts when the previous one has finished. Same KV bytes,
+  so it fits `kv_tokens // max_model_len` sequences at once.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from examples.llama.model import Llama
+from examples.serving.engine import Engine, EngineConfig
+from examples.serving.requests import Request, RequestOutput
+from examples.serving.sampling import SamplingParams
+
+KINDS = ("paged", "contiguous")
+
+
+def synthetic_requests(
+    num_requests: int = 48,
+    *,
+    vocab_size: int,
+    max_model_len: int = 256,
+    seed: int = 0,
+    prompt_median: float = 24.0,
+    output_median: float = 32.0,
+    sigma: float = 0.8,
+    params: SamplingParams | None = None,
+    exclude_ids: Sequence[int] = (),
+) -> list[Request]:
+  """A seeded workload with log-normal prompt and output lengths.
+
+  Args:
+    num_requests: how many requests.
+    vocab_size: prompt ids are drawn uniformly from the vocabulary minus
+      `exclude_ids` (e.g. EOS).
+    max_model_len: prompt + output never exceed it.
+    seed: workload seed (lengths and ids).
+    prompt_median, output_median, sigma: log-normal length parameters.
+    params: sampling parameters; `max_new_tokens` is replaced by the drawn
+      output length.
+
+  Returns:
+    `Request`s with ids 0..num_requests-1.
+  """
+  if num_requests < 1:
+    raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+  if max_model_len < 2:
+    raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+  rng = np.random.default_rng(seed)
+  params = params or SamplingParams()
+  allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(exclude_ids, int))
+  out = []
+  for i in range(num_requests):
+    p = int(np.clip(rng.lognormal(np.log(prompt_median), sigma), 1, max_model_len - 1))
+    o = int(np.clip(rng.lognormal(np.log(output_median), sigma), 1, max_model_len - p))
+    prompt = rng.choice(allowed, size=p).tolist()
+    out.append(Request(i, prompt, _with_budget(params, o)))
+  return out
+
+
+def _with_budget(params: SamplingParams, max_new_tokens: int) -> SamplingParams:
+  d = {f: getattr(params, f) for f in params.__dataclass_fields__}
+  d["max_new_tokens"] = max_new_tokens
+  return SamplingParams(**d)
+
+
+def engine_config(kind: str, *, kv_tokens: int, block_size: int, max_batch: int,
+                  max_tokens_per_step: int, max_model_len: int,
+                  max_beam_width: int = 1, **kw) -> EngineConfig:
+  """The `EngineConfig` of `kind` holding `kv_tokens` tokens of KV.
+
+  Raises:
+    ValueError: unknown kind, or a budget too small for the kind.
+  """
+  if kind == "paged":
+    num_blocks = kv_tokens // block_size
+    if num_blocks < 1:
+      raise ValueError(f"KV budget of {kv_tokens} tokens is less than one "
+                       f"block of {block_size}")
+    return EngineConfig(num_blocks=num_blocks, block_size=block_size,
+                        max_batch=max_batch, max_tokens_per_step=max_tokens_per_step,
+                        max_model_len=max_model_len, max_beam_width=max_beam_width,
+                        **kw)
+  if kind == "contiguous":
+    slots = kv_tokens // max_model_len
+    if slots < 1:
+      raise ValueError(f"KV budget of {kv_tokens} tokens is less than one "
+                       f"max-length sequence ({max_model_len}) for the contiguous cache")
+    batch = min(max_batch, slots)
+    return EngineConfig(num_blocks=slots, block_size=max_model_len,
+                        max_batch=batch,
+                        max_tokens_per_step=max(max_tokens_per_step, batch),
+                        max_model_len=max_model_len,
+                        max_beam_width=min(max_beam_width, batch),
+                        static_batching=True, **kw)
+  raise ValueError(f"engine kind must be one of {KINDS}, got {kind!r}")
+
+
+def warmup(engine: Engine) -> float:
+  """Compiles both step shapes on an idle engine; returns the seconds taken."""
+  t = time.perf_counter()
+  engine.warmup()
+  return time.perf_counter() - t
+
+
+def run_workload(
+    kind: str,
+    model: Llama,
+    requests: Sequence[Request],
+    *,
+    kv_tokens: int,
+    block_size: int = 16,
+    max_batch: int = 16,
+    max_tokens_per_step: int = 128,
+    max_model_len: int = 256,
+    max_beam_width: int = 1,
+    progress: bool = True,
+    **engine_kw,
+) -> tuple[dict, list[RequestOutput]]:
+  """Serves `requests` (all arriving at once) and measures it.
+
+  Args:
+    kind: "paged" or "contiguous" (see the module docstring).
+    model: the model.
+    requests: the workload.
+    kv_tokens: KV memory budget in tokens (the same bytes for both kinds).
+    block_size, max_batch, max_tokens_per_step, max_model_len,
+      max_beam_width: engine sizes (see `EngineConfig`).
+    progress: show a tqdm progress bar on stderr.
+    **engine_kw: other `EngineConfig` fields.
+
+  Returns:
+    `(stats, outputs)`: `stats` is a JSON-able dict (requests served and
+    rejected, tokens generated, wall seconds and tokens/s after compilation,
+    peak and mean KV blocks used, peak concurrent sequences, preemptions,
+    host and device milliseconds per step, compile seconds); `outputs` are the
+    `RequestOutput`s in request order.
+  """
+  config = engine_config(kind, kv_tokens=kv_tokens, block_size=block_size,
+                         max_batch=max_batch,
+                         max_tokens_per_step=max_tokens_per_step,
+                         max_model_len=max_model_len,
+                         max_beam_width=max_beam_width, **engine_kw)
+  engine = Engine(model, config)
+  compile_s = warmup(engine)
+  bar = None
+  if progress:
+    from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+    bar = tqdm(total=len(requests), desc=f"{kind:>10}", unit="req", leave=True,
+               dynamic_ncols=True)
+
+  def on_step(eng: Engine, done):
+    if bar is not None:
+      u = eng.usage()
+      bar.set_postfix_str(f"KV {u['blocks_used']}/{u['blocks_total']} blocks, "
+                          f"running {u['running']}, waiting {u['waiting']}",
+                          refresh=False)
+      bar.update(len(done))
+
+  t0 = time.perf_counter()
+  outputs = [o for o in (engine.add_request(r) for r in requests) if o is not None]
+  if bar is not None:
+    bar.update(len(outputs))
+  outputs += engine.run_until_done(on_step=on_step)
+  jax.block_until_ready(engine.block_state.num_free)
+  wall = time.perf_counter() - t0
+  if bar is not None:
+    bar.close()
+  order = {r.request_id: i for i, r in enumerate(requests)}
+  outputs.sort(key=lambda o: order[o.request_id])
+  st = engine.stats
+  used = np.asarray(st.blocks_used or [0], float)
+  steps = max(st.steps, 1)
+  kv_bytes = config.num_blocks * config.block_size * model.config.kv_bytes_per_token(
+      config.cache_dtype)
+  stats = {
+      "kind": kind,
+      "requests": len(requests),
+      "served": st.finished,
+      "rejected": st.rejected,
+      "generated_tokens": st.generated_tokens,
+      "computed_tokens": st.computed_tokens,
+      "wall_seconds": wall,
+      "tokens_per_second": st.generated_tokens / wall if wall > 0 else 0.0,
+      "steps": st.steps,
+      "decode_steps": st.decode_steps,
+      "mixed_steps": st.mixed_steps,
+      "num_blocks": config.num_blocks,
+      "block_size": config.block_size,
+      "kv_bytes": kv_bytes,
+      "peak_blocks_used": int(used.max()),
+      "mean_blocks_used": float(used.mean()),
+      "peak_kv_fraction": float(used.max()) / config.num_blocks,
+      "mean_kv_fraction": float(used.mean()) / config.num_blocks,
+      "peak_running": max(st.running or [0]),
+      "mean_running": float(np.mean(st.running or [0])),
+      "max_batch": config.max_batch,
+      "preemptions": st.preemptions,
+      "refused_reservations": st.refused_reservations,
+      "host_ms_per_step": 1e3 * st.host_seconds / steps,
+      "device_ms_per_step": 1e3 * st.device_seconds / steps,
+      "compile_seconds": compile_s,
+  }
+  return stats, outputs
