@@ -6,7 +6,8 @@ Public API:
     `check_invariants`, `usage`, `NULL_BLOCK`;
   * KV cache (`paged_jax.kv_cache`): `KVCache`, `write_kv`, `copy_blocks`,
     `gather_kv`;
-  * attention (`paged_jax.attention`): `paged_attention`;
+  * attention (`paged_jax.attention`): `paged_attention`,
+    `ragged_paged_attention`, `write_and_ragged_attention`;
   * reference (`paged_jax.reference`): float32 oracles.
 """
 
@@ -15,6 +16,8 @@ from paged_jax import kv_cache
 from paged_jax import reference
 from paged_jax.attention import IMPLEMENTATIONS
 from paged_jax.attention import paged_attention
+from paged_jax.attention import ragged_paged_attention
+from paged_jax.attention import write_and_ragged_attention
 from paged_jax.block_manager import BlockState
 from paged_jax.block_manager import NULL_BLOCK
 from paged_jax.block_manager import Reservation
@@ -29,6 +32,8 @@ __all__ = [
     "block_manager",
     "kv_cache",
     "paged_attention",
+    "ragged_paged_attention",
     "reference",
+    "write_and_ragged_attention",
 ]
 __version__ = "0.1.0"

@@ -201,3 +201,120 @@ def paged_attention(
   fn: Callable = module.paged_decode
   return fn(q, k_pages, v_pages, block_tables, kv_lens, sm_scale=sm_scale,
             interpret=interpret, **kwargs)
+
+
+_RAGGED_KERNEL_MODULES = {
+    "pallas_tpu": "pallas_kernels.tpu.ragged_attention",
+    "pallas_gpu": "pallas_kernels.gpu.ragged_attention",
+}
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    implementation: str | None = None,
+    interpret=False,
+) -> jax.Array:
+  """Attention for chunked prefill and mixed prefill + decode batches.
+
+  The new query tokens of all sequences are concatenated: sequence `s` owns
+  rows `cu_q_lens[s]:cu_q_lens[s+1]` of `q`. `kv_lens[s]` counts the tokens in
+  the cache including the new ones (already written), so query `i` of
+  sequence `s` sits at position `kv_lens[s] - q_len[s] + i` and attends
+  causally to positions up to its own (within `sliding_window` if given).
+  Decode is the case `q_len == 1` and gives the same result as
+  `paged_attention`. `num_seqs` is an array, so the batch composition changes
+  without retracing.
+
+  Args:
+    q: `[num_tokens, num_q_heads, head_dim]`.
+    k_pages: `[num_kv_heads, num_blocks, block_size, head_dim]`.
+    v_pages: same shape as `k_pages`.
+    block_tables: `i32[max_num_seqs, max_blocks_per_seq]`.
+    kv_lens: `i32[max_num_seqs]`.
+    cu_q_lens: `i32[max_num_seqs + 1]`, non-decreasing, `cu_q_lens[0] == 0`.
+    num_seqs: `i32[1]`, the live sequences (the first `num_seqs` rows).
+    sm_scale, soft_cap, sliding_window, implementation, interpret: as in
+      `paged_attention`.
+
+  Returns:
+    `[num_tokens, num_q_heads, head_dim]` in `q.dtype`; padding rows (beyond
+    `cu_q_lens[num_seqs]`) are zeros.
+
+  Raises:
+    ValueError: on inconsistent shapes/dtypes, or an `implementation` that
+      cannot serve the call.
+  """
+  check_paged_inputs(q, k_pages, v_pages, block_tables, kv_lens,
+                     q_name="q", sliding_window=sliding_window,
+                     soft_cap=soft_cap)
+  max_num_seqs = block_tables.shape[0]
+  if cu_q_lens.shape != (max_num_seqs + 1,):
+    raise ValueError(f"cu_q_lens must be i32[max_num_seqs + 1] = "
+                     f"i32[{max_num_seqs + 1}], got {list(cu_q_lens.shape)}")
+  if jnp.size(num_seqs) != 1:
+    raise ValueError(f"num_seqs must be i32[1], got shape {jnp.shape(num_seqs)}")
+  num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(1)
+  if sm_scale is None:
+    sm_scale = q.shape[-1] ** -0.5
+  kwargs = dict(soft_cap=soft_cap, sliding_window=sliding_window)
+  name, module = select_implementation(
+      implementation, kernel_modules=_RAGGED_KERNEL_MODULES,
+      reason_args=(q, k_pages, block_tables), reason_kwargs=kwargs,
+      interpret=interpret)
+  if name == "xla":
+    return xla_attention.ragged_paged_attention_xla(
+        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
+        sm_scale=float(sm_scale), **kwargs)
+  return module.ragged_paged_attention(
+      q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
+      sm_scale=sm_scale, interpret=interpret, **kwargs)
+
+
+def write_and_ragged_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slots: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    **kwargs,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Writes the new tokens' K/V into their slots, then runs ragged attention.
+
+  One call per layer for a prefill or mixed step. Jit the caller with the
+  pages donated and the write happens in place (the cache aliases input to
+  output). Slots come from `block_manager.slot_mapping`, which maps any
+  position in a shared block (refcount > 1) to -1, and -1 slots are dropped:
+  a write to a block another sequence still reads is impossible by
+  construction. After `reserve` has done its copy-on-write, every new token's
+  slot is in an exclusively owned block.
+
+  Args:
+    q: `[num_tokens, num_q_heads, head_dim]`.
+    k, v: `[num_tokens, num_kv_heads, head_dim]` the new tokens' K/V.
+    slots: `i32[num_tokens]`; -1 for padding rows.
+    k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, **kwargs: as
+      in `ragged_paged_attention`.
+
+  Returns:
+    `(out [num_tokens, num_q_heads, head_dim], k_pages, v_pages)`.
+  """
+  from paged_jax import kv_cache  # pylint: disable=import-outside-toplevel
+  k_pages, v_pages = kv_cache.write_kv(k_pages, v_pages, k, v, slots)
+  out = ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
+                               cu_q_lens, num_seqs, **kwargs)
+  return out, k_pages, v_pages

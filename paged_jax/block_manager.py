@@ -18,11 +18,12 @@ Layout of the state:
 * `free_stack` `i32[num_blocks]`, `num_free` `i32[]`: `free_stack[:num_free]`
   are the free blocks; allocation pops from the top, release pushes.
 
-Operations serve the sequences of a batch in the order given (a `lax.scan`
-over the batch), so repeated ids and siblings that share a block behave exactly
-as if the calls were made one at a time. Each step touches one table row and
-at most `max_blocks_per_seq` blocks: the cost is O(batch x max_blocks_per_seq),
-independent of `num_blocks`. Jit the caller with the state donated
+Operations are vectorised over the batch: each touches the listed sequences'
+table rows and at most `max_blocks_per_seq` blocks per sequence, with one
+scatter per pool-sized array, so the cost is O(batch x max_blocks_per_seq)
+(plus an O(batch^2) ordering pass), independent of `num_blocks`. `reserve`
+serves requests in the order given (earlier requests get blocks first), and a
+sequence slot may appear once per call. Jit the caller with the state donated
 (`donate_argnums`) so the pool-sized arrays are updated in place.
 
 Failure is a value: every operation returns an `ok` mask, and a failed request
@@ -171,24 +172,34 @@ def _cdiv(a, b):
   return (a + b - 1) // b
 
 
-def _scatter_add(x: jax.Array, idx: jax.Array, mask: jax.Array, val: int):
-  """`x[idx] += val` where `mask`, in place when `x` is donated."""
+def _scatter_add(x: jax.Array, idx: jax.Array, mask: jax.Array, val):
+  """`x[idx] += val` where `mask`; one scatter, in place when `x` is donated."""
   return x.at[jnp.where(mask, idx, x.shape[0])].add(val, mode="drop")
+
+
+def _first_occurrence(ids: jax.Array) -> jax.Array:
+  """`bool[n]`: True where `ids[i]` does not appear in `ids[:i]` (O(n^2), small n)."""
+  n = ids.shape[0]
+  earlier = jnp.tril(ids[:, None] == ids[None, :], k=-1)
+  return ~jnp.any(earlier, axis=1) if n else jnp.zeros((0,), bool)
 
 
 def reserve(state: BlockState, seq_ids, num_new_tokens
             ) -> tuple[BlockState, Reservation]:
   """Grows each listed sequence by `num_new_tokens` token slots.
 
-  Sequences are served in the order given. A sequence crossing a block
-  boundary takes new blocks from the pool; it either gets everything it asked
-  for or is left exactly as it was (`ok`). Reserving on an empty slot starts a
-  new sequence there.
+  Sequences are served in the order given: earlier requests get blocks first.
+  A sequence crossing a block boundary takes new blocks from the pool; it
+  either gets everything it asked for or is left exactly as it was (`ok`).
+  Reserving on an empty slot starts a new sequence there. A slot may appear
+  once per call; later occurrences fail.
 
   Copy-on-write: a sequence that grows into a partially filled last block
   whose refcount is > 1 (shared after `fork`) gets a fresh block for it, and
   the pair (`copy_src`, `copy_dst`) tells the caller to copy that block's K/V
   (`kv_cache.copy_blocks`) before writing. Full shared blocks are never copied.
+  When every holder of a shared partial block grows in the same call, the last
+  one in order keeps the original (its refcount has dropped to 1 by then).
 
   Args:
     state: the block state.
@@ -208,45 +219,57 @@ def reserve(state: BlockState, seq_ids, num_new_tokens
   bs = state.block_size
   num_blocks, max_seqs, width = (state.num_blocks, state.max_seqs,
                                  state.max_blocks_per_seq)
-  cols = jnp.arange(width, dtype=jnp.int32)
+  n = seq_ids.shape[0]
+  valid = ((seq_ids >= 0) & (seq_ids < max_seqs) & (num_new_tokens >= 0)
+           & _first_occurrence(seq_ids))
+  sid = jnp.clip(seq_ids, 0, max_seqs - 1)
+  old_len = state.seq_lens[sid]
+  rows = state.block_tables[sid]  # [n, width]
+  new_len = old_len + num_new_tokens
+  valid &= new_len <= width * bs
+  cur_blocks = _cdiv(old_len, bs)
+  new_blocks = _cdiv(new_len, bs)
+  last = jnp.take_along_axis(rows, jnp.maximum(cur_blocks - 1, 0)[:, None],
+                             axis=1)[:, 0]
+  partial = valid & (num_new_tokens > 0) & (old_len % bs != 0)
+  last_refs = state.refcounts[jnp.clip(last, 0, num_blocks - 1)]
 
-  def step(carry, x):
-    tables, lens, refs, stack, num_free = carry
-    sid, n = x
-    valid_id = (sid >= 0) & (sid < max_seqs)
-    sid = jnp.clip(sid, 0, max_seqs - 1)
-    old_len = lens[sid]
-    row = tables[sid]
-    new_len = old_len + n
-    cur_blocks = _cdiv(old_len, bs)
-    new_blocks = _cdiv(new_len, bs)
-    last = row[jnp.maximum(cur_blocks - 1, 0)]
-    cow = ((n > 0) & (old_len % bs != 0)
-           & (refs[jnp.clip(last, 0, num_blocks - 1)] > 1))
-    need = new_blocks - cur_blocks + cow.astype(jnp.int32)
-    ok = (valid_id & (n >= 0) & (new_len <= width * bs) & (need <= num_free))
-    first = cur_blocks - cow.astype(jnp.int32)  # first table column to fill
-    k = cols - first
-    taking = ok & (k >= 0) & (k < need)
-    new_ids = stack[jnp.clip(num_free - 1 - k, 0, num_blocks - 1)]
-    new_row = jnp.where(taking, new_ids, row)
-    refs = _scatter_add(refs, new_ids, taking, 1)
-    do_copy = ok & cow
-    refs = _scatter_add(refs, last[None], do_copy[None], -1)
-    tables = tables.at[sid].set(new_row)
-    lens = lens.at[sid].set(jnp.where(ok, new_len, old_len))
+  # Serve in order: a scan over the batch with O(n) carry decides who fits and
+  # who must copy (siblings that copied earlier in this call lower the count).
+  def step(carry, i):
+    num_free, copied = carry  # copied: i32[n] blocks left by earlier copies
+    drops = jnp.sum((copied == last[i]) & partial[i], dtype=jnp.int32)
+    cow = partial[i] & (last_refs[i] - drops > 1)
+    need = new_blocks[i] - cur_blocks[i] + cow.astype(jnp.int32)
+    ok = valid[i] & (need <= num_free)
     num_free = num_free - jnp.where(ok, need, 0)
-    copy_src = jnp.where(do_copy, last, NULL_BLOCK)
-    copy_dst = jnp.where(do_copy, new_row[jnp.maximum(first, 0)], NULL_BLOCK)
-    return (tables, lens, refs, stack, num_free), (ok, copy_src, copy_dst)
+    copied = copied.at[i].set(jnp.where(ok & cow, last[i], NULL_BLOCK))
+    return (num_free, copied), (ok, cow & ok, jnp.where(ok, need, 0))
 
-  carry = (state.block_tables, state.seq_lens, state.refcounts,
-           state.free_stack, state.num_free)
-  carry, (ok, src, dst) = jax.lax.scan(step, carry, (seq_ids, num_new_tokens))
-  tables, lens, refs, stack, num_free = carry
+  init = (state.num_free, jnp.full((n,), NULL_BLOCK, jnp.int32))
+  (num_free, _), (ok, cow, need) = jax.lax.scan(
+      step, init, jnp.arange(n, dtype=jnp.int32))
+
+  # Hand out blocks from the top of the free stack, in request order.
+  offset = jnp.cumsum(need) - need  # blocks taken by earlier requests
+  first = cur_blocks - cow.astype(jnp.int32)  # first table column to fill
+  k = jnp.arange(width, dtype=jnp.int32)[None, :] - first[:, None]
+  taking = ok[:, None] & (k >= 0) & (k < need[:, None])
+  pos = state.num_free - 1 - offset[:, None] - k
+  new_ids = state.free_stack[jnp.clip(pos, 0, num_blocks - 1)]
+  new_rows = jnp.where(taking, new_ids, rows)
+  refs = _scatter_add(state.refcounts, new_ids, taking, 1)
+  refs = _scatter_add(refs, last, cow, -1)
+  write = jnp.where(ok, sid, max_seqs)  # failed requests write nothing
+  tables = state.block_tables.at[write].set(new_rows, mode="drop")
+  lens = state.seq_lens.at[write].set(new_len, mode="drop")
+  dst = jnp.take_along_axis(new_rows, jnp.maximum(first, 0)[:, None],
+                            axis=1)[:, 0]
   new_state = state.replace(block_tables=tables, seq_lens=lens, refcounts=refs,
-                            free_stack=stack, num_free=num_free)
-  return new_state, Reservation(ok=ok, copy_src=src, copy_dst=dst)
+                            num_free=num_free)
+  return new_state, Reservation(ok=ok,
+                                copy_src=jnp.where(cow, last, NULL_BLOCK),
+                                copy_dst=jnp.where(cow, dst, NULL_BLOCK))
 
 
 def release(state: BlockState, seq_ids) -> tuple[BlockState, jax.Array]:
@@ -260,8 +283,8 @@ def release(state: BlockState, seq_ids) -> tuple[BlockState, jax.Array]:
     seq_ids: `i32[n]` sequence slots to free.
 
   Returns:
-    `(new_state, ok)`; `ok` is `bool[n]`, False for out-of-range ids and
-    empty slots (including a slot released earlier in the same call).
+    `(new_state, ok)`; `ok` is `bool[n]`, False for out-of-range ids, empty
+    slots and repeats of an id earlier in the same call.
 
   Raises:
     ValueError: if `seq_ids` is not a 1-D integer array.
@@ -270,29 +293,26 @@ def release(state: BlockState, seq_ids) -> tuple[BlockState, jax.Array]:
   bs = state.block_size
   num_blocks, max_seqs, width = (state.num_blocks, state.max_seqs,
                                  state.max_blocks_per_seq)
-  cols = jnp.arange(width, dtype=jnp.int32)
-
-  def step(carry, sid):
-    tables, lens, refs, stack, num_free = carry
-    valid_id = (sid >= 0) & (sid < max_seqs)
-    sid = jnp.clip(sid, 0, max_seqs - 1)
-    length = lens[sid]
-    ok = valid_id & (length > 0)
-    row = tables[sid]
-    owned = ok & (cols < _cdiv(length, bs))
-    refs = _scatter_add(refs, row, owned, -1)
-    freed = owned & (refs[jnp.clip(row, 0, num_blocks - 1)] == 0)
-    pos = num_free + jnp.cumsum(freed.astype(jnp.int32)) - 1
-    stack = stack.at[jnp.where(freed, pos, num_blocks)].set(row, mode="drop")
-    num_free = num_free + jnp.sum(freed, dtype=jnp.int32)
-    tables = tables.at[sid].set(jnp.where(ok, NULL_BLOCK, row))
-    lens = lens.at[sid].set(jnp.where(ok, 0, length))
-    return (tables, lens, refs, stack, num_free), ok
-
-  carry = (state.block_tables, state.seq_lens, state.refcounts,
-           state.free_stack, state.num_free)
-  carry, ok = jax.lax.scan(step, carry, seq_ids)
-  tables, lens, refs, stack, num_free = carry
+  sid = jnp.clip(seq_ids, 0, max_seqs - 1)
+  length = state.seq_lens[sid]
+  ok = ((seq_ids >= 0) & (seq_ids < max_seqs) & (length > 0)
+        & _first_occurrence(seq_ids))
+  rows = state.block_tables[sid]  # [n, width]
+  owned = ok[:, None] & (jnp.arange(width)[None, :] < _cdiv(length, bs)[:, None])
+  refs = _scatter_add(state.refcounts, rows, owned, -1)
+  # Blocks whose count reached zero go back on the stack, once each even when
+  # several released sequences shared them: sort, keep first of each run.
+  flat = jnp.sort(jnp.where(owned, rows, num_blocks).reshape(-1))
+  fresh = jnp.concatenate([jnp.ones((1,), bool), flat[1:] != flat[:-1]])
+  freed = fresh & (flat < num_blocks)
+  freed &= refs[jnp.clip(flat, 0, num_blocks - 1)] == 0
+  pos = state.num_free + jnp.cumsum(freed.astype(jnp.int32)) - 1
+  stack = state.free_stack.at[jnp.where(freed, pos, num_blocks)].set(
+      flat, mode="drop")
+  num_free = state.num_free + jnp.sum(freed, dtype=jnp.int32)
+  write = jnp.where(ok, sid, max_seqs)
+  tables = state.block_tables.at[write].set(NULL_BLOCK, mode="drop")
+  lens = state.seq_lens.at[write].set(0, mode="drop")
   return state.replace(block_tables=tables, seq_lens=lens, refcounts=refs,
                        free_stack=stack, num_free=num_free), ok
 
@@ -303,16 +323,19 @@ def fork(state: BlockState, parent_ids, child_ids
 
   For parallel sampling, beam search and shared prompts. The child gets the
   parent's length; the first time either grows into the shared partial last
-  block, `reserve` copies it (copy-on-write).
+  block, `reserve` copies it (copy-on-write). Requests are judged against the
+  state at the start of the call.
 
   Args:
     state: the block state.
-    parent_ids: `i32[n]` live sequence slots to fork from.
+    parent_ids: `i32[n]` live sequence slots to fork from (one parent may
+      have several children).
     child_ids: `i32[n]` empty sequence slots to fork into.
 
   Returns:
     `(new_state, ok)`; `ok` is `bool[n]`, False when an id is out of range, the
-    parent is empty, the child is live (or the parent itself).
+    parent is empty, the child is live, equals its parent, or is claimed by an
+    earlier pair of the same call.
 
   Raises:
     ValueError: if the arguments are not 1-D integer arrays of equal length.
@@ -322,24 +345,18 @@ def fork(state: BlockState, parent_ids, child_ids
   _same_length("parent_ids", parent_ids, "child_ids", child_ids)
   bs = state.block_size
   max_seqs, width = state.max_seqs, state.max_blocks_per_seq
-  cols = jnp.arange(width, dtype=jnp.int32)
-
-  def step(carry, x):
-    tables, lens, refs = carry
-    pid, cid = x
-    valid = (pid >= 0) & (pid < max_seqs) & (cid >= 0) & (cid < max_seqs)
-    pid = jnp.clip(pid, 0, max_seqs - 1)
-    cid = jnp.clip(cid, 0, max_seqs - 1)
-    length = lens[pid]
-    ok = valid & (length > 0) & (lens[cid] == 0) & (pid != cid)
-    row = tables[pid]
-    refs = _scatter_add(refs, row, ok & (cols < _cdiv(length, bs)), 1)
-    tables = tables.at[cid].set(jnp.where(ok, row, tables[cid]))
-    lens = lens.at[cid].set(jnp.where(ok, length, lens[cid]))
-    return (tables, lens, refs), ok
-
-  carry = (state.block_tables, state.seq_lens, state.refcounts)
-  (tables, lens, refs), ok = jax.lax.scan(step, carry, (parent_ids, child_ids))
+  pid = jnp.clip(parent_ids, 0, max_seqs - 1)
+  cid = jnp.clip(child_ids, 0, max_seqs - 1)
+  length = state.seq_lens[pid]
+  ok = ((parent_ids >= 0) & (parent_ids < max_seqs) & (child_ids >= 0)
+        & (child_ids < max_seqs) & (length > 0) & (state.seq_lens[cid] == 0)
+        & (parent_ids != child_ids) & _first_occurrence(child_ids))
+  rows = state.block_tables[pid]
+  owned = ok[:, None] & (jnp.arange(width)[None, :] < _cdiv(length, bs)[:, None])
+  refs = _scatter_add(state.refcounts, rows, owned, 1)
+  write = jnp.where(ok, cid, max_seqs)
+  tables = state.block_tables.at[write].set(rows, mode="drop")
+  lens = state.seq_lens.at[write].set(length, mode="drop")
   return state.replace(block_tables=tables, seq_lens=lens, refcounts=refs), ok
 
 

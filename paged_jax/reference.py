@@ -1,9 +1,9 @@
 """Float32 reference attention: the oracle every backend is tested against.
 
-Everything here is deliberately plain: K/V are gathered into contiguous form
-sequence by sequence (in NumPy-style Python loops over the batch), upcast to
-float32 and attended with an explicit softmax. It is slow and never used on a
-hot path.
+Everything here is deliberately plain NumPy: K/V are gathered into contiguous
+form sequence by sequence (Python loops over the batch), upcast to float32 and
+attended with an explicit softmax. It runs on the host, is not jittable, and is
+never used on a hot path; results are float32 `np.ndarray`s.
 
 Conventions (the same as JAX's `ragged_paged_attention` reference):
   * scores are `q . k * sm_scale`; `sm_scale` defaults to `head_dim ** -0.5`;
@@ -29,8 +29,8 @@ def dense_attention_reference(
     sm_scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
-) -> jax.Array:
-  """Causal attention of `q` over contiguous `k`/`v`, in float32.
+) -> np.ndarray:
+  """Causal attention of `q` over contiguous `k`/`v`, in float32 NumPy.
 
   Args:
     q: `[q_len, num_q_heads, head_dim]` queries, any float dtype.
@@ -44,46 +44,47 @@ def dense_attention_reference(
   Returns:
     float32 `[q_len, num_q_heads, head_dim]`; rows with no visible key are 0.
   """
-  q = jnp.asarray(q, jnp.float32)
-  k = jnp.asarray(k, jnp.float32)
-  v = jnp.asarray(v, jnp.float32)
+  q = np.asarray(q, np.float32)
+  k = np.asarray(k, np.float32)
+  v = np.asarray(v, np.float32)
   _, num_q_heads, head_dim = q.shape
   kv_len, num_kv_heads, _ = k.shape
   if sm_scale is None:
     sm_scale = head_dim**-0.5
   group = num_q_heads // num_kv_heads
-  k = jnp.repeat(k, group, axis=1)
-  v = jnp.repeat(v, group, axis=1)
-  s = jnp.einsum("qhd,khd->hqk", q, k, precision="highest") * sm_scale
+  k = np.repeat(k, group, axis=1)
+  v = np.repeat(v, group, axis=1)
+  s = np.einsum("qhd,khd->hqk", q, k) * np.float32(sm_scale)
   if soft_cap is not None:
-    s = soft_cap * jnp.tanh(s / soft_cap)
-  q_pos = jnp.asarray(q_positions, jnp.int32)[None, :, None]
-  k_pos = jnp.arange(kv_len, dtype=jnp.int32)[None, None, :]
+    s = np.float32(soft_cap) * np.tanh(s / np.float32(soft_cap))
+  q_pos = np.asarray(q_positions, np.int64)[None, :, None]
+  k_pos = np.arange(kv_len)[None, None, :]
   visible = k_pos <= q_pos
   if sliding_window is not None:
     visible = visible & (k_pos > q_pos - sliding_window)
-  s = jnp.where(visible, s, -jnp.inf)
-  m = jnp.max(s, axis=-1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.where(visible, jnp.exp(s - m), 0.0)
-  l = jnp.sum(p, axis=-1, keepdims=True)
-  o = jnp.einsum("hqk,khd->qhd", p, v, precision="highest")
-  l = jnp.transpose(l, (1, 0, 2))  # [q_len, heads, 1]
-  return jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
+  s = np.where(visible, s, -np.inf)
+  m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+  m = np.where(np.isfinite(m), m, 0.0)
+  p = np.where(visible, np.exp(s - m), 0.0).astype(np.float32)
+  l = np.sum(p, axis=-1, keepdims=True)
+  v = np.where(visible.any(axis=(0, 1))[:, None, None], v, 0.0)
+  o = np.einsum("hqk,khd->qhd", p, v)
+  l = np.transpose(l, (1, 0, 2))  # [q_len, heads, 1]
+  return np.where(l > 0, o / np.where(l > 0, l, 1.0), 0.0).astype(np.float32)
 
 
 def gather_sequence_reference(
     pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
     block_table: np.ndarray,  # i32[max_blocks_per_seq]
     kv_len: int,
-) -> jax.Array:
-  """Contiguous `[kv_len, num_kv_heads, head_dim]` copy of one sequence."""
+) -> np.ndarray:
+  """Contiguous float32 `[kv_len, num_kv_heads, head_dim]` copy of one sequence."""
   block_size = pages.shape[2]
   n = -(-int(kv_len) // block_size)
   ids = np.asarray(block_table)[:n]
-  x = pages[:, ids]  # [kvh, n, bs, hd]
+  x = np.asarray(pages[:, ids], np.float32)  # [kvh, n, bs, hd]
   x = x.reshape(pages.shape[0], n * block_size, pages.shape[3])[:, :kv_len]
-  return jnp.transpose(x, (1, 0, 2))
+  return np.transpose(x, (1, 0, 2))
 
 
 def paged_attention_reference(
@@ -102,23 +103,24 @@ def paged_attention_reference(
   Not jittable (loops over the batch on the host); for tests only.
 
   Returns:
-    float32 `[batch, num_q_heads, head_dim]`; zeros where `kv_len == 0`.
+    float32 `[batch, num_q_heads, head_dim]` (NumPy); zeros where `kv_len == 0`.
   """
   block_tables = np.asarray(block_tables)
   kv_lens = np.asarray(kv_lens)
+  q = np.asarray(q, np.float32)
   outs = []
   for b in range(q.shape[0]):
     kv_len = int(kv_lens[b])
     if kv_len == 0:
-      outs.append(jnp.zeros(q.shape[1:], jnp.float32))
+      outs.append(np.zeros(q.shape[1:], np.float32))
       continue
     k = gather_sequence_reference(k_pages, block_tables[b], kv_len)
     v = gather_sequence_reference(v_pages, block_tables[b], kv_len)
     o = dense_attention_reference(
-        q[b][None], k, v, jnp.array([kv_len - 1]), sm_scale=sm_scale,
+        q[b][None], k, v, np.array([kv_len - 1]), sm_scale=sm_scale,
         soft_cap=soft_cap, sliding_window=sliding_window)
     outs.append(o[0])
-  return jnp.stack(outs)
+  return np.stack(outs)
 
 
 def ragged_paged_attention_reference(
@@ -146,7 +148,8 @@ def ragged_paged_attention_reference(
   kv_lens = np.asarray(kv_lens)
   cu_q_lens = np.asarray(cu_q_lens)
   n = int(np.asarray(num_seqs).reshape(-1)[0])
-  out = jnp.zeros(q.shape, jnp.float32)
+  q = np.asarray(q, np.float32)
+  out = np.zeros(q.shape, np.float32)
   for s in range(n):
     start, end = int(cu_q_lens[s]), int(cu_q_lens[s + 1])
     kv_len = int(kv_lens[s])
@@ -154,9 +157,9 @@ def ragged_paged_attention_reference(
       continue
     k = gather_sequence_reference(k_pages, block_tables[s], kv_len)
     v = gather_sequence_reference(v_pages, block_tables[s], kv_len)
-    pos = jnp.arange(kv_len - (end - start), kv_len)
+    pos = np.arange(kv_len - (end - start), kv_len)
     o = dense_attention_reference(
         q[start:end], k, v, pos, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window)
-    out = out.at[start:end].set(o)
+    out[start:end] = o
   return out

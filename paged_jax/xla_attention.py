@@ -1,6 +1,7 @@
 """The XLA attention path: what CPU users get, and the fallback everywhere.
 
-It never materialises a gathered copy of the whole cache: it walks the block
+Scores, softmax and the weighted sum are computed in float32 (the gathered
+pages are upcast; CPU XLA has no bf16 x bf16 -> f32 dot). It never materialises a gathered copy of the whole cache: it walks the block
 tables a few pages at a time (`pages_per_step`), gathers only those pages,
 and folds them into a float32 online softmax. The loop stops after the
 longest sequence's last block (a `fori_loop` with a traced trip count), and
@@ -73,7 +74,10 @@ def paged_decode_xla(
   tables = jnp.pad(block_tables, ((0, 0), (0, steps * pps - width)))
   tables = jnp.clip(tables, 0, num_blocks - 1)
   tokens = pps * block_size
-  qg = q.reshape(batch, num_kv_heads, group, head_dim)
+  # KV-head-major throughout ([kv_heads, batch, ...], the pages' own order), so
+  # the gathered pages feed the dots without a transpose.
+  qg = jnp.swapaxes(q.reshape(batch, num_kv_heads, group, head_dim), 0, 1)
+  qg = qg.astype(jnp.float32)
   kv_lens = kv_lens.astype(jnp.int32)
   offs = jnp.arange(tokens, dtype=jnp.int32)
 
@@ -81,26 +85,24 @@ def paged_decode_xla(
     ids = jax.lax.dynamic_slice_in_dim(tables, i * pps, pps, axis=1)  # [b, pps]
     k = k_pages[:, ids].reshape(num_kv_heads, batch, tokens, head_dim)
     v = v_pages[:, ids].reshape(num_kv_heads, batch, tokens, head_dim)
+    k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     pos = i * tokens + offs  # [tokens]
     valid = pos[None, :] < kv_lens[:, None]  # [b, tokens]
     if sliding_window is not None:
       valid &= pos[None, :] >= kv_lens[:, None] - sliding_window
-    valid = valid[:, None, None, :]  # [b, 1, 1, tokens]
-    s = jnp.einsum("bhgd,hbtd->bhgt", qg, k,
-                   preferred_element_type=jnp.float32) * sm_scale
+    s = jnp.einsum("hbgd,hbtd->hbgt", qg, k) * sm_scale
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
-    v = jnp.where(valid[:, :, 0, :, None].transpose(1, 0, 2, 3), v, 0)
+    v = jnp.where(valid[None, :, :, None], v, 0.0)
 
     def pv(p):
-      return jnp.einsum("bhgt,hbtd->bhgd", p.astype(v.dtype), v,
-                        preferred_element_type=jnp.float32)
+      return jnp.einsum("hbgt,hbtd->hbgd", p, v)
 
-    return _online_softmax_step(carry, s, pv, valid)
+    return _online_softmax_step(carry, s, pv, valid[None, :, None, :])
 
-  init = (jnp.full((batch, num_kv_heads, group), -jnp.inf, jnp.float32),
-          jnp.zeros((batch, num_kv_heads, group), jnp.float32),
-          jnp.zeros((batch, num_kv_heads, group, head_dim), jnp.float32))
+  init = (jnp.full((num_kv_heads, batch, group), -jnp.inf, jnp.float32),
+          jnp.zeros((num_kv_heads, batch, group), jnp.float32),
+          jnp.zeros((num_kv_heads, batch, group, head_dim), jnp.float32))
   hi = _cdiv(jnp.max(kv_lens, initial=0), tokens)
   lo = 0
   if sliding_window is not None:
@@ -110,4 +112,120 @@ def paged_decode_xla(
   _, l, acc = jax.lax.fori_loop(lo, hi, body, init)
   out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None],
                   0.0)
+  out = jnp.swapaxes(out, 0, 1)  # [batch, kv_heads, group, head_dim]
   return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+
+
+def default_q_tile(num_tokens: int) -> int:
+  """Query rows per tile: 32, or fewer for tiny batches."""
+  return max(1, min(32, num_tokens))
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap",
+                                             "sliding_window", "pages_per_step",
+                                             "q_tile"))
+def ragged_paged_attention_xla(
+    q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    block_tables: jax.Array,  # i32[max_num_seqs, max_blocks_per_seq]
+    kv_lens: jax.Array,  # i32[max_num_seqs]
+    cu_q_lens: jax.Array,  # i32[max_num_seqs + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    pages_per_step: int | None = None,
+    q_tile: int | None = None,
+) -> jax.Array:
+  """Ragged (prefill / mixed) attention through block tables in plain XLA.
+
+  Walks sequences (`fori_loop` to `num_seqs`), each sequence's queries in tiles
+  of `q_tile` rows, and for each tile only the KV pages at or below its last
+  query's position (and inside the sliding window): blocks above the causal
+  diagonal are skipped, not masked. Each tile reads its sequence's pages once.
+
+  Arguments as `paged_jax.attention.ragged_paged_attention`, with `sm_scale`
+  resolved. Returns `[num_tokens, num_q_heads, head_dim]` in `q.dtype`; rows
+  no sequence owns are zeros.
+  """
+  num_tokens, num_q_heads, head_dim = q.shape
+  num_kv_heads, num_blocks, block_size, _ = k_pages.shape
+  width = block_tables.shape[1]
+  group = num_q_heads // num_kv_heads
+  pps = pages_per_step or default_pages_per_step(block_size, width)
+  tq = q_tile or default_q_tile(num_tokens)
+  steps = _cdiv(width, pps)
+  tables = jnp.pad(block_tables, ((0, 0), (0, steps * pps - width)))
+  tables = jnp.clip(tables, 0, num_blocks - 1)
+  tokens = pps * block_size
+  offs = jnp.arange(tokens, dtype=jnp.int32)
+  rows = jnp.arange(tq, dtype=jnp.int32)
+  # Pad so a tile starting at any row stays in bounds (dynamic_slice would
+  # otherwise shift it).
+  qp = jnp.pad(q, ((0, tq), (0, 0), (0, 0)))
+  qp = qp.reshape(num_tokens + tq, num_kv_heads, group, head_dim)
+  qp = qp.astype(jnp.float32)
+  out = jnp.zeros((num_tokens + tq, num_kv_heads, group, head_dim), q.dtype)
+  n = jnp.clip(num_seqs.reshape(-1)[0], 0, block_tables.shape[0])
+
+  def tile(s, start, q_end, kv_len, q_len, out):
+    qt = jax.lax.dynamic_slice_in_dim(qp, start, tq, axis=0)  # [tq, h, g, d]
+    row = start + rows
+    live = row < q_end
+    qpos = kv_len - q_len + (row - (q_end - q_len))  # [tq]
+    table = tables[s]
+
+    def body(i, carry):
+      ids = jax.lax.dynamic_slice_in_dim(table, i * pps, pps)
+      k = k_pages[:, ids].reshape(num_kv_heads, tokens, head_dim)
+      v = v_pages[:, ids].reshape(num_kv_heads, tokens, head_dim)
+      k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+      pos = i * tokens + offs
+      valid = (pos[None, :] <= qpos[:, None]) & live[:, None]
+      valid &= pos[None, :] < kv_len
+      if sliding_window is not None:
+        valid &= pos[None, :] > qpos[:, None] - sliding_window
+      vmask = valid[:, None, None, :]  # [tq, 1, 1, t]
+      s_ = jnp.einsum("qhgd,htd->qhgt", qt, k,
+                      preferred_element_type=jnp.float32) * sm_scale
+      if soft_cap is not None:
+        s_ = soft_cap * jnp.tanh(s_ / soft_cap)
+      v = jnp.where(jnp.any(valid, axis=0)[None, :, None], v, 0)
+
+      def pv(p):
+        return jnp.einsum("qhgt,htd->qhgd", p, v,
+                          preferred_element_type=jnp.float32)
+
+      return _online_softmax_step(carry, s_, pv, vmask)
+
+    init = (jnp.full((tq, num_kv_heads, group), -jnp.inf, jnp.float32),
+            jnp.zeros((tq, num_kv_heads, group), jnp.float32),
+            jnp.zeros((tq, num_kv_heads, group, head_dim), jnp.float32))
+    last_pos = jnp.max(jnp.where(live, qpos, -1))
+    hi = _cdiv(jnp.minimum(last_pos + 1, kv_len), tokens)
+    lo = 0
+    if sliding_window is not None:
+      first_pos = jnp.min(jnp.where(live, qpos, 2**30))
+      lo = jnp.minimum(jnp.maximum(first_pos - sliding_window + 1, 0) // tokens,
+                       hi)
+    _, l, acc = jax.lax.fori_loop(lo, hi, body, init)
+    o = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None],
+                  0.0).astype(out.dtype)
+    old = jax.lax.dynamic_slice_in_dim(out, start, tq, axis=0)
+    o = jnp.where(live[:, None, None, None], o, old)
+    return jax.lax.dynamic_update_slice_in_dim(out, o, start, axis=0)
+
+  def seq_body(s, out):
+    q_start, q_end = cu_q_lens[s], cu_q_lens[s + 1]
+    q_len = q_end - q_start
+    kv_len = kv_lens[s]
+
+    def tile_body(j, out):
+      return tile(s, q_start + j * tq, q_end, kv_len, q_len, out)
+
+    return jax.lax.fori_loop(0, _cdiv(jnp.maximum(q_len, 0), tq), tile_body, out)
+
+  out = jax.lax.fori_loop(0, n, seq_body, out)
+  return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)

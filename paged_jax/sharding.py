@@ -1,0 +1,172 @@
+"""Scale out: the paged cache and paged attention on a device mesh.
+
+Two mesh axes, through JAX's own SPMD machinery (`Mesh`, `NamedSharding`,
+`jax.shard_map`):
+
+* `"model"` (tensor parallelism): KV heads, and the query heads that read
+  them, are split across devices. When `num_kv_heads` is smaller than the
+  model axis, each KV head is *replicated* `model // num_kv_heads` times (as
+  GQA serving systems do): the cache stores `max(num_kv_heads, model)` heads,
+  head `j` holding original KV head `j // replication`, so every device holds
+  exactly the KV heads its query heads read and attention needs no
+  communication. The K/V projections of a replicated head are computed on
+  each device that holds a copy.
+* `"data"`: each data shard owns its own block pool (`num_blocks / data`
+  blocks), block state and sequences. Block tables hold *local* block ids and
+  are replicated within a data shard.
+
+Attention runs under `shard_map` on every backend with no gather of the cache
+across devices: each device attends over its own heads and its own pool.
+
+Example (8 devices):
+  >>> mesh = make_mesh(data=2, model=4)
+  >>> heads = cache_kv_heads(num_kv_heads=2, model=4)   # 4: each head twice
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from paged_jax import attention
+from paged_jax import block_manager as bm
+from paged_jax import kv_cache
+
+DATA, MODEL = "data", "model"
+
+
+def make_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
+  """A `(data, model)` mesh over `data * model` devices.
+
+  Raises:
+    ValueError: if there are not `data * model` devices.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  if data < 1 or model < 1 or data * model > len(devices):
+    raise ValueError(f"a data={data} x model={model} mesh needs {data * model} "
+                     f"devices, {len(devices)} available")
+  grid = np.asarray(devices[:data * model]).reshape(data, model)
+  return Mesh(grid, (DATA, MODEL))
+
+
+def cache_kv_heads(num_kv_heads: int, model: int) -> int:
+  """KV heads the cache stores for a model axis of size `model`.
+
+  `num_kv_heads` if it divides evenly over the model axis, else each head is
+  replicated `model // num_kv_heads` times.
+
+  Raises:
+    ValueError: if neither divides the other.
+  """
+  if num_kv_heads % model == 0:
+    return num_kv_heads
+  if model % num_kv_heads == 0:
+    return model
+  raise ValueError(f"num_kv_heads={num_kv_heads} and the model axis ({model}) "
+                   "must divide one another")
+
+
+def replicate_kv_heads(x: jax.Array, num_kv_heads: int, model: int,
+                       axis: int) -> jax.Array:
+  """Repeats each KV head along `axis` to `cache_kv_heads(...)` heads."""
+  reps = cache_kv_heads(num_kv_heads, model) // num_kv_heads
+  return jnp.repeat(x, reps, axis=axis) if reps > 1 else x
+
+
+def cache_spec() -> P:
+  """Spec of `KVCache` pages `[layers, kv_heads, num_blocks, block_size, head_dim]`."""
+  return P(None, MODEL, DATA, None, None)
+
+
+def shard_cache(cache: kv_cache.KVCache, mesh: Mesh) -> kv_cache.KVCache:
+  """Places the pages: KV heads over `model`, the block pool over `data`."""
+  s = NamedSharding(mesh, cache_spec())
+  return kv_cache.KVCache(jax.device_put(cache.k_pages, s),
+                          jax.device_put(cache.v_pages, s))
+
+
+def init_block_states(mesh: Mesh, num_blocks_per_shard: int, block_size: int,
+                      max_seqs_per_shard: int, max_blocks_per_seq: int
+                      ) -> bm.BlockState:
+  """One block state per data shard, stacked on a leading axis.
+
+  Operate on it with `jax.vmap(bm.reserve)` etc.; under `jax.jit` each data
+  shard's state stays on its devices. Block ids are local to the shard.
+  """
+  state = bm.init(num_blocks_per_shard, block_size, max_seqs_per_shard,
+                  max_blocks_per_seq)
+  data = mesh.shape[DATA]
+  stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (data,) + x.shape),
+                         state)
+  return jax.device_put(stacked, NamedSharding(mesh, P(DATA)))
+
+
+def _shard_map(fn, mesh, in_specs, out_specs):
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                       check_vma=False)
+
+
+def sharded_paged_attention(mesh: Mesh, q, k_pages, v_pages, block_tables,
+                            kv_lens, **kwargs) -> jax.Array:
+  """`paged_attention` on a mesh, each device on its heads and its pool.
+
+  Args:
+    mesh: a `(data, model)` mesh.
+    q: `[batch, num_q_heads, head_dim]`; batch split over `data` (each data
+      shard's sequences are contiguous), heads over `model`.
+    k_pages, v_pages: one layer, `[cache_kv_heads, num_blocks, block_size,
+      head_dim]`, sharded `P(model, data)`; `num_blocks` is the sum of the
+      data shards' pools.
+    block_tables: `i32[batch, max_blocks_per_seq]` with block ids local to the
+      sequence's data shard.
+    kv_lens: `i32[batch]`.
+    **kwargs: as `paged_attention` (`sm_scale` defaults to the real head_dim).
+
+  Returns:
+    `[batch, num_q_heads, head_dim]`, sharded like `q`.
+  """
+  kwargs.setdefault("sm_scale", q.shape[-1] ** -0.5)
+  fn = functools.partial(attention.paged_attention, **kwargs)
+  pages = P(MODEL, DATA, None, None)
+  return _shard_map(
+      fn, mesh,
+      in_specs=(P(DATA, MODEL, None), pages, pages, P(DATA, None), P(DATA)),
+      out_specs=P(DATA, MODEL, None),
+  )(q, k_pages, v_pages, block_tables, kv_lens)
+
+
+def sharded_ragged_paged_attention(mesh: Mesh, q, k_pages, v_pages,
+                                   block_tables, kv_lens, cu_q_lens, num_seqs,
+                                   **kwargs) -> jax.Array:
+  """`ragged_paged_attention` on a mesh.
+
+  Every array is the concatenation of the data shards' own arrays: shard `i`
+  owns rows `i * num_tokens / data ...` of `q`, its own `cu_q_lens`
+  (`data * (max_num_seqs + 1)` in all, each starting at 0), and its own
+  `num_seqs` (`i32[data]`).
+  """
+  kwargs.setdefault("sm_scale", q.shape[-1] ** -0.5)
+  fn = functools.partial(attention.ragged_paged_attention, **kwargs)
+  pages = P(MODEL, DATA, None, None)
+  return _shard_map(
+      fn, mesh,
+      in_specs=(P(DATA, MODEL, None), pages, pages, P(DATA, None), P(DATA),
+                P(DATA), P(DATA)),
+      out_specs=P(DATA, MODEL, None),
+  )(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs)
+
+
+def write_kv_sharded(mesh: Mesh, k_pages, v_pages, k, v, slots):
+  """`kv_cache.write_kv` on a mesh: tokens split over `data` (local slots),
+  KV heads over `model`; each device writes its own part of its own pool."""
+  pages = P(MODEL, DATA, None, None)
+  return _shard_map(
+      kv_cache.write_kv, mesh,
+      in_specs=(pages, pages, P(DATA, MODEL, None), P(DATA, MODEL, None),
+                P(DATA)),
+      out_specs=(pages, pages),
+  )(k_pages, v_pages, k, v, slots)

@@ -1,0 +1,295 @@
+"""Block manager: model-based test against a plain Python model, plus edge cases."""
+
+from __future__ import annotations
+
+import chex
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from paged_jax import block_manager as bm
+from paged_jax.block_manager import NULL_BLOCK
+
+NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, WIDTH = 12, 4, 5, 4
+
+_reserve = jax.jit(bm.reserve)
+_release = jax.jit(bm.release)
+_fork = jax.jit(bm.fork)
+
+
+def _cdiv(a, b):
+  return -(-a // b)
+
+
+class PyModel:
+  """The block manager in plain Python: lists and dicts, one request at a time."""
+
+  def __init__(self):
+    self.lens = [0] * MAX_SEQS
+    self.rows = [[] for _ in range(MAX_SEQS)]
+    self.refs = [0] * NUM_BLOCKS
+
+  @property
+  def num_free(self):
+    return sum(r == 0 for r in self.refs)
+
+  def reserve(self, sid, n, real_row, seen):
+    """Returns (ok, copy_pair or None); takes new block ids from `real_row`."""
+    if not 0 <= sid < MAX_SEQS or n < 0 or sid in seen:
+      return False, None
+    length = self.lens[sid]
+    if length + n > WIDTH * BLOCK_SIZE:
+      return False, None
+    cur, new = _cdiv(length, BLOCK_SIZE), _cdiv(length + n, BLOCK_SIZE)
+    row = self.rows[sid]
+    cow = n > 0 and length % BLOCK_SIZE != 0 and self.refs[row[-1]] > 1
+    need = new - cur + cow
+    if need > self.num_free:
+      return False, None
+    first = cur - cow
+    taken = list(real_row[first:new])
+    assert len(taken) == need and len(set(taken)) == need, (real_row, first, new)
+    for b in taken:
+      assert self.refs[b] == 0, f"block {b} handed out while referenced"
+      self.refs[b] = 1
+    pair = None
+    if cow:
+      old = row[-1]
+      self.refs[old] -= 1
+      pair = (old, taken[0])
+    self.rows[sid] = row[:first] + taken
+    self.lens[sid] = length + n
+    return True, pair
+
+  def release(self, sid):
+    if not 0 <= sid < MAX_SEQS or self.lens[sid] == 0:
+      return False
+    for b in self.rows[sid]:
+      self.refs[b] -= 1
+    self.rows[sid], self.lens[sid] = [], 0
+    return True
+
+  def fork(self, pairs):
+    """All pairs are judged against the state at the start of the call."""
+    lens, rows = list(self.lens), [list(r) for r in self.rows]
+    oks, claimed = [], set()
+    for parent, child in pairs:
+      ok = (0 <= parent < MAX_SEQS and 0 <= child < MAX_SEQS
+            and lens[parent] > 0 and lens[child] == 0 and parent != child
+            and child not in claimed)
+      claimed.add(child)
+      if ok:
+        for b in rows[parent]:
+          self.refs[b] += 1
+        self.rows[child] = list(rows[parent])
+        self.lens[child] = lens[parent]
+      oks.append(ok)
+    return oks
+
+
+seq_id = st.integers(-1, MAX_SEQS)
+batch = st.integers(1, 4)
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+
+  def __init__(self):
+    super().__init__()
+    self.state = bm.init(NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, WIDTH)
+    self.model = PyModel()
+
+  @rule(reqs=st.lists(st.tuples(seq_id, st.integers(-2, 9)), min_size=1,
+                      max_size=4))
+  def reserve(self, reqs):
+    ids = jnp.array([r[0] for r in reqs], jnp.int32)
+    ns = jnp.array([r[1] for r in reqs], jnp.int32)
+    self.state, res = _reserve(self.state, ids, ns)
+    tables = np.asarray(self.state.block_tables)
+    seen = set()
+    for i, (sid, n) in enumerate(reqs):
+      row = tables[sid] if 0 <= sid < MAX_SEQS else None
+      ok, pair = self.model.reserve(sid, n, row, seen)
+      seen.add(sid)
+      assert bool(res.ok[i]) == ok, (reqs, i, res.ok)
+      got = (int(res.copy_src[i]), int(res.copy_dst[i]))
+      assert got == (pair or (NULL_BLOCK, NULL_BLOCK)), (reqs, i, got, pair)
+
+  @rule(ids=st.lists(seq_id, min_size=1, max_size=4))
+  def release(self, ids):
+    self.state, ok = _release(self.state, jnp.array(ids, jnp.int32))
+    expected = [self.model.release(s) for s in ids]
+    assert np.asarray(ok).tolist() == expected, (ids, ok, expected)
+
+  @rule(pairs=st.lists(st.tuples(seq_id, seq_id), min_size=1, max_size=3))
+  def fork(self, pairs):
+    parents = jnp.array([p for p, _ in pairs], jnp.int32)
+    children = jnp.array([c for _, c in pairs], jnp.int32)
+    self.state, ok = _fork(self.state, parents, children)
+    expected = self.model.fork(pairs)
+    assert np.asarray(ok).tolist() == expected, (pairs, ok, expected)
+
+  @invariant()
+  def agrees_with_model(self):
+    bm.check_invariants(self.state)
+    assert np.asarray(self.state.seq_lens).tolist() == self.model.lens
+    assert np.asarray(self.state.refcounts).tolist() == self.model.refs
+    assert int(self.state.num_free) == self.model.num_free
+    tables = np.asarray(self.state.block_tables)
+    for s in range(MAX_SEQS):
+      row = self.model.rows[s]
+      assert tables[s, :len(row)].tolist() == row
+      assert np.all(tables[s, len(row):] == NULL_BLOCK)
+
+
+TestBlockManagerModel = BlockManagerMachine.TestCase
+TestBlockManagerModel.settings = hypothesis.settings(
+    max_examples=60, stateful_step_count=25, deadline=None,
+    derandomize=True, suppress_health_check=list(hypothesis.HealthCheck))
+
+
+def test_jitted_and_unjitted_agree():
+  rng = np.random.default_rng(1)
+  s_jit = s_eager = bm.init(NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, WIDTH)
+  for _ in range(30):
+    ids = jnp.asarray(rng.integers(-1, MAX_SEQS + 1, 3), jnp.int32)
+    op = rng.integers(3)
+    if op == 0:
+      ns = jnp.asarray(rng.integers(-1, 8, 3), jnp.int32)
+      s_jit, r1 = _reserve(s_jit, ids, ns)
+      with jax.disable_jit():
+        s_eager, r2 = bm.reserve(s_eager, ids, ns)
+      chex.assert_trees_all_equal(r1, r2)
+    elif op == 1:
+      s_jit, _ = _release(s_jit, ids)
+      with jax.disable_jit():
+        s_eager, _ = bm.release(s_eager, ids)
+    else:
+      kids = jnp.asarray(rng.integers(-1, MAX_SEQS + 1, 3), jnp.int32)
+      s_jit, _ = _fork(s_jit, ids, kids)
+      with jax.disable_jit():
+        s_eager, _ = bm.fork(s_eager, ids, kids)
+    chex.assert_trees_all_equal(s_jit, s_eager)
+
+
+def test_jitted_step_compiles_once_over_a_long_random_run():
+  """A donated reserve/release/fork step never retraces when only values change."""
+
+  @chex.assert_max_traces(n=1)
+  def step(state, ids, ns, parents, children):
+    state, res = bm.reserve(state, ids, ns)
+    state, forked = bm.fork(state, parents, children)
+    state, released = bm.release(state, children)
+    return state, (res.ok, forked, released)
+
+  step = jax.jit(step, donate_argnums=0)
+  state = bm.init(64, 8, 16, 8)
+  rng = np.random.default_rng(0)
+  for _ in range(200):
+    args = [jnp.asarray(rng.integers(0, 16, 4), jnp.int32),
+            jnp.asarray(rng.integers(0, 12, 4), jnp.int32),
+            jnp.asarray(rng.integers(0, 16, 2), jnp.int32),
+            jnp.asarray(rng.integers(0, 16, 2), jnp.int32)]
+    state, _ = step(state, *args)
+  bm.check_invariants(state)
+
+
+def test_copy_on_write_only_for_partial_shared_blocks():
+  state = bm.init(8, 4, 3, 4)
+  state, _ = bm.reserve(state, jnp.array([0]), jnp.array([8]))  # 2 full blocks
+  state, ok = bm.fork(state, jnp.array([0]), jnp.array([1]))
+  assert ok.tolist() == [True]
+  state, res = bm.reserve(state, jnp.array([1]), jnp.array([1]))
+  # Full shared blocks are never copied: the child just takes a new block.
+  assert res.copy_src.tolist() == [NULL_BLOCK] and res.ok.tolist() == [True]
+  state, _ = bm.fork(state, jnp.array([1]), jnp.array([2]))  # 9 tokens, shared
+  state, res = bm.reserve(state, jnp.array([2, 1]), jnp.array([2, 1]))
+  # The first sibling copies; the second then owns the block alone.
+  assert res.copy_src.tolist() == [2, NULL_BLOCK]
+  assert int(res.copy_dst[0]) not in (0, 1, 2)
+  bm.check_invariants(state)
+
+
+def test_failed_requests_leave_state_untouched():
+  state = bm.init(4, 4, 3, 2)
+  state, res = bm.reserve(state, jnp.array([0, 1, 2]), jnp.array([8, 9, 4]))
+  assert res.ok.tolist() == [True, False, True]  # 9 > 2 blocks of 4
+  assert state.seq_lens.tolist() == [8, 0, 4]
+  # Pool exhausted: a request that does not fit changes nothing.
+  before = state
+  state, res = bm.reserve(state, jnp.array([1]), jnp.array([5]))  # 2 blocks
+  assert res.ok.tolist() == [False]
+  chex.assert_trees_all_equal(before, state)
+  # Bad ids and requests come back as ok=False.
+  state, res = bm.reserve(state, jnp.array([-1, 3, 0]), jnp.array([1, 1, -1]))
+  assert res.ok.tolist() == [False, False, False]
+  state, ok = bm.release(state, jnp.array([1, 7, -3]))
+  assert ok.tolist() == [False, False, False]
+  # A slot listed twice in one call is served once.
+  state2, res = bm.reserve(state, jnp.array([2, 2]), jnp.array([1, 1]))
+  assert res.ok.tolist() == [True, False] and state2.seq_lens.tolist() == [8, 0, 5]
+  state, ok = bm.fork(state, jnp.array([0, 1, 0]), jnp.array([2, 2, 0]))
+  assert ok.tolist() == [False, False, False]  # live child, empty parent, self
+  chex.assert_trees_all_equal(before, state)
+
+
+def test_slot_mapping_and_tables():
+  state = bm.init(8, 4, 3, 4)
+  state, _ = bm.reserve(state, jnp.array([0]), jnp.array([6]))
+  slots = bm.slot_mapping(state, jnp.array([0, 0, 0, 1, 5]),
+                          jnp.array([0, 5, 6, 0, 0]))
+  t = state.block_tables
+  assert slots.tolist() == [int(t[0, 0]) * 4, int(t[0, 1]) * 4 + 1, -1, -1, -1]
+  # Positions in a shared block are never writable.
+  state, _ = bm.fork(state, jnp.array([0]), jnp.array([1]))
+  assert bm.slot_mapping(state, jnp.array([1]), jnp.array([5])).tolist() == [-1]
+  tables, lens = bm.gather_tables(state, jnp.array([1, -1]))
+  assert lens.tolist() == [6, 0]
+  assert tables[1].tolist() == [NULL_BLOCK] * 4
+  assert bm.usage(state) == dict(blocks_used=2, blocks_total=8, fraction=0.25,
+                                 live_seqs=2, tokens=12)
+
+
+def test_check_invariants_catches_corruption():
+  state = bm.init(8, 4, 2, 4)
+  state, _ = bm.reserve(state, jnp.array([0]), jnp.array([5]))
+  bad = state.replace(refcounts=state.refcounts.at[0].add(1))
+  with pytest.raises(AssertionError, match="refcounts != table references"):
+    bm.check_invariants(bad)
+  bad = state.replace(num_free=state.num_free + 1)
+  with pytest.raises(AssertionError):
+    bm.check_invariants(bad)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_blocks=0), "num_blocks must be a positive int, got num_blocks=0"),
+    (dict(block_size=2.5), "block_size must be a positive int, got 2.5"),
+    (dict(max_seqs=-1), "max_seqs must be a positive int"),
+    (dict(max_blocks_per_seq=True), "max_blocks_per_seq must be a positive int"),
+])
+def test_init_errors(kwargs, match):
+  args = dict(num_blocks=4, block_size=4, max_seqs=2, max_blocks_per_seq=2)
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    bm.init(**args)
+
+
+def test_argument_errors():
+  state = bm.init(4, 4, 2, 2)
+  with pytest.raises(ValueError, match=r"seq_ids must be a 1-D integer array, "
+                     r"got shape \(1, 1\)"):
+    bm.reserve(state, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32))
+  with pytest.raises(ValueError, match="num_new_tokens must have an integer "
+                     "dtype, got float32"):
+    bm.reserve(state, jnp.zeros((1,), jnp.int32), jnp.zeros((1,)))
+  with pytest.raises(ValueError, match=r"seq_ids and num_new_tokens must have "
+                     r"the same shape"):
+    bm.reserve(state, jnp.zeros((2,), jnp.int32), jnp.zeros((1,), jnp.int32))
+  with pytest.raises(ValueError, match="parent_ids and child_ids must have"):
+    bm.fork(state, jnp.zeros((2,), jnp.int32), jnp.zeros((1,), jnp.int32))
+  with pytest.raises(ValueError, match="seq_ids and positions must have"):
+    bm.slot_mapping(state, jnp.zeros((2,), jnp.int32),
+                    jnp.zeros((1,), jnp.int32))

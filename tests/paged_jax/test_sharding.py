@@ -1,0 +1,126 @@
+"""Sharded paged attention on 8 simulated CPU devices (see tests/conftest.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from paged_jax import block_manager as bm
+from paged_jax import reference
+from paged_jax import sharding as ps
+from tests import cases
+
+MESHES = [(d, m) for d in (1, 2, 4, 8) for m in (1, 2, 4, 8) if d * m <= 8]
+HQ, HKV, D, BS, SEQS = 8, 2, 32, 8, 2
+
+pytestmark = pytest.mark.skipif(
+    len(jax.devices()) < 8, reason="needs 8 devices: run with "
+    "XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/conftest.py)")
+
+
+def _per_shard_cases(rng, data, ragged):
+  """Each data shard gets its own pool, sequences and (local) block ids."""
+  out = []
+  for _ in range(data):
+    if ragged:
+      out.append(cases.make_ragged_case(
+          rng, q_lens=[5, 1], kv_lens=[9, 20], num_q_heads=HQ, num_kv_heads=HKV,
+          head_dim=D, block_size=BS, max_blocks_per_seq=4, num_tokens=8,
+          max_num_seqs=SEQS, extra_blocks=16 - 4))
+    else:
+      out.append(cases.make_decode_case(
+          rng, batch=SEQS, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
+          block_size=BS, max_blocks_per_seq=4, kv_lens=rng.integers(0, 33, SEQS),
+          extra_blocks=5))
+  nb = max(c.k_pages.shape[1] for c in out)
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, nb - x.shape[1]), (0, 0), (0, 0)),
+                          constant_values=jnp.nan)
+  return out, pad
+
+
+def _place_pages(mesh, cs, pad, model):
+  spec = NamedSharding(mesh, P(ps.MODEL, ps.DATA))
+  k = jnp.concatenate([pad(c.k_pages) for c in cs], axis=1)
+  v = jnp.concatenate([pad(c.v_pages) for c in cs], axis=1)
+  k = jax.device_put(ps.replicate_kv_heads(k, HKV, model, axis=0), spec)
+  v = jax.device_put(ps.replicate_kv_heads(v, HKV, model, axis=0), spec)
+  return k, v
+
+
+@pytest.mark.parametrize("data, model", MESHES)
+def test_sharded_decode_equals_single_device(data, model):
+  rng = np.random.default_rng(data * 10 + model)
+  mesh = ps.make_mesh(data, model)
+  cs, pad = _per_shard_cases(rng, data, ragged=False)
+  k, v = _place_pages(mesh, cs, pad, model)
+  assert k.sharding.is_equivalent_to(NamedSharding(mesh, P(ps.MODEL, ps.DATA)), 4)
+  q = jnp.concatenate([c.q for c in cs])
+  tables = jnp.concatenate([c.block_tables for c in cs])
+  lens = jnp.concatenate([c.kv_lens for c in cs])
+  f = jax.jit(lambda *a: ps.sharded_paged_attention(mesh, *a))
+  out = f(q, k, v, tables, lens)
+  assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(ps.DATA, ps.MODEL)),
+                                       3)
+  for i, c in enumerate(cs):
+    ref = reference.paged_attention_reference(c.q, c.k_pages, c.v_pages,
+                                              c.block_tables, c.kv_lens)
+    cases.assert_rows_close(out[i * SEQS:(i + 1) * SEQS], ref, jnp.float32)
+  hlo = f.lower(q, k, v, tables, lens).compile().as_text()
+  for op in ("all-gather", "all-to-all", "collective-permute", "all-reduce"):
+    assert op not in hlo, f"{op} in the compiled sharded attention"
+
+
+@pytest.mark.parametrize("data, model", [(2, 4), (4, 2), (8, 1), (1, 8)])
+def test_sharded_ragged_and_write(data, model):
+  rng = np.random.default_rng(1)
+  mesh = ps.make_mesh(data, model)
+  cs, pad = _per_shard_cases(rng, data, ragged=True)
+  k, v = _place_pages(mesh, cs, pad, model)
+  q = jnp.concatenate([c.q for c in cs])
+  args = [jnp.concatenate([getattr(c, f) for c in cs])
+          for f in ("block_tables", "kv_lens", "cu_q_lens", "num_seqs")]
+  out = jax.jit(lambda *a: ps.sharded_ragged_paged_attention(mesh, *a))(
+      q, k, v, *args)
+  for i, c in enumerate(cs):
+    ref = reference.ragged_paged_attention_reference(
+        c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens, c.cu_q_lens,
+        c.num_seqs)
+    cases.assert_rows_close(out[i * 8:(i + 1) * 8], ref, jnp.float32)
+  # Each data shard writes its own tokens into its own pool (local slots).
+  new_k = jnp.ones((data * 2, ps.cache_kv_heads(HKV, model), D))
+  slots = jnp.tile(jnp.array([3, -1], jnp.int32), data)
+  k2, _ = jax.jit(lambda *a: ps.write_kv_sharded(mesh, *a))(
+      k, v, new_k, new_k, slots)
+  nb = k.shape[1] // data
+  for i in range(data):
+    np.testing.assert_array_equal(np.asarray(k2[:, i * nb, 3]), 1.0)
+
+
+def test_block_states_per_data_shard():
+  mesh = ps.make_mesh(4, 2)
+  states = ps.init_block_states(mesh, num_blocks_per_shard=8, block_size=4,
+                                max_seqs_per_shard=2, max_blocks_per_seq=4)
+  assert states.refcounts.shape == (4, 8)
+  assert states.refcounts.sharding.is_equivalent_to(
+      NamedSharding(mesh, P(ps.DATA)), 2)
+  ids = jnp.array([[0, 1]] * 4, jnp.int32)
+  n = jnp.array([[5, 9], [1, 1], [16, 17], [0, 3]], jnp.int32)
+  step = jax.jit(jax.vmap(bm.reserve), donate_argnums=0)
+  states, res = step(states, ids, n)
+  assert res.ok.tolist() == [[True, True], [True, True], [True, False],
+                             [True, True]]
+  for i in range(4):
+    bm.check_invariants(jax.tree.map(lambda x, i=i: x[i], states))
+
+
+def test_mesh_errors():
+  with pytest.raises(ValueError, match="a data=4 x model=4 mesh needs 16 "
+                     "devices, 8 available"):
+    ps.make_mesh(4, 4)
+  with pytest.raises(ValueError, match=r"num_kv_heads=3 and the model axis "
+                     r"\(2\) must divide one another"):
+    ps.cache_kv_heads(3, 2)
+  assert ps.cache_kv_heads(2, 8) == 8 and ps.cache_kv_heads(8, 2) == 8
