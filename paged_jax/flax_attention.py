@@ -37,7 +37,6 @@ from flax import nnx
 from paged_jax import attention
 from paged_jax import block_manager
 from paged_jax import kv_cache as kv_cache_lib
-from paged_jax import reference
 from paged_jax import rope as rope_lib
 
 NULL_BLOCK = block_manager.NULL_BLOCK
@@ -165,61 +164,10 @@ def write_and_attend(
     out = attention.paged_attention(
         q, k_pages, v_pages, meta.block_tables, meta.kv_lens, **kwargs)
   else:
-    ragged = getattr(attention, "ragged_paged_attention", None)
-    if ragged is None:  # Until the library's ragged entry point exists.
-      ragged = _ragged_attention_xla
-    out = ragged(
+    out = attention.ragged_paged_attention(
         q, k_pages, v_pages, meta.block_tables, meta.kv_lens, meta.cu_q_lens,
         meta.num_seqs, **kwargs)
   return out.astype(q.dtype), k_pages, v_pages
-
-
-def _ragged_attention_xla(q, k_pages, v_pages, block_tables, kv_lens,
-                          cu_q_lens, num_seqs, *, sm_scale=None, soft_cap=None,
-                          sliding_window=None, implementation=None):
-  """Plain-XLA ragged paged attention (gathers each sequence's whole table).
-
-  Same contract as `attention.ragged_paged_attention`; used only where the
-  library does not provide it. Memory is O(num_tokens * table capacity).
-  """
-  del implementation
-  num_tokens, num_q_heads, head_dim = q.shape
-  num_kv_heads, num_blocks, block_size, _ = k_pages.shape
-  max_seqs, width = block_tables.shape
-  group = num_q_heads // num_kv_heads
-  if sm_scale is None:
-    sm_scale = head_dim**-0.5
-  rows = jnp.arange(num_tokens, dtype=jnp.int32)
-  row_seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], rows, side="right"),
-                     0, max_seqs - 1)
-  live = (rows < cu_q_lens[num_seqs[0]]) & (row_seq < num_seqs[0])
-  q_len = cu_q_lens[row_seq + 1] - cu_q_lens[row_seq]
-  pos = kv_lens[row_seq] - q_len + rows - cu_q_lens[row_seq]  # [T]
-  ids = jnp.clip(block_tables, 0, num_blocks - 1)  # [S, M]
-  k = k_pages[:, ids].reshape(num_kv_heads, max_seqs, width * block_size, head_dim)
-  v = v_pages[:, ids].reshape(num_kv_heads, max_seqs, width * block_size, head_dim)
-  k_pos = jnp.arange(width * block_size, dtype=jnp.int32)
-  visible = (k_pos[None, :] <= pos[:, None]) & live[:, None]
-  visible &= k_pos[None, :] < kv_lens[row_seq][:, None]
-  if sliding_window is not None:
-    visible &= k_pos[None, :] > pos[:, None] - sliding_window
-  qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-  kt = k[:, row_seq]  # [kvh, T, L, hd]
-  vt = v[:, row_seq]
-  s = jnp.einsum("thgd,htld->thgl", qg, kt,
-                 preferred_element_type=jnp.float32) * sm_scale
-  if soft_cap is not None:
-    s = soft_cap * jnp.tanh(s / soft_cap)
-  mask = visible[:, None, None, :]
-  s = jnp.where(mask, s, -jnp.inf)
-  m = jnp.max(s, axis=-1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.where(mask, jnp.exp(s - m), 0.0)
-  l = jnp.sum(p, axis=-1)
-  vt = jnp.where(visible[None, :, :, None], vt, 0)
-  o = jnp.einsum("thgl,htld->thgd", p, vt.astype(jnp.float32))
-  o = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
-  return o.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
 class PagedAttention(nnx.Module):
@@ -318,8 +266,43 @@ class PagedAttention(nnx.Module):
     positions = jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), batch)
     q, k, v = self.qkv(x.reshape(batch * seq_len, hidden), positions)
     split = lambda a: a.reshape(batch, seq_len, *a.shape[1:])  # noqa: E731
-    attend = lambda q, k, v: reference.dense_attention_reference(  # noqa: E731
-        q, k, v, jnp.arange(seq_len, dtype=jnp.int32), sm_scale=self.sm_scale,
+    o = dense_causal_attention(
+        split(q), split(k), split(v), sm_scale=self.sm_scale,
         soft_cap=self.soft_cap, sliding_window=self.sliding_window)
-    o = jax.vmap(attend)(split(q), split(k), split(v)).astype(x.dtype)
-    return self.o_proj(o.reshape(batch, seq_len, -1))
+    return self.o_proj(o.astype(x.dtype).reshape(batch, seq_len, -1))
+
+
+def dense_causal_attention(
+    q: jax.Array,  # [batch, seq_len, num_q_heads, head_dim]
+    k: jax.Array,  # [batch, seq_len, num_kv_heads, head_dim]
+    v: jax.Array,  # [batch, seq_len, num_kv_heads, head_dim]
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+  """Plain causal GQA attention over contiguous sequences, softmax in float32.
+
+  Same conventions as `paged_jax.reference` (jittable, unlike the reference).
+
+  Returns:
+    float32 `[batch, seq_len, num_q_heads, head_dim]`.
+  """
+  _, seq_len, num_q_heads, head_dim = q.shape
+  group = num_q_heads // k.shape[2]
+  if sm_scale is None:
+    sm_scale = head_dim**-0.5
+  k = jnp.repeat(k, group, axis=2)
+  v = jnp.repeat(v, group, axis=2)
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32,
+                 precision="highest") * sm_scale
+  if soft_cap is not None:
+    s = soft_cap * jnp.tanh(s / soft_cap)
+  pos = jnp.arange(seq_len)
+  visible = pos[None, :] <= pos[:, None]
+  if sliding_window is not None:
+    visible &= pos[None, :] > pos[:, None] - sliding_window
+  s = jnp.where(visible, s, -jnp.inf)
+  p = jax.nn.softmax(s, axis=-1)
+  return jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(jnp.float32),
+                    precision="highest")

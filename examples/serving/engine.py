@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import time
 from typing import Callable
 
@@ -75,7 +76,10 @@ class EngineConfig:
     max_beam_width: largest beam width served (fixes the log-prob rows).
     static_batching: admit only when nothing runs (the contiguous baseline).
     cache_dtype: KV dtype name, default the model's.
-    check_traces: wrap the step functions in `chex.assert_max_traces(n=1)`.
+    check_traces: compile this engine's own step functions wrapped in
+      `chex.assert_max_traces(n=1)` (tests; call `chex.clear_trace_counter()`
+      before building a second such engine). Otherwise engines share one
+      jitted step, so engines of equal sizes compile once per process.
   """
 
   num_blocks: int
@@ -155,6 +159,12 @@ def device_step(graphdef, params, cache: kv_cache_lib.KVCache,
                                    state.num_free)
 
 
+# One jitted step shared by every engine: engines with the same model structure
+# and sizes reuse the compiled executables (the graphdef is a static argument).
+_shared_step = jax.jit(device_step, static_argnums=(0,), donate_argnums=(2, 3),
+                       static_argnames=("decode_only", "num_logprobs"))
+
+
 @dataclasses.dataclass
 class EngineStats:
   """Counters the engine keeps while it runs."""
@@ -200,13 +210,18 @@ class Engine:
     self._cache = model.make_cache(config.num_blocks, bs, config.cache_dtype)
     self._steps = {}
     for decode_only in (True, False):
-      def fn(params, cache, state, x, _d=decode_only):
-        return device_step(graphdef, params, cache, state, x, decode_only=_d,
-                           num_logprobs=self.num_logprobs)
-      fn.__name__ = "decode_step" if decode_only else "mixed_step"
       if config.check_traces:
-        fn = chex.assert_max_traces(fn, n=1)
-      self._steps[decode_only] = jax.jit(fn, donate_argnums=(1, 2))
+        def fn(graphdef, params, cache, state, x, *, decode_only, num_logprobs):
+          return device_step(graphdef, params, cache, state, x,
+                             decode_only=decode_only, num_logprobs=num_logprobs)
+        fn.__name__ = "decode_step" if decode_only else "mixed_step"
+        step = jax.jit(chex.assert_max_traces(fn, n=1), donate_argnums=(2, 3),
+                       static_argnums=(0,),
+                       static_argnames=("decode_only", "num_logprobs"))
+      else:
+        step = _shared_step
+      self._steps[decode_only] = functools.partial(
+          step, graphdef, decode_only=decode_only, num_logprobs=self.num_logprobs)
     self._num_free = config.num_blocks
     self._waiting: list[Seq] = []  # sorted by order
     self._running: list[Seq] = []  # sorted by order

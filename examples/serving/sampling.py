@@ -72,7 +72,11 @@ class SamplingParams:
 
 
 def _filtered_logits(logits, temperature, top_k, top_p):
-  """One row: temperature, then top-k, then top-p; masked entries -inf."""
+  """One row: temperature, then top-k, then top-p; masked entries -inf.
+
+  Exactly the identity (after scaling) for `top_k == 0` and `top_p >= 1`, so a
+  row's result never depends on the other rows of the batch.
+  """
   vocab = logits.shape[-1]
   scaled = logits / jnp.maximum(temperature, 1e-6)
   sorted_desc = -jnp.sort(-scaled)
@@ -81,7 +85,7 @@ def _filtered_logits(logits, temperature, top_k, top_p):
   in_k = ranks < k
   probs = jax.nn.softmax(jnp.where(in_k, sorted_desc, -jnp.inf))
   before = jnp.cumsum(probs) - probs  # mass strictly above each rank
-  keep = in_k & (before < top_p)
+  keep = in_k & ((before < top_p) | (top_p >= 1.0))
   threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf))
   return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
@@ -98,17 +102,31 @@ def sample_tokens(
 
   Rows with `temperature == 0` take the argmax. Others sample from the
   temperature-scaled, top-k and top-p filtered distribution with the key
-  `fold_in(fold_in(key(0), seed), position)`.
+  `fold_in(fold_in(key(0), seed), position)`. The sort that top-k/top-p need
+  and the random draws run only when some row asks for them (`lax.cond`), so
+  an all-greedy batch costs one argmax.
 
   Returns:
     `i32[rows]` token ids.
   """
-  def one(row, t, k, p, seed, pos):
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), seed), pos)
-    sampled = jax.random.categorical(key, _filtered_logits(row, t, k, p))
-    return jnp.where(t > 0, sampled, jnp.argmax(row)).astype(jnp.int32)
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-  return jax.vmap(one)(logits, temperature, top_k, top_p, seeds, positions)
+  def stochastic(_):
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    needs_filter = jnp.any((temperature > 0) & ((top_k > 0) | (top_p < 1.0)))
+    filtered = jax.lax.cond(
+        needs_filter,
+        lambda _: jax.vmap(_filtered_logits)(logits, temperature, top_k, top_p),
+        lambda _: scaled, None)
+
+    def draw(row, seed, pos):
+      key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), seed), pos)
+      return jax.random.categorical(key, row).astype(jnp.int32)
+
+    return jnp.where(temperature > 0, jax.vmap(draw)(filtered, seeds, positions),
+                     greedy)
+
+  return jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda _: greedy, None)
 
 
 def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
