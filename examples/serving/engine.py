@@ -203,7 +203,9 @@ class Engine:
                                           config.num_blocks * bs)
     self.max_model_len = max_len
     self.max_seqs = 2 * config.max_batch
-    self.num_logprobs = min(max(1, 2 * config.max_beam_width),
+    # Top log-probs returned per sample row: 2 * beam width candidates, at
+    # least 8 so that beam widths up to 4 share one compiled step.
+    self.num_logprobs = min(max(8, 2 * config.max_beam_width),
                             model.config.vocab_size)
     graphdef, self._params = nnx.split(model)
     self._state = bm.init(config.num_blocks, bs, self.max_seqs, _cdiv(max_len, bs))
@@ -383,6 +385,8 @@ class Engine:
       if plan:  # the oldest running sequence is always submitted
         while need > free and queue:
           free += self._preempt(queue.pop(), plan)
+        if seq not in self._running:  # went with its beam group
+          continue
         if need > free:
           free += self._preempt(seq, plan)
           continue
