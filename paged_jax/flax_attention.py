@@ -100,17 +100,19 @@ def step_metadata(
   Raises:
     ValueError: on inconsistent static shapes.
   """
+  seq_ids = jnp.asarray(seq_ids, jnp.int32)
+  q_lens = jnp.asarray(q_lens, jnp.int32)
+  if seq_ids.ndim != 1:
+    raise ValueError(f"seq_ids must be 1-D, got shape {seq_ids.shape}")
   (max_seqs,) = seq_ids.shape
   if q_lens.shape != (max_seqs,):
     raise ValueError(f"q_lens shape {q_lens.shape} must be {(max_seqs,)} like seq_ids")
   if decode_only and num_tokens != max_seqs:
     raise ValueError(
         f"decode_only needs one row per sequence: {num_tokens=} != {max_seqs=}")
-  seq_ids = seq_ids.astype(jnp.int32)
-  q_lens = q_lens.astype(jnp.int32)
   in_use = (q_lens > 0) & (seq_ids >= 0) & (seq_ids < state.max_seqs)
   if active is not None:
-    in_use = in_use & active
+    in_use = in_use & jnp.asarray(active, bool)
   safe_ids = jnp.clip(seq_ids, 0, state.max_seqs - 1)
   tables, kv_lens = block_manager.gather_tables(state, safe_ids)
   kv_lens = jnp.where(in_use, kv_lens, 0)
