@@ -169,7 +169,7 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
 
 def _param_items(module: nnx.Module):
   _, state = nnx.split(module, nnx.Param)
-  for path, var in state.flat_state():
+  for path, var in nnx.to_flat_state(state):
     yield path, var
 
 

@@ -244,7 +244,7 @@ class Engine:
 
     Returns:
       None when accepted; a `RequestOutput` with `rejected` set otherwise
-      (also returned later by `step`).
+      (also returned by the next `step` or `run_until_done`).
     """
     reason = self._rejection(request)
     if reason is not None:

@@ -171,10 +171,9 @@ def run_workload(
       bar.update(len(done))
 
   t0 = time.perf_counter()
-  outputs = [o for o in (engine.add_request(r) for r in requests) if o is not None]
-  if bar is not None:
-    bar.update(len(outputs))
-  outputs += engine.run_until_done(on_step=on_step)
+  for r in requests:
+    engine.add_request(r)  # rejections come back from run_until_done too
+  outputs = engine.run_until_done(on_step=on_step)
   jax.block_until_ready(engine.block_state.num_free)
   wall = time.perf_counter() - t0
   if bar is not None:
