@@ -8,7 +8,15 @@ Public API:
     `gather_kv`;
   * attention (`paged_jax.attention`): `paged_attention`,
     `ragged_paged_attention`, `write_and_ragged_attention`;
-  * reference (`paged_jax.reference`): float32 oracles.
+  * reference (`paged_jax.reference`): float32 oracles;
+  * capacity planning (`import paged_jax.capacity`; the command line is
+    `python -m paged_jax.capacity`): `plan`, `CapacityPlan`, `kv_pool_bytes`,
+    `bytes_per_block`, `weight_bytes`, `PRESETS`;
+  * synthetic request traces (`import paged_jax.traces`): `make_trace`,
+    `Trace`, `TraceSpec`.
+
+`capacity` and `traces` are not imported here, so that `python -m
+paged_jax.capacity` runs the module once.
 """
 
 from paged_jax import block_manager

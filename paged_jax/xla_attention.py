@@ -24,9 +24,16 @@ def _cdiv(a, b):
   return (a + b - 1) // b
 
 
-def default_pages_per_step(block_size: int, max_blocks_per_seq: int) -> int:
-  """About 256 tokens per step, at most the whole table."""
-  return max(1, min(max_blocks_per_seq, 256 // block_size))
+def default_pages_per_step(block_size: int, max_blocks_per_seq: int,
+                           bytes_per_token: int = 0) -> int:
+  """Pages gathered per loop step.
+
+  About 1 MiB of gathered K per step (so the step's working set stays in
+  cache), given `bytes_per_token` = rows gathered per token x head_dim x 4;
+  without it, about 256 tokens. At least one page, at most the whole table.
+  """
+  tokens = (1 << 20) // bytes_per_token if bytes_per_token else 256
+  return max(1, min(max_blocks_per_seq, tokens // block_size))
 
 
 def _online_softmax_step(carry, s, v, valid):
@@ -69,7 +76,8 @@ def paged_decode_xla(
   num_kv_heads, num_blocks, block_size, _ = k_pages.shape
   width = block_tables.shape[1]
   group = num_q_heads // num_kv_heads
-  pps = pages_per_step or default_pages_per_step(block_size, width)
+  pps = pages_per_step or default_pages_per_step(
+      block_size, width, batch * num_kv_heads * head_dim * 4)
   steps = _cdiv(width, pps)
   tables = jnp.pad(block_tables, ((0, 0), (0, steps * pps - width)))
   tables = jnp.clip(tables, 0, num_blocks - 1)
@@ -116,9 +124,13 @@ def paged_decode_xla(
   return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
-def default_q_tile(num_tokens: int) -> int:
-  """Query rows per tile: 32, or fewer for tiny batches."""
-  return max(1, min(32, num_tokens))
+def default_q_tile(num_tokens: int, max_num_seqs: int) -> int:
+  """Query rows per tile: the mean rows per sequence slot, as a power of two
+  in [8, 64] (decode-heavy batches get small tiles, prefill larger ones), and
+  at most `num_tokens`."""
+  mean = max(1, num_tokens // max(1, max_num_seqs))
+  tile = 1 << (mean - 1).bit_length()
+  return max(1, min(num_tokens, max(8, min(64, tile))))
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap",
@@ -154,8 +166,9 @@ def ragged_paged_attention_xla(
   num_kv_heads, num_blocks, block_size, _ = k_pages.shape
   width = block_tables.shape[1]
   group = num_q_heads // num_kv_heads
-  pps = pages_per_step or default_pages_per_step(block_size, width)
-  tq = q_tile or default_q_tile(num_tokens)
+  # Small KV steps (about 128 tokens) keep the causal skip fine-grained.
+  pps = pages_per_step or max(1, min(width, 128 // block_size))
+  tq = q_tile or default_q_tile(num_tokens, block_tables.shape[0])
   steps = _cdiv(width, pps)
   tables = jnp.pad(block_tables, ((0, 0), (0, steps * pps - width)))
   tables = jnp.clip(tables, 0, num_blocks - 1)

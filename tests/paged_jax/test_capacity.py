@@ -1,0 +1,224 @@
+"""Capacity planner: worked examples to the byte, inverse questions, CLI."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from paged_jax import capacity
+from paged_jax.capacity import GIB, MIB
+
+LLAMA_8B = dict(num_layers=32, num_kv_heads=8, head_dim=128)
+
+
+def test_worked_example_80gib_card():
+  pool = capacity.kv_pool_bytes(80 * GIB, 0.9, 16 * GIB)
+  assert pool == 56 * GIB
+  p = capacity.plan(kv_pool_bytes=pool, **LLAMA_8B, kv_dtype="bfloat16",
+                    block_size=16, avg_tokens=512, max_model_len=8192)
+  assert p.bytes_per_block == 2 * MIB
+  assert p.num_blocks == 28672
+  assert p.blocks_per_seq == 32
+  assert p.max_concurrency_paged == 896
+  assert p.max_concurrency_contiguous == 56
+  assert p.concurrency_ratio == 16.0
+
+
+def test_worked_example_24gib_card():
+  # 24 GiB card, 16 GiB of weights: all of the remaining 8 GiB is KV pool.
+  assert capacity.kv_pool_bytes(24 * GIB, 1.0, 16 * GIB) == 8 * GIB
+  p = capacity.plan(kv_pool_bytes=8 * GIB, **LLAMA_8B, block_size=16,
+                    avg_tokens=128, max_model_len=8192)
+  assert p.num_blocks == 4096
+  assert p.blocks_per_seq == 8
+  assert p.max_concurrency_paged == 512
+
+
+def test_bytes_per_block_formula():
+  # 2 x layers x block_size x kv_heads x head_dim x dtype bytes.
+  assert capacity.bytes_per_block(80, 8, 128, 32, "fp8") == 2 * 80 * 32 * 8 * 128
+  assert capacity.bytes_per_block(2, 3, 5, 7, "float32") == 2 * 2 * 7 * 3 * 5 * 4
+
+
+def test_partial_block_rounds_up():
+  p = capacity.plan(kv_pool_bytes=8 * GIB, **LLAMA_8B, block_size=16,
+                    avg_tokens=129, max_model_len=8192)
+  assert p.blocks_per_seq == 9
+  assert p.max_concurrency_paged == 4096 // 9
+
+
+def test_inverse_questions():
+  p = capacity.plan(kv_pool_bytes=56 * GIB, **LLAMA_8B, block_size=16,
+                    avg_tokens=512, max_model_len=8192)
+  assert p.blocks_for_concurrency(896) == 28672
+  assert p.blocks_for_concurrency(1) == 32
+  # 56 sequences that may all reach max length: exactly the contiguous case.
+  assert p.max_model_len_for_concurrency(56) == 8192
+  assert p.max_model_len_for_concurrency(896) == 512
+  assert p.max_model_len_for_concurrency(1000) == (28672 // 1000) * 16
+  assert p.max_model_len_for_concurrency(28673) == 0
+  with pytest.raises(ValueError, match="num_seqs=0 must be a positive integer"):
+    p.blocks_for_concurrency(0)
+  with pytest.raises(ValueError, match="num_seqs=-1 must be a positive integer"):
+    p.max_model_len_for_concurrency(-1)
+
+
+def test_weight_bytes_from_params():
+  assert capacity.weight_bytes(8 * 10**9, "bf16") == 16 * 10**9
+  assert capacity.weight_bytes(3, "int4") == 2  # Rounded up.
+
+
+def test_no_contiguous_fit_gives_no_ratio():
+  block = capacity.bytes_per_block(**LLAMA_8B, block_size=16)
+  p = capacity.plan(kv_pool_bytes=4 * block, **LLAMA_8B, block_size=16,
+                    avg_tokens=16, max_model_len=8192)
+  assert p.max_concurrency_contiguous == 0
+  assert p.concurrency_ratio is None
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: capacity.kv_pool_bytes(80 * GIB, 1.5, 0), r"util=1.5 must be in \(0, 1\]"),
+    (lambda: capacity.kv_pool_bytes(80 * GIB, 0, 0), r"util=0.0 must be in \(0, 1\]"),
+    (lambda: capacity.kv_pool_bytes(0, 0.9, 0), "mem_bytes=0 must be positive"),
+    (lambda: capacity.kv_pool_bytes(GIB, 0.9, -1), "weight_bytes=-1 .* must be >= 0"),
+    (lambda: capacity.kv_pool_bytes(GIB, 0.9, GIB), "no memory left for the KV cache"),
+    (lambda: capacity.dtype_bytes("float7"), "unknown dtype 'float7'"),
+    (lambda: capacity.dtype_bytes("int4"), "dtype 'int4' is sub-byte"),
+    (lambda: capacity.weight_bytes(0), "num_params=0 must be a positive integer"),
+    (lambda: capacity.bytes_per_block(0, 8, 128, 16), "num_layers=0 must be a positive"),
+    (lambda: capacity.plan(kv_pool_bytes=GIB, **LLAMA_8B, block_size=16,
+                           avg_tokens=9000, max_model_len=8192),
+     "avg_tokens=9000 must be <= max_model_len=8192"),
+    (lambda: capacity.plan(kv_pool_bytes=GIB, **LLAMA_8B, block_size=16,
+                           avg_tokens=0, max_model_len=8192),
+     "avg_tokens=0 must be a positive integer"),
+    (lambda: capacity.plan(kv_pool_bytes=MIB, **LLAMA_8B, block_size=16,
+                           avg_tokens=1, max_model_len=8192),
+     "kv_pool_bytes=1048576 holds no block of 2097152 bytes"),
+])
+def test_api_errors(call, match):
+  with pytest.raises(ValueError, match=match):
+    call()
+
+
+# ---------------------------------------------------------------------------
+# Command line.
+
+EXAMPLE_80 = ("--model llama-3.1-8b --mem-gib 80 --util 0.9 --weights-gib 16 "
+              "--avg-tokens 512 --max-model-len 8192")
+JSON_KEYS = {"kv_pool_bytes", "bytes_per_block", "num_blocks", "blocks_per_seq",
+             "max_concurrency_paged", "max_concurrency_contiguous",
+             "concurrency_ratio"}
+
+
+def _json(capsys, args: str) -> dict:
+  assert capacity.main(args.split() + ["--json"]) == 0
+  return json.loads(capsys.readouterr().out)
+
+
+def test_cli_json_worked_example(capsys):
+  out = _json(capsys, EXAMPLE_80)
+  assert JSON_KEYS <= out.keys()
+  assert out["bytes_per_block"] == 2 * MIB
+  assert out["num_blocks"] == 28672
+  assert out["max_concurrency_paged"] == 896
+  assert out["max_concurrency_contiguous"] == 56
+  assert out["concurrency_ratio"] == 16.0
+
+
+def test_cli_explicit_shape_matches_preset(capsys):
+  explicit = EXAMPLE_80.replace("--model llama-3.1-8b",
+                                "--layers 32 --kv-heads 8 --head-dim 128 --kv-dtype bf16")
+  assert _json(capsys, explicit) == _json(capsys, EXAMPLE_80)
+
+
+@pytest.mark.parametrize("memory", [
+    "--kv-pool-gib 8",
+    "--mem-gib 24 --weights-gib 16 --kv-pool-gib 8",
+    "--mem-gib 24 --util 1 --weights-gib 16",
+])
+def test_cli_24gib_example(capsys, memory):
+  out = _json(capsys, f"--model llama-3.1-8b {memory} --avg-tokens 128 "
+              "--max-model-len 8192 --target-concurrency 512")
+  assert out["kv_pool_bytes"] == 8 * GIB
+  assert out["num_blocks"] == 4096
+  assert out["max_concurrency_paged"] == 512
+  assert out["blocks_for_target"] == 4096
+  assert out["kv_pool_bytes_for_target"] == 8 * GIB
+  assert out["max_model_len_for_target"] == 128
+
+
+def test_cli_params_and_workspace(capsys):
+  out = _json(capsys, "--model llama-3.1-8b --mem-gib 80 --params 8e9 "
+              "--weight-dtype int8 --workspace-gib 2 --avg-tokens 512 "
+              "--max-model-len 8192")
+  assert out["kv_pool_bytes"] == 72 * GIB - 8 * 10**9 - 2 * GIB
+  # A preset alone sizes the weights from its parameter count.
+  out = _json(capsys, "--model llama-3.1-8b --mem-gib 80 --avg-tokens 512 "
+              "--max-model-len 8192")
+  assert out["kv_pool_bytes"] == 72 * GIB - 2 * 8_030_261_248
+
+
+def test_cli_text_report(capsys):
+  assert capacity.main(EXAMPLE_80.split()) == 0
+  text = capsys.readouterr().out
+  assert "28672" in text and "896 paged vs 56 contiguous" in text and "16x" in text
+
+
+@pytest.mark.parametrize("args, match", [
+    # argparse rejections.
+    ("--avg-tokens 512", "the following arguments are required: --max-model-len"),
+    (EXAMPLE_80 + " --model gpt-9", "argument --model: invalid choice: 'gpt-9'"),
+    (EXAMPLE_80 + " --layers x", "argument --layers: expected an integer, got 'x'"),
+    (EXAMPLE_80 + " --block-size 0", "argument --block-size: expected a positive value, got 0"),
+    (EXAMPLE_80 + " --mem-gib lots", "argument --mem-gib: expected a number, got 'lots'"),
+    (EXAMPLE_80 + " --workspace-gib -1", "argument --workspace-gib: expected a value >= 0"),
+    (EXAMPLE_80 + " --weights-gib 1/0", "argument --weights-gib: expected a number"),
+    # Planner rejections.
+    ("--mem-gib 80 --weights-gib 16 --avg-tokens 512 --max-model-len 8192",
+     "missing --layers, --kv-heads, --head-dim"),
+    (EXAMPLE_80 + " --util 1.2", r"--util 1.2 must be in \(0, 1\]"),
+    (EXAMPLE_80 + " --kv-dtype float7", "unknown dtype 'float7'"),
+    (EXAMPLE_80 + " --kv-dtype int4", "dtype 'int4' is sub-byte"),
+    (EXAMPLE_80 + " --params 8e9", "give --weights-gib or --params, not both"),
+    ("--layers 32 --kv-heads 8 --head-dim 128 --mem-gib 80 --avg-tokens 512 "
+     "--max-model-len 8192", "--mem-gib needs --weights-gib, --params or --model"),
+    ("--model llama-3.1-8b --avg-tokens 512 --max-model-len 8192",
+     "give --mem-gib \\(with weights\\) or --kv-pool-gib"),
+    ("--model llama-3.1-8b --mem-gib 24 --weights-gib 16 --kv-pool-gib 9 "
+     "--avg-tokens 512 --max-model-len 8192", "--kv-pool-gib 9 does not fit: 8 GiB left"),
+    ("--model llama-3.1-8b --mem-gib 16 --weights-gib 16 --avg-tokens 512 "
+     "--max-model-len 8192", "no memory left for the KV cache"),
+    (EXAMPLE_80.replace("--avg-tokens 512", "--avg-tokens 9000"),
+     "avg_tokens=9000 must be <= max_model_len=8192"),
+    ("--model llama-3.1-8b --kv-pool-gib 0.001 --avg-tokens 1 --max-model-len 8",
+     "holds no block of 2097152 bytes"),
+])
+def test_cli_errors_are_one_line(capsys, args, match):
+  try:
+    status = capacity.main(args.split())
+  except SystemExit as e:  # argparse
+    status = e.code
+  assert status == 2
+  captured = capsys.readouterr()
+  assert captured.out == ""
+  lines = captured.err.splitlines()
+  assert len(lines) == 1, captured.err
+  assert lines[0].startswith("python -m paged_jax.capacity: error: ")
+  assert re.search(match, lines[0]), lines[0]
+
+
+def test_module_entry_point():
+  result = subprocess.run(
+      [sys.executable, "-m", "paged_jax.capacity", *EXAMPLE_80.split(), "--json"],
+      capture_output=True, text=True, check=True)
+  assert json.loads(result.stdout)["concurrency_ratio"] == 16.0
+  result = subprocess.run(
+      [sys.executable, "-m", "paged_jax.capacity", "--avg-tokens", "0"],
+      capture_output=True, text=True)
+  assert result.returncode == 2
+  assert result.stderr.count("\n") == 1

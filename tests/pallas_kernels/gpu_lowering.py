@@ -1,0 +1,38 @@
+"""Lowering Pallas/Triton kernels for CUDA from a machine without a GPU."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+
+
+def abstract_gpu():
+  """A context in which Pallas/Triton lowers for an H200 without one attached.
+
+  JAX >= 0.11 asks the (abstract) device for its compute capability while
+  lowering a Triton kernel; older versions fall back to sm_90 by themselves.
+  """
+  device_cls = getattr(jax.sharding, "AbstractDevice", None)
+  if device_cls is None:
+    return contextlib.nullcontext()
+  device = device_cls(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  mesh = jax.sharding.AbstractMesh(
+      (1,), ("x",), (jax.sharding.AxisType.Auto,), abstract_device=device)
+  return jax.sharding.use_abstract_mesh(mesh)
+
+
+def lower_for_cuda(f, *args):
+  """`jax.jit(f)` traced and lowered for CUDA; returns the StableHLO text."""
+  with abstract_gpu():
+    lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  assert "__gpu$xla.gpu.triton" in text or "triton_kernel_call" in text, (
+      "no Triton kernel in the lowered module")
+  return text
+
+
+def shape_structs(*arrays):
+  """`jax.ShapeDtypeStruct`s for arrays (None passes through)."""
+  return tuple(None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype)
+               for a in arrays)
