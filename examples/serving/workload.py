@@ -14,6 +14,7 @@ stats dict; `benchmarks/` and `examples/generate.py` both call it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Sequence
 
@@ -24,8 +25,45 @@ from examples.llama.model import Llama
 from examples.serving.engine import Engine, EngineConfig
 from examples.serving.requests import Request, RequestOutput
 from examples.serving.sampling import SamplingParams
+from paged_jax import traces
 
 KINDS = ("paged", "contiguous")
+
+
+def sharegpt_mini(max_model_len: int, scale: float = 1 / 6) -> traces.TraceSpec:
+  """`paged_jax.traces`' ShareGPT-like spec with every length scaled by `scale`.
+
+  Same skew (log-normal spreads) as the ShareGPT-like trace, means 161 / 338
+  tokens times `scale` (about 27 / 56 by default), so a CPU run stays short.
+  """
+  s = traces.SHAREGPT_LIKE
+  return dataclasses.replace(
+      s, name="sharegpt-mini", prompt_mean=s.prompt_mean * scale,
+      output_mean=s.output_mean * scale, max_total_len=max_model_len)
+
+
+def requests_from_trace(trace: traces.Trace, *, vocab_size: int, seed: int = 0,
+                        params: SamplingParams | None = None,
+                        exclude_ids: Sequence[int] = ()) -> list[Request]:
+  """Requests with the trace's prompt and output lengths and random prompt ids.
+
+  Args:
+    trace: a `paged_jax.traces.Trace`.
+    vocab_size: prompt ids are drawn uniformly from the vocabulary minus
+      `exclude_ids` (e.g. EOS, so that prompts carry no stop token).
+    seed: seed of the prompt ids.
+    params: sampling parameters; `max_new_tokens` becomes the trace's output
+      length.
+
+  Returns:
+    `Request`s with ids 0..len(trace)-1 (arrival times are the trace's).
+  """
+  rng = np.random.default_rng(seed)
+  params = params or SamplingParams()
+  allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(exclude_ids, int))
+  return [Request(i, rng.choice(allowed, size=int(p)).tolist(),
+                  _with_budget(params, int(o)))
+          for i, (p, o) in enumerate(zip(trace.prompt_lens, trace.output_lens))]
 
 
 def synthetic_requests(
@@ -34,41 +72,25 @@ def synthetic_requests(
     vocab_size: int,
     max_model_len: int = 256,
     seed: int = 0,
-    prompt_median: float = 24.0,
-    output_median: float = 32.0,
-    sigma: float = 0.8,
+    scale: float = 1 / 6,
     params: SamplingParams | None = None,
     exclude_ids: Sequence[int] = (),
 ) -> list[Request]:
-  """A seeded workload with log-normal prompt and output lengths.
+  """A seeded workload with ShareGPT-like length variety, scaled down.
 
-  Args:
-    num_requests: how many requests.
-    vocab_size: prompt ids are drawn uniformly from the vocabulary minus
-      `exclude_ids` (e.g. EOS).
-    max_model_len: prompt + output never exceed it.
-    seed: workload seed (lengths and ids).
-    prompt_median, output_median, sigma: log-normal length parameters.
-    params: sampling parameters; `max_new_tokens` is replaced by the drawn
-      output length.
+  Lengths come from `paged_jax.traces.make_trace(sharegpt_mini(...))`: the
+  ShareGPT-like log-normal model with means times `scale`, prompt + output
+  clipped to `max_model_len`.
 
-  Returns:
-    `Request`s with ids 0..num_requests-1.
+  Raises:
+    ValueError: `num_requests < 1` or `max_model_len < 2`.
   """
-  if num_requests < 1:
-    raise ValueError(f"num_requests must be >= 1, got {num_requests}")
   if max_model_len < 2:
     raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
-  rng = np.random.default_rng(seed)
-  params = params or SamplingParams()
-  allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(exclude_ids, int))
-  out = []
-  for i in range(num_requests):
-    p = int(np.clip(rng.lognormal(np.log(prompt_median), sigma), 1, max_model_len - 1))
-    o = int(np.clip(rng.lognormal(np.log(output_median), sigma), 1, max_model_len - p))
-    prompt = rng.choice(allowed, size=p).tolist()
-    out.append(Request(i, prompt, _with_budget(params, o)))
-  return out
+  trace = traces.make_trace(sharegpt_mini(max_model_len, scale), num_requests,
+                            seed=seed)
+  return requests_from_trace(trace, vocab_size=vocab_size, seed=seed,
+                             params=params, exclude_ids=exclude_ids)
 
 
 def _with_budget(params: SamplingParams, max_new_tokens: int) -> SamplingParams:
@@ -127,10 +149,11 @@ def run_workload(
     max_tokens_per_step: int = 128,
     max_model_len: int = 256,
     max_beam_width: int = 1,
+    arrival_times: Sequence[float] | None = None,
     progress: bool = True,
     **engine_kw,
 ) -> tuple[dict, list[RequestOutput]]:
-  """Serves `requests` (all arriving at once) and measures it.
+  """Serves `requests` and measures it (compilation excluded).
 
   Args:
     kind: "paged" or "contiguous" (see the module docstring).
@@ -139,6 +162,8 @@ def run_workload(
     kv_tokens: KV memory budget in tokens (the same bytes for both kinds).
     block_size, max_batch, max_tokens_per_step, max_model_len,
       max_beam_width: engine sizes (see `EngineConfig`).
+    arrival_times: seconds after the start at which each request arrives
+      (e.g. `paged_jax.traces.Trace.arrival_times`); default all at once.
     progress: show a tqdm progress bar on stderr.
     **engine_kw: other `EngineConfig` fields.
 
@@ -171,9 +196,25 @@ def run_workload(
       bar.update(len(done))
 
   t0 = time.perf_counter()
-  for r in requests:
-    engine.add_request(r)  # rejections come back from run_until_done too
-  outputs = engine.run_until_done(on_step=on_step)
+  if arrival_times is None:
+    for r in requests:
+      engine.add_request(r)  # rejections come back from run_until_done too
+    outputs = engine.run_until_done(on_step=on_step)
+  else:  # online: each request joins when its arrival time has passed
+    order = sorted(range(len(requests)), key=lambda i: arrival_times[i])
+    outputs, nxt = [], 0
+    while nxt < len(order) or engine.has_unfinished():
+      now = time.perf_counter() - t0
+      while nxt < len(order) and arrival_times[order[nxt]] <= now:
+        engine.add_request(requests[order[nxt]])
+        nxt += 1
+      if engine.has_unfinished():
+        done = engine.step()
+        outputs += done
+        on_step(engine, done)
+      elif nxt < len(order):
+        time.sleep(max(0.0, arrival_times[order[nxt]] - now))
+    outputs += engine.run_until_done(on_step=on_step)
   jax.block_until_ready(engine.block_state.num_free)
   wall = time.perf_counter() - t0
   if bar is not None:

@@ -218,3 +218,19 @@ def test_request_that_does_not_fit_now_waits(model):
 def test_engine_config_errors(kw, match):
   with pytest.raises(ValueError, match=match):
     EngineConfig(**kw)
+
+
+def test_online_arrivals_and_trace_requests(model):
+  from examples.serving import workload  # pylint: disable=import-outside-toplevel
+  from paged_jax import traces  # pylint: disable=import-outside-toplevel
+  trace = traces.make_trace(workload.sharegpt_mini(48, scale=1 / 12), 5,
+                            request_rate=200.0, seed=1)
+  requests = workload.requests_from_trace(trace, vocab_size=512, exclude_ids=(2,))
+  assert [len(r.prompt) for r in requests] == trace.prompt_lens.tolist()
+  offline, off_out = workload.run_workload("paged", model, requests, kv_tokens=256,
+                                           progress=False, **SIZES)
+  online, on_out = workload.run_workload(
+      "paged", model, requests, kv_tokens=256, progress=False,
+      arrival_times=trace.arrival_times, **SIZES)
+  assert [o.completions for o in on_out] == [o.completions for o in off_out]
+  assert online["served"] == offline["served"] == 5
