@@ -44,18 +44,15 @@ import time
 from typing import Callable
 
 import chex
-import flax
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from examples.llama.model import Llama
 from examples.serving import sampling
 from examples.serving.requests import Completion, Group, Request, RequestOutput, Seq
+from examples.serving.step import StepInputs, StepOutputs, device_step, shared_step
 from paged_jax import block_manager as bm
-from paged_jax import flax_attention
-from paged_jax import kv_cache as kv_cache_lib
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -106,63 +103,6 @@ class EngineConfig:
     if self.max_beam_width > self.max_batch:
       raise ValueError(f"max_beam_width={self.max_beam_width} must be <= "
                        f"max_batch={self.max_batch}")
-
-
-@flax.struct.dataclass
-class StepInputs:
-  """One step's host-built arrays (shapes fixed by `EngineConfig`)."""
-
-  release_early: jax.Array  # i32[max_seqs]  before forks; -1 = none
-  release_late: jax.Array  # i32[max_seqs]   after forks (finished fork parents)
-  fork_parents: jax.Array  # i32[max_batch]
-  fork_children: jax.Array  # i32[max_batch]
-  seq_ids: jax.Array  # i32[max_batch]  entries in priority order, -1 padding
-  q_lens: jax.Array  # i32[max_batch]
-  tokens: jax.Array  # i32[num_tokens]  ragged layout
-  sample_rows: jax.Array  # i32[max_batch]  token row each sample reads
-  temperature: jax.Array  # f32[max_batch]
-  top_k: jax.Array  # i32[max_batch]
-  top_p: jax.Array  # f32[max_batch]
-  seeds: jax.Array  # i32[max_batch]
-  positions: jax.Array  # i32[max_batch]  position of the token being sampled
-
-
-@flax.struct.dataclass
-class StepOutputs:
-  tokens: jax.Array  # i32[max_batch]  sampled token per sample row
-  top_logprobs: jax.Array  # f32[max_batch, num_logprobs]
-  top_ids: jax.Array  # i32[max_batch, num_logprobs]
-  ok: jax.Array  # bool[max_batch]  reservation per entry
-  fork_ok: jax.Array  # bool[max_batch]
-  num_free: jax.Array  # i32[]
-
-
-def device_step(graphdef, params, cache: kv_cache_lib.KVCache,
-                state: bm.BlockState, x: StepInputs, *, decode_only: bool,
-                num_logprobs: int):
-  """The jitted serving step (pure; see the module docstring for the order)."""
-  model = nnx.merge(graphdef, params)
-  state, _ = bm.release(state, x.release_early)
-  state, fork_ok = bm.fork(state, x.fork_parents, x.fork_children)
-  state, _ = bm.release(state, x.release_late)
-  state, res = bm.reserve(state, x.seq_ids, x.q_lens)
-  cache = kv_cache_lib.copy_blocks(cache, res.copy_src, res.copy_dst)
-  meta = flax_attention.step_metadata(
-      state, x.seq_ids, x.q_lens, num_tokens=x.tokens.shape[0], active=res.ok,
-      decode_only=decode_only)
-  hidden, cache = model.paged_forward(x.tokens, meta, cache)
-  logits = model.logits(hidden[x.sample_rows])
-  tokens = sampling.sample_tokens(logits, x.temperature, x.top_k, x.top_p,
-                                  x.seeds, x.positions)
-  top_lp, top_ids = sampling.top_logprobs(logits, num_logprobs)
-  return cache, state, StepOutputs(tokens, top_lp, top_ids, res.ok, fork_ok,
-                                   state.num_free)
-
-
-# One jitted step shared by every engine: engines with the same model structure
-# and sizes reuse the compiled executables (the graphdef is a static argument).
-_shared_step = jax.jit(device_step, static_argnums=(0,), donate_argnums=(2, 3),
-                       static_argnames=("decode_only", "num_logprobs"))
 
 
 @dataclasses.dataclass
@@ -219,9 +159,9 @@ class Engine:
         fn.__name__ = "decode_step" if decode_only else "mixed_step"
         step = jax.jit(chex.assert_max_traces(fn, n=1), donate_argnums=(2, 3),
                        static_argnums=(0,),
-                       static_argnames=("decode_only", "num_logprobs"))
+                 static_argnames=("decode_only", "num_logprobs"))
       else:
-        step = _shared_step
+        step = shared_step
       self._steps[decode_only] = functools.partial(
           step, graphdef, decode_only=decode_only, num_logprobs=self.num_logprobs)
     self._num_free = config.num_blocks
@@ -474,6 +414,8 @@ class Engine:
     t0 = time.perf_counter()
     plan = self._schedule()
     if not plan and not self._release_next and not self._release_late_next:
+      if self._waiting and not self._running:  # admission guarantees progress
+        raise RuntimeError(f"engine stalled with nothing running: {self.usage()}")
       return self._take_outputs()
     x, decode_only, samples, forks = self._build(plan)
     self._release_next, self._release_late_next = [], []
