@@ -76,3 +76,23 @@ def test_logits_match_transformers(tmp_path, tie, torch_dtype, scaling):
   paged_err = _max_rel_err(paged, ref)
   print(f"paged max per-row relative error vs transformers: {paged_err:.2e}")
   assert paged_err < RTOL
+
+
+def test_greedy_generation_matches_transformers_generate(tmp_path):
+  from examples.serving.engine import Engine, EngineConfig  # pylint: disable=import-outside-toplevel
+  from examples.serving.requests import Request  # pylint: disable=import-outside-toplevel
+  from examples.serving.sampling import SamplingParams  # pylint: disable=import-outside-toplevel
+  hf = _hf_model(tmp_path, tie=False, torch_dtype=torch.float32, rope_scaling=None)
+  model = checkpoint.load_checkpoint(tmp_path)
+  engine = Engine(model, EngineConfig(num_blocks=32, block_size=8, max_batch=4,
+                                      max_tokens_per_step=32, max_model_len=64))
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(3, 384, n).tolist() for n in (5, 17, 30)]
+  for i, p in enumerate(prompts):
+    engine.add_request(Request(i, p, SamplingParams(max_new_tokens=12)))
+  outputs = {o.request_id: o for o in engine.run_until_done()}
+  for i, p in enumerate(prompts):
+    with torch.no_grad():
+      ids = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
+                        eos_token_id=list(model.config.eos_token_ids) or None)
+    assert outputs[i].completions[0].token_ids == ids[0, len(p):].tolist(), i
