@@ -239,6 +239,11 @@ class Engine:
   def block_state(self) -> bm.BlockState:
     return self._state
 
+  @property
+  def cache(self):
+    """The `KVCache` (donated to every step: do not hold on to it)."""
+    return self._cache
+
   def usage(self) -> dict:
     """Blocks used / total, running and waiting sequences (from the last step)."""
     used = self.config.num_blocks - self._num_free

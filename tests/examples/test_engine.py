@@ -143,8 +143,10 @@ def test_steps_never_retrace(model):
                Request("b", [8, 9], SamplingParams(beam_width=2, max_new_tokens=4))]
   for r in requests[:3]:
     engine.add_request(r)
+  old_pages = engine.cache.k_pages
   for _ in range(3):
     engine.step()
+  assert old_pages.is_deleted()  # the cache is donated, updated in place
   for r in requests[3:]:  # arrivals while others run
     engine.add_request(r)
   outputs = engine.run_until_done()

@@ -62,6 +62,20 @@ def test_prompt_file_with_sampling_and_beam_search(tmp_path, capsys):
   assert all("logprob" in c for c in reqs[0]["completions"])
 
 
+def test_checkpoint_run(tmp_path, capsys):
+  model = model_lib.init_model(model_lib.LlamaConfig.tiny(), seed=0)
+  checkpoint.save_checkpoint(model, tmp_path / "ckpt")
+  out_path = tmp_path / "out.json"
+  rc, out, _ = run(SMALL + ["--checkpoint", str(tmp_path / "ckpt"), "--num-requests", "6",
+                            "--no-baseline", "--output", str(out_path)], capsys)
+  assert rc == 0 and "model: checkpoint" in out
+  # Same weights as the default tiny model: same greedy outputs.
+  rc, _, _ = run(SMALL + ["--num-requests", "6", "--no-baseline",
+                          "--output", str(tmp_path / "tiny.json")], capsys)
+  assert (json.loads(out_path.read_text())["requests"]
+          == json.loads((tmp_path / "tiny.json").read_text())["requests"])
+
+
 @pytest.fixture
 def bad_checkpoint(tmp_path):
   model = model_lib.init_model(model_lib.LlamaConfig.tiny(num_layers=1), seed=0)
