@@ -263,13 +263,13 @@ class Engine:
     return _cdiv(seq.num_cached + n, bs) - _cdiv(seq.num_cached, bs) + cow
 
   def _freed_by(self, seq: Seq) -> int:
-    if seq.slot < 0 or seq.fork_parent is not None:
+    if seq.slot < 0 or seq.fork_from >= 0:
       return 0
     return max(0, _cdiv(seq.num_cached, self.config.block_size) - seq.shared_blocks)
 
   def _release(self, seq: Seq, late: bool = False):
     if seq.slot >= 0:
-      if seq.fork_parent is None:  # a pending child holds no device state
+      if seq.fork_from < 0:  # a pending child holds no device state
         self._pending_freed += self._freed_by(seq)
         if late:  # after this step's forks; the slot is free after next step
           self._release_late_next.append(seq.slot)
@@ -280,7 +280,7 @@ class Engine:
       else:
         self._free_slots.append(seq.slot)
     seq.slot = -1
-    seq.fork_parent = None
+    seq.fork_from = -1
 
   def _preempt(self, victim: Seq, plan: list) -> int:
     """Preempts `victim` (its whole group for beam search); returns blocks freed."""
@@ -387,9 +387,9 @@ class Engine:
     a["release_late"][:len(self._release_late_next)] = self._release_late_next
     # Every pending child forks now, planned or not: its parent may write its
     # next token this step.
-    forks = [s for s in self._running if s.fork_parent is not None]
+    forks = [s for s in self._running if s.fork_from >= 0]
     for i, s in enumerate(forks):
-      a["fork_parents"][i] = s.fork_parent.slot
+      a["fork_parents"][i] = s.fork_from
       a["fork_children"][i] = s.slot
     samples = []  # (sample row, seq, sample index)
     row = 0
@@ -490,7 +490,7 @@ class Engine:
     for i, s in enumerate(forks):
       if not out.fork_ok[i]:  # parent live and child empty by construction
         raise RuntimeError(f"fork into slot {s.slot} failed: engine bookkeeping bug")
-      s.fork_parent = None
+      s.fork_from = -1
     failed = set()
     for j, (s, n) in enumerate(plan):
       if out.ok[j]:
@@ -500,7 +500,7 @@ class Engine:
       else:
         failed.add(id(s))
         self.stats.refused_reservations += 1
-        if s.num_cached == 0 and s.fork_parent is None:
+        if s.num_cached == 0 and s.fork_from < 0:
           # A refused new admission: its slot is still empty on the device.
           self._running.remove(s)
           self._free_slots.append(s.slot)
@@ -526,7 +526,7 @@ class Engine:
         for lane, _ in lanes[1:]:
           child = Seq(g, lane, list(g.request.prompt))
           child.num_cached = s.num_cached
-          child.fork_parent = s
+          child.fork_from = s.slot
           child.slot = self._free_slots.pop()
           self._insert(self._running, child)
           g.live.append(child)
@@ -559,7 +559,7 @@ class Engine:
   def _retire(self, seq: Seq):
     """Drops a finished sequence; its blocks go back at the next step."""
     g = seq.group
-    has_children = any(s.fork_parent is seq for s in g.live)
+    has_children = seq.slot >= 0 and any(s.fork_from == seq.slot for s in g.live)
     if seq in self._running:
       self._running.remove(seq)
     g.live.remove(seq)
@@ -626,7 +626,7 @@ class Engine:
     for (parent, t, lp), lane in zip(children, free_lanes):
       child = Seq(g, lane, parent.tokens[:parent.num_cached] + [t])
       child.num_cached = parent.num_cached
-      child.fork_parent = parent
+      child.fork_from = parent.slot
       child.logprob = lp
       child.slot = self._free_slots.pop()
       self._insert(self._running, child)

@@ -89,7 +89,7 @@ class Group:
 class Seq:
   """One sequence: prompt plus generated tokens, and where its K/V lives."""
 
-  __slots__ = ("group", "index", "tokens", "num_cached", "slot", "fork_parent",
+  __slots__ = ("group", "index", "tokens", "num_cached", "slot", "fork_from",
                "shared_blocks", "maybe_shared_tail", "logprob")
 
   def __init__(self, group: Group, index: int, tokens: list[int]):
@@ -98,7 +98,7 @@ class Seq:
     self.tokens = tokens  # prompt + generated; the last one may not be cached
     self.num_cached = 0  # tokens whose K/V are in the cache
     self.slot = -1  # block-state sequence slot, -1 when not resident
-    self.fork_parent: Seq | None = None  # fork from it at the next step
+    self.fork_from = -1  # slot to fork from at the next step, -1 = none
     self.shared_blocks = 0  # blocks shared with siblings since a fork
     self.maybe_shared_tail = False  # next write may copy-on-write
     self.logprob = 0.0  # beam score

@@ -65,6 +65,21 @@ def test_forked_samples_match_independent_runs_with_the_same_seeds(model):
   assert_pool_empty(engine)
 
 
+def test_sample_whose_parent_stops_at_once_still_forks(model):
+  prompt = list(range(10, 19))
+  params = dict(temperature=1.0, max_new_tokens=6)
+  first = serve(make_engine(model), [Request(0, prompt, SamplingParams(seed=4, **params))])
+  stop = first[0].completions[0].token_ids[0]  # sample 0 stops on its first token
+  params["eos_token_ids"] = (stop,)
+  engine = make_engine(model)
+  got = serve(engine, [Request("g", prompt, SamplingParams(n=2, seed=4, **params))])
+  alone = serve(make_engine(model), [Request(1, prompt, SamplingParams(seed=5, **params))])
+  assert got["g"].completions[0].token_ids == [stop]
+  assert got["g"].completions[1] == alone[1].completions[0]
+  assert len(alone[1].completions[0].token_ids) > 1
+  assert_pool_empty(engine)
+
+
 def test_fork_shares_prompt_blocks_and_copies_the_partial_one(model):
   engine = make_engine(model)
   prompt = list(range(10, 20))  # blocks [0:4] [4:8] full, [8:10] partial
