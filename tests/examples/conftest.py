@@ -64,12 +64,13 @@ class DenseOracle:
     padded[0, :len(tokens)] = tokens
     return np.asarray(self._logits(self._params, jnp.asarray(padded))[0, len(tokens) - 1])
 
-  def greedy(self, prompt, max_new_tokens):
+  def greedy(self, prompt, max_new_tokens, eos=None):
+    eos = self.eos if eos is None else set(eos)
     toks = list(prompt)
     for _ in range(max_new_tokens):
       t = int(np.argmax(self.next_logits(toks)))
       toks.append(t)
-      if t in self.eos:
+      if t in eos:
         break
     return toks[len(prompt):]
 

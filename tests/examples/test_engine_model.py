@@ -45,12 +45,17 @@ class EngineMachine(RuleBasedStateMachine):
     self.next_id = 0
 
   @rule(prompt_len=st.integers(1, 20), new=st.integers(1, 12),
-        kind=st.sampled_from(["greedy", "greedy", "n2", "beam"]), seed=st.integers(0, 9))
-  def add(self, prompt_len, new, kind, seed):
+        kind=st.sampled_from(["greedy", "greedy", "n2", "beam"]), seed=st.integers(0, 9),
+        early_stops=st.booleans())
+  def add(self, prompt_len, new, kind, seed, early_stops):
     prompt = [int(t) for t in np.random.default_rng(self.next_id).integers(3, 512, prompt_len)]
-    params = {"greedy": SamplingParams(max_new_tokens=new),
-              "n2": SamplingParams(max_new_tokens=new, n=2, temperature=1.0, seed=seed),
-              "beam": SamplingParams(max_new_tokens=new, beam_width=2)}[kind]
+    # A wide EOS set makes sequences stop early, at any step.
+    eos = tuple(range(100, 160)) if early_stops else ()
+    params = {"greedy": SamplingParams(max_new_tokens=new, eos_token_ids=eos),
+              "n2": SamplingParams(max_new_tokens=new, n=2, temperature=1.0, seed=seed,
+                                   eos_token_ids=eos),
+              "beam": SamplingParams(max_new_tokens=new, beam_width=2,
+                                     eos_token_ids=eos)}[kind]
     req = Request(self.next_id, prompt, params)
     self.next_id += 1
     if self.engine.add_request(req) is None:
@@ -68,7 +73,7 @@ class EngineMachine(RuleBasedStateMachine):
     state = self.engine.block_state
     bm.check_invariants(state)
     lens = np.asarray(state.seq_lens)
-    slots = [s.slot for s in self.engine._running if s.fork_parent is None]  # pylint: disable=protected-access
+    slots = [s.slot for s in self.engine._running if s.fork_from < 0]  # pylint: disable=protected-access
     assert len(slots) == len(set(slots))
     assert all(lens[s] > 0 for s in slots if s >= 0)
     assert self.engine.usage()["blocks_used"] <= SMALL_POOL
@@ -81,7 +86,8 @@ class EngineMachine(RuleBasedStateMachine):
       assert out.rejected is None
       assert len(out.completions) == req.params.num_seqs
       if req.params.num_seqs == 1:
-        want = self.oracle.greedy(req.prompt, req.params.max_new_tokens)
+        want = self.oracle.greedy(req.prompt, req.params.max_new_tokens,
+                                  req.params.eos_token_ids or None)
         assert out.completions[0].token_ids == want, rid
     bm.check_invariants(self.engine.block_state)
     assert int(self.engine.block_state.num_free) == SMALL_POOL
