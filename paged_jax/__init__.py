@@ -9,6 +9,11 @@ Public API:
   * attention (`paged_jax.attention`): `paged_attention`,
     `ragged_paged_attention`, `write_and_ragged_attention`;
   * reference (`paged_jax.reference`): float32 oracles;
+  * Flax NNX integration (`paged_jax.flax_attention`): `StepMetadata`,
+    `step_metadata`, `PagedAttention`, `write_and_attend`,
+    `dense_causal_attention`; RoPE with Llama 3 scaling (`paged_jax.rope`):
+    `RopeConfig`, `Llama3Scaling`, `LinearScaling`, `apply_rope`,
+    `inverse_frequencies`;
   * capacity planning (`import paged_jax.capacity`; the command line is
     `python -m paged_jax.capacity`): `plan`, `CapacityPlan`, `kv_pool_bytes`,
     `bytes_per_block`, `weight_bytes`, `PRESETS`;
@@ -20,8 +25,10 @@ paged_jax.capacity` runs the module once.
 """
 
 from paged_jax import block_manager
+from paged_jax import flax_attention
 from paged_jax import kv_cache
 from paged_jax import reference
+from paged_jax import rope
 from paged_jax.attention import IMPLEMENTATIONS
 from paged_jax.attention import paged_attention
 from paged_jax.attention import ragged_paged_attention
@@ -38,10 +45,12 @@ __all__ = [
     "NULL_BLOCK",
     "Reservation",
     "block_manager",
+    "flax_attention",
     "kv_cache",
     "paged_attention",
     "ragged_paged_attention",
     "reference",
+    "rope",
     "write_and_ragged_attention",
 ]
 __version__ = "0.1.0"

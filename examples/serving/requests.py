@@ -1,0 +1,113 @@
+"""Requests, their outputs, and the engine's per-sequence bookkeeping."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable
+
+from examples.serving.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class Request:
+  """A generation request: a prompt (token ids) and how to sample."""
+
+  request_id: Hashable
+  prompt: list[int]
+  params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+
+
+@dataclasses.dataclass
+class Completion:
+  """One generated sequence.
+
+  Attributes:
+    token_ids: generated ids (the EOS token included when it stopped there).
+    finish_reason: "stop" (an EOS token) or "length" (the output budget).
+    logprob: summed log-probability (beam search only).
+  """
+
+  token_ids: list[int]
+  finish_reason: str
+  logprob: float | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+  """What the engine returns for a request.
+
+  Attributes:
+    request_id: the request's id.
+    prompt_len: prompt length in tokens.
+    completions: `n` samples in sample order, or `beam_width` beam hypotheses
+      best first; empty for a rejected request.
+    rejected: why the request was refused, or None.
+    preemptions: how often one of its sequences was preempted.
+    arrival_step / first_token_step / finish_step: engine steps (latency in
+      steps, for reports).
+  """
+
+  request_id: Hashable
+  prompt_len: int
+  completions: list[Completion] = dataclasses.field(default_factory=list)
+  rejected: str | None = None
+  preemptions: int = 0
+  arrival_step: int = 0
+  first_token_step: int | None = None
+  finish_step: int | None = None
+
+
+class Group:
+  """The engine's state for one accepted request (host side)."""
+
+  def __init__(self, request: Request, order: int, eos: frozenset[int], step: int):
+    self.request = request
+    self.params = request.params
+    self.order = order
+    self.eos = eos
+    self.prompt_len = len(request.prompt)
+    self.output = RequestOutput(request.request_id, self.prompt_len, arrival_step=step)
+    self.done: dict[int, Completion] = {}  # sample index -> completion
+    self.beam_finished: list = []  # (logprob, tokens, reason) for beam search
+    self.live: list[Seq] = []
+    self.unborn = 0  # sequences still to be forked from the prompt
+    self.restart()
+
+  @property
+  def is_beam(self) -> bool:
+    return self.params.beam_width > 1
+
+  def restart(self) -> "Seq":
+    """Back to a single prompt sequence (first admission or beam preemption)."""
+    self.beam_finished = []
+    self.unborn = self.params.num_seqs - 1
+    root = Seq(self, 0, list(self.request.prompt))
+    self.live = [root]
+    return root
+
+
+class Seq:
+  """One sequence: prompt plus generated tokens, and where its K/V lives."""
+
+  __slots__ = ("group", "index", "tokens", "num_cached", "slot", "fork_from",
+               "shared_blocks", "maybe_shared_tail", "logprob")
+
+  def __init__(self, group: Group, index: int, tokens: list[int]):
+    self.group = group
+    self.index = index  # sample index (seed offset) or beam lane
+    self.tokens = tokens  # prompt + generated; the last one may not be cached
+    self.num_cached = 0  # tokens whose K/V are in the cache
+    self.slot = -1  # block-state sequence slot, -1 when not resident
+    self.fork_from = -1  # slot to fork from at the next step, -1 = none
+    self.shared_blocks = 0  # blocks shared with siblings since a fork
+    self.maybe_shared_tail = False  # next write may copy-on-write
+    self.logprob = 0.0  # beam score
+
+  @property
+  def order(self) -> tuple[int, int]:
+    """Priority: older requests first, then lower sample index."""
+    return (self.group.order, self.index)
+
+  @property
+  def generated(self) -> list[int]:
+    return self.tokens[self.group.prompt_len:]

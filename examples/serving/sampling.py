@@ -1,0 +1,190 @@
+"""Sampling: per-request parameters, the jitted sampler, and beam search rules.
+
+Randomness is keyed by `(seed, position)`: the token generated at position `p`
+of a sequence whose seed is `s` uses `fold_in(fold_in(key(0), s), p)`. So the
+output does not depend on batching, on which step a token is produced in, or
+on preemption and recompute; sample `i` of an `n > 1` request uses seed
+`seed + i` and matches an `n = 1` request with that seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How to generate for one request.
+
+  Attributes:
+    max_new_tokens: output budget per sequence (>= 1).
+    temperature: 0 is greedy (deterministic); > 0 samples.
+    top_k: keep the `top_k` most likely tokens; 0 keeps all.
+    top_p: keep the smallest set of tokens whose probability reaches `top_p`
+      (applied after top-k); 1.0 keeps all.
+    seed: random seed; sample `i` uses `seed + i`.
+    n: independent samples of the prompt (they share its blocks).
+    beam_width: > 1 runs beam search (deterministic; the temperature, top-k
+      and top-p are ignored) and returns `beam_width` hypotheses.
+    eos_token_ids: stop tokens; the model's when empty.
+    length_penalty: beam hypotheses are ranked by
+      `sum_logprob / num_generated ** length_penalty`.
+  """
+
+  max_new_tokens: int = 16
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  n: int = 1
+  beam_width: int = 1
+  eos_token_ids: tuple[int, ...] = ()
+  length_penalty: float = 1.0
+
+  def __post_init__(self):
+    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
+    if not self.temperature >= 0 or not math.isfinite(self.temperature):
+      raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+    if not isinstance(self.top_k, int) or self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k!r}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+    if not isinstance(self.seed, int) or not 0 <= self.seed < 2**31:
+      raise ValueError(f"seed must be an int in [0, 2**31), got {self.seed!r}")
+    if not isinstance(self.n, int) or self.n < 1:
+      raise ValueError(f"n must be >= 1, got {self.n!r}")
+    if not isinstance(self.beam_width, int) or self.beam_width < 1:
+      raise ValueError(f"beam_width must be >= 1, got {self.beam_width!r}")
+    if self.n > 1 and self.beam_width > 1:
+      raise ValueError(f"use n or beam_width, not both (got n={self.n}, "
+                       f"beam_width={self.beam_width})")
+
+  @property
+  def num_seqs(self) -> int:
+    """Sequences the request runs at once."""
+    return max(self.n, self.beam_width)
+
+
+def _filtered_logits(logits, temperature, top_k, top_p):
+  """One row: temperature, then top-k, then top-p; masked entries -inf.
+
+  Exactly the identity (after scaling) for `top_k == 0` and `top_p >= 1`, so a
+  row's result never depends on the other rows of the batch.
+  """
+  vocab = logits.shape[-1]
+  scaled = logits / jnp.maximum(temperature, 1e-6)
+  sorted_desc = -jnp.sort(-scaled)
+  ranks = jnp.arange(vocab)
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+  in_k = ranks < k
+  probs = jax.nn.softmax(jnp.where(in_k, sorted_desc, -jnp.inf))
+  before = jnp.cumsum(probs) - probs  # mass strictly above each rank
+  keep = in_k & ((before < top_p) | (top_p >= 1.0))
+  threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf))
+  return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+def sample_tokens(
+    logits: jax.Array,  # f32[rows, vocab]
+    temperature: jax.Array,  # f32[rows]
+    top_k: jax.Array,  # i32[rows]
+    top_p: jax.Array,  # f32[rows]
+    seeds: jax.Array,  # i32[rows]
+    positions: jax.Array,  # i32[rows]
+) -> jax.Array:
+  """Samples one token per row (jittable; rows are independent).
+
+  Rows with `temperature == 0` take the argmax. Others sample from the
+  temperature-scaled, top-k and top-p filtered distribution with the key
+  `fold_in(fold_in(key(0), seed), position)`. The sort that top-k/top-p need
+  and the random draws run only when some row asks for them (`lax.cond`), so
+  an all-greedy batch costs one argmax.
+
+  Returns:
+    `i32[rows]` token ids.
+  """
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  def stochastic(_):
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    needs_filter = jnp.any((temperature > 0) & ((top_k > 0) | (top_p < 1.0)))
+    filtered = jax.lax.cond(
+        needs_filter,
+        lambda _: jax.vmap(_filtered_logits)(logits, temperature, top_k, top_p),
+        lambda _: scaled, None)
+
+    def draw(row, seed, pos):
+      key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), seed), pos)
+      return jax.random.categorical(key, row).astype(jnp.int32)
+
+    return jnp.where(temperature > 0, jax.vmap(draw)(filtered, seeds, positions),
+                     greedy)
+
+  return jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda _: greedy, None)
+
+
+def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """`(f32[rows, k] log-probabilities, i32[rows, k] ids)`, best first."""
+  lp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
+  return lp, ids.astype(jnp.int32)
+
+
+@dataclasses.dataclass
+class Beam:
+  """A live or finished beam hypothesis (host side)."""
+
+  tokens: list[int]  # generated tokens only
+  logprob: float = 0.0
+  finish_reason: str | None = None
+
+  def score(self, length_penalty: float) -> float:
+    return self.logprob / max(len(self.tokens), 1) ** length_penalty
+
+
+def beam_search_step(
+    beams: Sequence[Beam],
+    candidates: Sequence[tuple[Sequence[float], Sequence[int]]],
+    *,
+    width: int,
+    eos_token_ids: Sequence[int],
+) -> tuple[list[tuple[int, int, float]], list[tuple[int, int, float]]]:
+  """One beam-search expansion (pure host logic, shared by engine and tests).
+
+  Every (beam `i`, candidate token `t`) pair is scored
+  `beams[i].logprob + logprob(t)`; pairs are taken best first (ties: lower
+  beam index, then better rank). A pair ending in EOS becomes a finished
+  hypothesis if it ranks among the best `width` pairs; others become live
+  beams until there are `width` of them.
+
+  Args:
+    beams: the live beams.
+    candidates: per beam, `(logprobs, token ids)` best first (at least
+      `2 * width` of them so that EOS cannot starve the live set).
+    width: beam width.
+    eos_token_ids: stop tokens.
+
+  Returns:
+    `(live, finished)`: lists of `(parent beam index, token, new logprob)`.
+  """
+  pairs = []
+  for i, (lps, ids) in enumerate(candidates):
+    for rank, (lp, t) in enumerate(zip(lps, ids)):
+      pairs.append((-(beams[i].logprob + float(lp)), i, rank, int(t)))
+  pairs.sort()
+  live, finished = [], []
+  eos = set(eos_token_ids)
+  for order, (neg, i, _, t) in enumerate(pairs):
+    if t in eos:
+      if order < width:
+        finished.append((i, t, -neg))
+      continue
+    live.append((i, t, -neg))
+    if len(live) == width:
+      break
+  return live, finished

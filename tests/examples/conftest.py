@@ -1,0 +1,80 @@
+"""Shared fixtures for the example tests: one tiny model, one set of sizes.
+
+Every engine in these tests uses the same model structure and the sizes in
+`SIZES` (or `SMALL_POOL`), so the jitted steps compile once per process.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from examples.llama import model as model_lib
+from examples.serving.engine import Engine, EngineConfig
+from examples.serving.requests import Request
+from examples.serving.sampling import SamplingParams
+
+SIZES = dict(block_size=4, max_batch=4, max_tokens_per_step=16, max_model_len=64)
+BIG_POOL = 64
+SMALL_POOL = 12
+ORACLE_LEN = 64  # dense oracle pads every sequence to this length
+
+
+@pytest.fixture(scope="session")
+def model():
+  return model_lib.init_model(model_lib.LlamaConfig.tiny(), seed=0)
+
+
+def make_engine(model, num_blocks=BIG_POOL, **kw) -> Engine:
+  return Engine(model, EngineConfig(num_blocks=num_blocks, **{**SIZES, **kw}))
+
+
+def random_requests(seed, count, *, vocab=512, prompt=(3, 24), new=(1, 14),
+                    **params) -> list[Request]:
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(count):
+    p = rng.integers(3, vocab, size=int(rng.integers(*prompt))).tolist()
+    sp = SamplingParams(max_new_tokens=int(rng.integers(*new)), **params)
+    out.append(Request(i, p, sp))
+  return out
+
+
+def serve(engine: Engine, requests) -> dict:
+  for r in requests:
+    assert engine.add_request(r) is None, r
+  return {o.request_id: o for o in engine.run_until_done()}
+
+
+class DenseOracle:
+  """Greedy decoding and beam search with the dense (non-paged) forward."""
+
+  def __init__(self, model):
+    graphdef, params = nnx.split(model)
+    self._params = params
+    self._logits = jax.jit(
+        lambda p, t: nnx.merge(graphdef, p).dense_logits(t))
+    self.eos = set(model.config.eos_token_ids)
+
+  def next_logits(self, tokens) -> np.ndarray:
+    padded = np.zeros((1, ORACLE_LEN), np.int32)
+    padded[0, :len(tokens)] = tokens
+    return np.asarray(self._logits(self._params, jnp.asarray(padded))[0, len(tokens) - 1])
+
+  def greedy(self, prompt, max_new_tokens, eos=None):
+    eos = self.eos if eos is None else set(eos)
+    toks = list(prompt)
+    for _ in range(max_new_tokens):
+      t = int(np.argmax(self.next_logits(toks)))
+      toks.append(t)
+      if t in eos:
+        break
+    return toks[len(prompt):]
+
+
+@pytest.fixture(scope="session")
+def oracle(model):
+  return DenseOracle(model)

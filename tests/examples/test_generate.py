@@ -1,0 +1,122 @@
+"""`examples/generate.py`: end-to-end runs and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from examples import generate
+from examples.llama import checkpoint
+from examples.llama import model as model_lib
+
+# The sizes of the engine tests (tests/examples/conftest.py), so that the
+# compiled steps are shared: 32 blocks x 4 tokens = 128 KV tokens.
+SMALL = ["--block-size", "4", "--num-blocks", "32", "--max-batch", "4",
+         "--max-tokens-per-step", "16", "--max-model-len", "64", "--no-progress"]
+
+
+def run(args, capsys):
+  rc = generate.main(args)
+  out, err = capsys.readouterr()
+  return rc, out, err
+
+
+def test_synthetic_workload_with_baseline_is_deterministic(tmp_path, capsys):
+  outs = []
+  for i in range(2):
+    path = tmp_path / f"out{i}.json"
+    rc, out, _ = run(SMALL + ["--num-requests", "6", "--output", str(path)], capsys)
+    assert rc == 0
+    outs.append(json.loads(path.read_text()))
+  assert "contiguous KV cache, same memory: 2 slots x 64 tokens" in out
+  assert "greedy outputs identical in both engines: 6/6" in out
+  doc = outs[0]
+  assert doc["requests"] == outs[1]["requests"]
+  assert len(doc["requests"]) == 6
+  for r in doc["requests"]:
+    (c,) = r["completions"]
+    assert c["finish_reason"] in ("stop", "length") and c["token_ids"]
+  stats = doc["stats"]
+  assert stats["paged"]["served"] == stats["contiguous"]["served"] == 6
+  assert stats["paged"]["kv_bytes"] == stats["contiguous"]["kv_bytes"]
+
+
+def test_prompt_file_with_sampling_and_beam_search(tmp_path, capsys):
+  prompts = tmp_path / "prompts.json"
+  prompts.write_text(json.dumps([[5, 6, 7], [8, 9, 10, 11, 12], [13] * 70]))
+  out_path = tmp_path / "out.json"
+  rc, _, err = run(SMALL + ["--prompt-ids", str(prompts), "--n", "2",
+                            "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9",
+                            "--max-new-tokens", "5", "--no-baseline",
+                            "--output", str(out_path)], capsys)
+  assert rc == 0
+  reqs = json.loads(out_path.read_text())["requests"]
+  assert [len(r["completions"]) for r in reqs] == [2, 2, 0]
+  assert "max_model_len=64" in reqs[2]["rejected"] and "rejected request 2" in err
+  rc, _, _ = run(SMALL + ["--prompt-ids", str(prompts), "--beam-width", "2",
+                          "--max-new-tokens", "4", "--no-baseline",
+                          "--output", str(out_path)], capsys)
+  assert rc == 0
+  reqs = json.loads(out_path.read_text())["requests"]
+  assert all("logprob" in c for c in reqs[0]["completions"])
+
+
+def test_checkpoint_run(tmp_path, capsys):
+  model = model_lib.init_model(model_lib.LlamaConfig.tiny(), seed=0)
+  checkpoint.save_checkpoint(model, tmp_path / "ckpt")
+  out_path = tmp_path / "out.json"
+  rc, out, _ = run(SMALL + ["--checkpoint", str(tmp_path / "ckpt"), "--num-requests", "6",
+                            "--no-baseline", "--output", str(out_path)], capsys)
+  assert rc == 0 and "model: checkpoint" in out
+  # Same weights as the default tiny model: same greedy outputs.
+  rc, _, _ = run(SMALL + ["--num-requests", "6", "--no-baseline",
+                          "--output", str(tmp_path / "tiny.json")], capsys)
+  assert (json.loads(out_path.read_text())["requests"]
+          == json.loads((tmp_path / "tiny.json").read_text())["requests"])
+
+
+@pytest.fixture
+def bad_checkpoint(tmp_path):
+  model = model_lib.init_model(model_lib.LlamaConfig.tiny(num_layers=1), seed=0)
+  checkpoint.save_checkpoint(model, tmp_path)
+  (tmp_path / "config.json").write_text('{"model_type": "llama", "vocab_size": 512}')
+  return tmp_path
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--checkpoint", "/nonexistent/ckpt"], "error: checkpoint directory '/nonexistent/ckpt' does not exist"),
+    (["--num-blocks", "0"], "error: --num-blocks must be >= 1"),
+    (["--block-size", "0"], "error: --block-size must be >= 1"),
+    (["--max-batch", "8", "--max-tokens-per-step", "4"], "error: max_tokens_per_step=4 must be >= max_batch=8"),
+    (["--max-model-len", "5000"], "error: --max-model-len 5000 exceeds the model's max_position_embeddings"),
+    (["--num-blocks", "4", "--kv-budget-mb", "1"], "error: give --num-blocks or --kv-budget-mb"),
+    (["--kv-budget-mb", "0.00001"], "error: the KV budget holds 0 tokens"),
+    (["--max-model-len", "512", "--num-blocks", "16"], "error: KV budget of 256 tokens is less than one max-length"),
+    (["--temperature", "-1"], "error: temperature must be >= 0"),
+    (["--prompt-ids", "/nonexistent.json"], "error: prompt file '/nonexistent.json' not found"),
+])
+def test_bad_input_is_one_error_line(args, match, capsys):
+  rc, out, err = run(args + ["--no-progress"], capsys)
+  assert rc == 2
+  assert err.startswith(match), err
+  assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("content,match", [
+    ("[[1, 2], [3, 99999]]", "error: prompt 1: token id 99999 is outside the vocabulary"),
+    ("{not json", "not valid JSON"),
+    ('[[1, 2], "x"]', "prompt 1 must be a non-empty list of ints"),
+    ("[]", "expected a non-empty JSON list"),
+])
+def test_bad_prompt_file(tmp_path, capsys, content, match):
+  f = tmp_path / "p.json"
+  f.write_text(content)
+  rc, _, err = run(["--prompt-ids", str(f), "--no-progress"], capsys)
+  assert rc == 2 and match in err and err.count("\n") == 1
+
+
+def test_malformed_checkpoint_config(bad_checkpoint, capsys):
+  rc, _, err = run(["--checkpoint", str(bad_checkpoint), "--no-progress"], capsys)
+  assert rc == 2
+  assert err == "error: config.json: missing required field 'num_attention_heads'\n"

@@ -1,0 +1,97 @@
+"""The sampler and the beam-search rule."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from examples.serving import sampling
+from examples.serving.sampling import SamplingParams
+
+sample = jax.jit(sampling.sample_tokens)
+
+
+def rows(n, vocab=16, seed=0):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal((n, vocab)) * 2,
+                     jnp.float32)
+
+
+def args(n, temperature=0.0, top_k=0, top_p=1.0, seed=0, positions=None):
+  return (jnp.full(n, temperature, jnp.float32), jnp.full(n, top_k, jnp.int32),
+          jnp.full(n, top_p, jnp.float32), jnp.full(n, seed, jnp.int32),
+          jnp.arange(n, dtype=jnp.int32) if positions is None else positions)
+
+
+def test_greedy_and_degenerate_filters_take_the_argmax():
+  logits = rows(64)
+  best = np.argmax(logits, axis=-1)
+  np.testing.assert_array_equal(sample(logits, *args(64)), best)
+  np.testing.assert_array_equal(sample(logits, *args(64, 1.5, top_k=1)), best)
+  np.testing.assert_array_equal(sample(logits, *args(64, 1.5, top_p=1e-6)), best)
+
+
+def test_samples_follow_the_filtered_distribution():
+  n, vocab = 4000, 8
+  logits = jnp.tile(jnp.linspace(0.0, 2.0, vocab)[None], (n, 1))
+  probs = np.asarray(jax.nn.softmax(logits[0]))
+  counts = np.bincount(sample(logits, *args(n, 1.0)), minlength=vocab) / n
+  np.testing.assert_allclose(counts, probs, atol=0.03)
+  top3 = np.bincount(sample(logits, *args(n, 1.0, top_k=3)), minlength=vocab) / n
+  assert top3[:5].sum() == 0
+  np.testing.assert_allclose(top3[5:], probs[5:] / probs[5:].sum(), atol=0.03)
+  # top-p 0.5 keeps the smallest head whose mass reaches 0.5: tokens 7, 6, 5.
+  assert np.cumsum(probs[::-1])[1] < 0.5 <= np.cumsum(probs[::-1])[2]
+  nucleus = np.bincount(sample(logits, *args(n, 1.0, top_p=0.5)), minlength=vocab) / n
+  assert nucleus[:5].sum() == 0 and nucleus[5:].min() > 0
+
+
+def test_a_row_does_not_depend_on_the_rest_of_the_batch():
+  logits = rows(4)
+  t = jnp.array([0.8, 0.8, 0.0, 1.2])
+  seeds = jnp.array([3, 4, 5, 6])
+  pos = jnp.array([10, 11, 12, 13])
+  plain = sample(logits, t, jnp.zeros(4, jnp.int32), jnp.ones(4), seeds, pos)
+  # Another row asks for top-k/top-p (the filtering branch runs): rows 0-2 unchanged.
+  mixed = sample(logits, t, jnp.array([0, 0, 0, 3]), jnp.array([1, 1, 1, 0.5]), seeds, pos)
+  np.testing.assert_array_equal(plain[:3], mixed[:3])
+  again = sample(logits[::-1], t[::-1], jnp.zeros(4, jnp.int32), jnp.ones(4),
+                 seeds[::-1], pos[::-1])
+  np.testing.assert_array_equal(plain, again[::-1])
+
+
+def test_top_logprobs():
+  logits = rows(2)
+  lp, ids = sampling.top_logprobs(logits, 3)
+  ref = jax.nn.log_softmax(logits, axis=-1)
+  np.testing.assert_array_equal(ids, np.argsort(-np.asarray(ref), axis=-1)[:, :3])
+  np.testing.assert_allclose(lp, np.take_along_axis(np.asarray(ref), np.asarray(ids), -1))
+
+
+def test_beam_search_step_rules():
+  beams = [sampling.Beam([1], -1.0), sampling.Beam([2], -2.0)]
+  cands = [([-0.1, -0.5, -3.0], [5, 9, 6]), ([-0.1, -0.2, -4.0], [7, 8, 9])]
+  live, finished = sampling.beam_search_step(beams, cands, width=2, eos_token_ids=(9,))
+  # Scores: (0,5)=-1.1 (0,9)=-1.5 eos (1,7)=-2.1 (1,8)=-2.2 ...
+  assert finished == [(0, 9, -1.5)]
+  assert live == [(0, 5, pytest.approx(-1.1)), (1, 7, pytest.approx(-2.1))]
+  # An EOS outside the best `width` pairs is not a finished hypothesis.
+  live, finished = sampling.beam_search_step(beams, cands, width=1, eos_token_ids=(9,))
+  assert finished == [] and live == [(0, 5, pytest.approx(-1.1))]
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(temperature=float("nan")), "temperature must be >= 0"),
+    (dict(top_k=-1), "top_k must be >= 0"),
+    (dict(top_p=0.0), "top_p must be in \\(0, 1\\]"),
+    (dict(seed=-1), "seed must be an int in"),
+    (dict(n=0), "n must be >= 1"),
+    (dict(beam_width=0), "beam_width must be >= 1"),
+    (dict(n=2, beam_width=2), "use n or beam_width, not both"),
+])
+def test_sampling_params_errors(kw, match):
+  with pytest.raises(ValueError, match=match):
+    SamplingParams(**kw)

@@ -1,0 +1,128 @@
+"""Paged attention for Flax: step metadata and the NNX module vs dense attention."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from paged_jax import block_manager as bm
+from paged_jax import flax_attention as fa
+from paged_jax import kv_cache
+from paged_jax import rope
+
+
+reserve = jax.jit(bm.reserve)
+
+
+def test_step_metadata_layout():
+  state = bm.init(num_blocks=8, block_size=4, max_seqs=4, max_blocks_per_seq=4)
+  state, _ = reserve(state, np.array([2, -1, -1, -1]), np.array([5, 0, 0, 0]))
+  seq_ids, q_lens = np.array([2, 0, 1, -1]), np.array([1, 3, 2, 0])
+  state, res = reserve(state, seq_ids, q_lens)
+  active = np.array([True, True, False, False])  # pretend seq 1 was refused
+  meta = jax.jit(fa.step_metadata, static_argnames="num_tokens")(
+      state, seq_ids, q_lens, num_tokens=8, active=active)
+  np.testing.assert_array_equal(meta.cu_q_lens, [0, 1, 4, 6, 6])
+  np.testing.assert_array_equal(meta.kv_lens, [6, 3, 0, 0])
+  np.testing.assert_array_equal(meta.positions, [5, 0, 1, 2, 0, 0, 0, 0])
+  np.testing.assert_array_equal(meta.num_seqs, [3])
+  tables = np.asarray(state.block_tables)
+  assert meta.slots[0] == tables[2, 1] * 4 + 1
+  np.testing.assert_array_equal(meta.slots[1:4], tables[0, 0] * 4 + np.arange(3))
+  np.testing.assert_array_equal(meta.slots[4:], -1)  # refused and padding rows
+  assert (np.asarray(meta.block_tables)[2:] == bm.NULL_BLOCK).all()
+
+
+def _module(num_heads, num_kv_heads, head_dim, seed=0):
+  return fa.PagedAttention(
+      32, num_heads, num_kv_heads, head_dim,
+      rope=rope.RopeConfig(head_dim, 10000.0, rope.Llama3Scaling(
+          original_max_position_embeddings=16)),
+      rngs=nnx.Rngs(seed))
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [
+    (4, 1, 16), (8, 2, 64), pytest.param(4, 4, 32, marks=pytest.mark.slow)])
+def test_chunked_prefill_and_decode_match_dense(num_heads, num_kv_heads, head_dim):
+  attn = _module(num_heads, num_kv_heads, head_dim)
+  rng = np.random.default_rng(0)
+  xa = rng.standard_normal((14, 32)).astype(np.float32)
+  xb = rng.standard_normal((7, 32)).astype(np.float32)
+  graphdef, params = nnx.split(attn)
+  dense = jax.jit(lambda p, x: nnx.merge(graphdef, p).dense(x))
+  dense_a = np.asarray(dense(params, np.pad(xa, ((0, 2), (0, 0)))[None])[0])
+  dense_b = np.asarray(dense(params, np.pad(xb, ((0, 9), (0, 0)))[None])[0])
+  state = bm.init(num_blocks=12, block_size=4, max_seqs=3, max_blocks_per_seq=4)
+  cache = kv_cache.KVCache.create(1, num_kv_heads, 12, 4, head_dim, jnp.float32)
+
+  @functools.partial(jax.jit, static_argnames=("decode_only",))
+  def step(params, state, cache, ids, lens, x, decode_only):
+    state, res = bm.reserve(state, ids, lens)
+    meta = fa.step_metadata(state, ids, lens, num_tokens=x.shape[0],
+                            decode_only=decode_only)
+    out, cache = nnx.merge(graphdef, params)(x, meta, cache, 0)
+    return out, state, cache, res.ok
+
+  def run(entries, num_tokens, decode_only=False):
+    nonlocal state, cache
+    ids = np.array([e[0] for e in entries] + [-1] * (3 - len(entries)), np.int32)
+    lens = np.array([e[1].shape[0] for e in entries] + [0] * (3 - len(entries)),
+                    np.int32)
+    x = np.zeros((num_tokens, 32), np.float32)
+    x[:lens.sum()] = np.concatenate([e[1] for e in entries])
+    out, state, cache, ok = step(params, state, cache, ids, lens, x, decode_only)
+    assert np.asarray(ok)[:len(entries)].all()
+    return np.asarray(out)
+
+  out = run([(0, xa[:5])], 16)  # chunk 1 of A
+  np.testing.assert_allclose(out[:5], dense_a[:5], rtol=2e-5, atol=2e-5)
+  out = run([(0, xa[5:11]), (1, xb)], 16)  # chunk 2 of A with all of B
+  np.testing.assert_allclose(out[:6], dense_a[5:11], rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(out[6:13], dense_b[:7], rtol=2e-5, atol=2e-5)
+  np.testing.assert_array_equal(out[13:], 0.0)  # padding rows
+  for p in range(11, 14):  # decode A, alternating the two kernels
+    out = run([(0, xa[p:p + 1])], 3, decode_only=(p % 2 == 0))
+    np.testing.assert_allclose(out[0], dense_a[p], rtol=2e-5, atol=2e-5)
+  bm.check_invariants(state)
+
+
+def test_inactive_entries_write_nothing():
+  attn = _module(4, 2, 16)
+  state = bm.init(num_blocks=4, block_size=4, max_seqs=2, max_blocks_per_seq=2)
+  cache = kv_cache.KVCache.create(1, 2, 4, 4, 16, jnp.float32)
+  ids, lens = np.array([0, 1]), np.array([3, 2])
+  graphdef, params = nnx.split(attn)
+
+  @jax.jit
+  def step(params, state, cache):
+    state, _ = bm.reserve(state, ids, lens)
+    meta = fa.step_metadata(state, ids, lens, num_tokens=5,
+                            active=jnp.array([False, True]))
+    model = nnx.merge(graphdef, params)
+    out, cache = model(jnp.ones((5, 32)), meta, cache, 0)
+    return out, cache, state, model.o_proj(jnp.zeros((3, 64)))
+
+  out, new_cache, state, zero_rows = step(params, state, cache)
+  np.testing.assert_array_equal(out[:3], zero_rows)
+  block0 = int(state.block_tables[0, 0])
+  np.testing.assert_array_equal(new_cache.k_pages[0, :, block0], 0.0)
+
+
+def test_errors():
+  state = bm.init(num_blocks=4, block_size=4, max_seqs=2, max_blocks_per_seq=2)
+  with pytest.raises(ValueError, match="decode_only needs one row per sequence"):
+    fa.step_metadata(state, jnp.array([0, 1]), jnp.array([1, 1]), num_tokens=4,
+                     decode_only=True)
+  with pytest.raises(ValueError, match="seq_ids must be 1-D"):
+    fa.step_metadata(state, jnp.zeros((2, 1), jnp.int32), jnp.array([1, 1]), num_tokens=4)
+  with pytest.raises(ValueError, match="q_lens shape"):
+    fa.step_metadata(state, jnp.array([0, 1]), jnp.array([1]), num_tokens=4)
+  with pytest.raises(ValueError, match="num_heads=6 must be a multiple of num_kv_heads=4"):
+    fa.PagedAttention(32, 6, 4, 16, rope=None, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="must equal head_dim=16"):
+    fa.PagedAttention(32, 4, 4, 16, rope=rope.RopeConfig(32), rngs=nnx.Rngs(0))
