@@ -147,10 +147,18 @@ RAGGED_MIXES = [
 
 
 @pytest.mark.parametrize("impl", RAGGED_IMPLS)
-@pytest.mark.parametrize("mix", RAGGED_MIXES, ids=str)
-@pytest.mark.parametrize("config", DECODE_CONFIGS[::2], ids=str)
+@pytest.mark.parametrize("mix, config", list(zip(RAGGED_MIXES, DECODE_CONFIGS[::2])),
+                         ids=str)
 def test_ragged_matches_reference(impl, mix, config):
   _ragged_check(*impl, *mix, config, seed=len(mix[0]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", RAGGED_IMPLS)
+@pytest.mark.parametrize("mix", RAGGED_MIXES, ids=str)
+@pytest.mark.parametrize("config", DECODE_CONFIGS, ids=str)
+def test_ragged_matches_reference_sweep(impl, mix, config):
+  _ragged_check(*impl, *mix, config, seed=len(mix[0]) + 1)
 
 
 @pytest.mark.parametrize("impl", RAGGED_IMPLS)

@@ -151,6 +151,14 @@ TestBlockManagerModel.settings = hypothesis.settings(
     derandomize=True, suppress_health_check=list(hypothesis.HealthCheck))
 
 
+@pytest.fixture
+def jit_ops(monkeypatch):
+  """The block-manager ops, jitted (op-by-op dispatch of the eager versions is
+  slow on a small CPU; `test_jitted_and_unjitted_agree` covers eager mode)."""
+  for name in ("reserve", "release", "fork", "slot_mapping", "gather_tables"):
+    monkeypatch.setattr(bm, name, jax.jit(getattr(bm, name)))
+
+
 def test_jitted_and_unjitted_agree():
   rng = np.random.default_rng(1)
   s_jit = s_eager = bm.init(NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, WIDTH)
@@ -197,7 +205,7 @@ def test_jitted_step_compiles_once_over_a_long_random_run():
   bm.check_invariants(state)
 
 
-def test_copy_on_write_only_for_partial_shared_blocks():
+def test_copy_on_write_only_for_partial_shared_blocks(jit_ops):
   state = bm.init(8, 4, 3, 4)
   state, _ = bm.reserve(state, jnp.array([0]), jnp.array([8]))  # 2 full blocks
   state, ok = bm.fork(state, jnp.array([0]), jnp.array([1]))
@@ -213,7 +221,7 @@ def test_copy_on_write_only_for_partial_shared_blocks():
   bm.check_invariants(state)
 
 
-def test_failed_requests_leave_state_untouched():
+def test_failed_requests_leave_state_untouched(jit_ops):
   state = bm.init(4, 4, 3, 2)
   state, res = bm.reserve(state, jnp.array([0, 1, 2]), jnp.array([8, 9, 4]))
   assert res.ok.tolist() == [True, False, True]  # 9 > 2 blocks of 4
@@ -236,7 +244,7 @@ def test_failed_requests_leave_state_untouched():
   chex.assert_trees_all_equal(before, state)
 
 
-def test_slot_mapping_and_tables():
+def test_slot_mapping_and_tables(jit_ops):
   state = bm.init(8, 4, 3, 4)
   state, _ = bm.reserve(state, jnp.array([0]), jnp.array([6]))
   slots = bm.slot_mapping(state, jnp.array([0, 0, 0, 1, 5]),
