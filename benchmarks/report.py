@@ -81,6 +81,39 @@ def _concurrency(d: dict) -> list[str]:
   return lines
 
 
+def _xla_paths(dec: dict | None, pre: dict | None) -> list[str]:
+  rows = ["## XLA paths against dense attention on the same tokens (CPU)", ""]
+  if dec:
+    rows += [
+        f"`benchmarks/xla_decode.py` ({dec['date']}, jax {dec['jax']}): "
+        "`paged_attention(implementation=\"xla\")` over random non-contiguous "
+        "block tables vs dense decode on contiguous `[batch, kv_heads, kv_len, "
+        "head_dim]` K/V; 8 query / 2 KV heads, head_dim 128, float32. Goal "
+        "<= 1.05.", "",
+        "| batch | context | block_size | paged ms | dense ms | paged / dense |",
+        "|---:|---:|---:|---:|---:|---:|"]
+    for r in dec["decode"]:
+      rows.append(f"| {r['batch']} | {r['context']} | {r['block_size']} | "
+                  f"{r['paged_ms']:.3f} | {r['dense_ms']:.3f} | {r['ratio']:.2f} |")
+    us = dec["reserve_us"]
+    rows += ["", "Block manager, reserve + release of 64 sequences (jitted, "
+             "donated): " + ", ".join(f"{k} blocks {v:.0f} us" for k, v in us.items())
+             + f"; ratio {dec['reserve_ratio']:.2f} (goal <= 1.2).", ""]
+  if pre:
+    rows += [
+        f"`benchmarks/xla_prefill.py` ({pre['date']}, jax {pre['jax']}): "
+        "`ragged_paged_attention(implementation=\"xla\")` vs dense causal "
+        "attention (full score matrix, masked) per sequence; 8 query / 2 KV heads, "
+        "head_dim 64, float32. Goal <= 1.1.", "",
+        "| sequences | new tokens | kv_len | paged ms | dense ms | paged / dense |",
+        "|---:|---:|---:|---:|---:|---:|"]
+    for r in pre["prefill"]:
+      rows.append(f"| {r['num_seqs']} | {r['q_len']} | {r['kv_len']} | "
+                  f"{r['paged_ms']:.2f} | {r['dense_ms']:.2f} | {r['ratio']:.2f} |")
+    rows.append("")
+  return rows
+
+
 def _throughput(d: dict) -> list[str]:
   p, c = d["paged"], d["contiguous"]
   rows = [
@@ -245,6 +278,9 @@ def write(out: pathlib.Path = common.RESULTS_DIR, *, wall_s: dict | None = None,
     lines += _throughput(thr)
   if host:
     lines += _host(host)
+  dec, pre = _load(out, "xla_decode"), _load(out, "xla_prefill")
+  if dec or pre:
+    lines += _xla_paths(dec, pre)
   if bsz:
     lines += _block_size(bsz, "CPU, XLA path")
   if bsz_gpu:
