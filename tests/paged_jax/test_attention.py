@@ -267,3 +267,39 @@ def test_ragged_argument_errors():
     attention.ragged_paged_attention(q, k, v, tables, lens,
                                      jnp.zeros((3,), jnp.int32),
                                      jnp.array([1, 2]))
+
+
+def test_write_and_ragged_attention_writes_in_place_then_attends():
+  """The fused step: new K/V land in their slots (donated pages, aliased in
+  place), then attention sees them; writes to a shared block are dropped."""
+  from paged_jax import block_manager as bm  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(11)
+  hq, hkv, d, bs = 4, 2, 64, 8
+  state = bm.init(num_blocks=16, block_size=bs, max_seqs=3, max_blocks_per_seq=6)
+  k_pages = jnp.asarray(rng.standard_normal((hkv, 16, bs, d)), jnp.float32)
+  v_pages = jnp.asarray(rng.standard_normal((hkv, 16, bs, d)), jnp.float32)
+  # Sequence 0 has 10 cached tokens and gets 3 more; sequence 1 is new (20).
+  state, _ = bm.reserve(state, jnp.array([0]), jnp.array([10]))
+  state, _ = bm.reserve(state, jnp.array([0, 1]), jnp.array([3, 20]))
+  seq = jnp.array([0] * 3 + [1] * 20 + [-1] * 3, jnp.int32)  # 3 padding rows
+  pos = jnp.concatenate([jnp.arange(10, 13), jnp.arange(20), jnp.zeros(3, int)])
+  slots = bm.slot_mapping(state, seq, pos.astype(jnp.int32))
+  tables, lens = bm.gather_tables(state, jnp.array([0, 1, 2]))
+  cu = jnp.array([0, 3, 23, 23], jnp.int32)
+  q = jnp.asarray(rng.standard_normal((26, hq, d)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((26, hkv, d)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((26, hkv, d)), jnp.float32)
+  step = jax.jit(attention.write_and_ragged_attention, donate_argnums=(4, 5))
+  out, k_new, v_new = step(q, k, v, slots, k_pages, v_pages, tables, lens, cu,
+                           jnp.array([2]))
+  assert k_pages.is_deleted()  # donated: the cache was updated in place
+  got = np.asarray(k_new).reshape(hkv, -1, d)[:, np.asarray(slots[:23])]
+  np.testing.assert_array_equal(got, np.swapaxes(np.asarray(k[:23]), 0, 1))
+  ref = reference.ragged_paged_attention_reference(
+      q, k_new, v_new, tables, lens, cu, jnp.array([2]))
+  cases.assert_rows_close(out, ref, jnp.float32)
+  assert not np.asarray(out[23:]).any()
+  # After a fork the prompt's blocks are shared: their slots are -1 (dropped).
+  state, _ = bm.fork(state, jnp.array([1]), jnp.array([2]))
+  shared = bm.slot_mapping(state, jnp.array([1, 2]), jnp.array([5, 19]))
+  assert shared.tolist() == [-1, -1]
