@@ -216,9 +216,10 @@ class Engine:
       return f"needs {p.num_seqs} sequences at once, max_batch is {c.max_batch}"
     if p.beam_width > c.max_beam_width:
       return f"beam_width={p.beam_width} exceeds the engine's max_beam_width={c.max_beam_width}"
-    per_seq = _cdiv(total, c.block_size)
-    # Beam groups are preempted whole, so all beams must fit together.
-    need = p.beam_width * (per_seq + 1) if p.beam_width > 1 else per_seq
+    # Beam groups are preempted whole, so all beams must fit together (at
+    # worst each beam owns all its blocks; retired beams are released before
+    # the next forks and reservations).
+    need = p.beam_width * _cdiv(total, c.block_size)
     if need > c.num_blocks:
       return (f"needs {need} blocks of {c.block_size} tokens at its longest, "
               f"the pool has {c.num_blocks}")
@@ -265,7 +266,7 @@ class Engine:
   def _freed_by(self, seq: Seq) -> int:
     if seq.slot < 0 or seq.fork_from >= 0:
       return 0
-    return max(0, _cdiv(seq.num_cached, self.config.block_size) - seq.shared_blocks)
+    return seq.exclusive_blocks
 
   def _release(self, seq: Seq, late: bool = False):
     if seq.slot >= 0:
@@ -300,7 +301,7 @@ class Engine:
         self._waiting.remove(seq)
       self._release(seq)
       seq.num_cached = 0
-      seq.shared_blocks = 0
+      seq.exclusive_blocks = 0
       seq.maybe_shared_tail = False
     group.output.preemptions += 1
     self.stats.preemptions += 1
@@ -317,6 +318,9 @@ class Engine:
     budget = c.max_tokens_per_step
     plan: list[tuple[Seq, int]] = []
     queue = list(self._running)
+    # Never preempted: the oldest sequence, or the oldest group for beam
+    # search (a beam group goes whole). Admission guarantees it fits alone.
+    first = queue[0] if queue else None
     while queue:
       seq = queue.pop(0)
       if seq not in self._running:  # preempted with its beam group
@@ -327,14 +331,18 @@ class Engine:
       if n <= 0:
         continue
       need = self._blocks_needed(seq, n)
-      if plan:  # the oldest running sequence is always submitted
-        while need > free and queue:
-          free += self._preempt(queue.pop(), plan)
-        if seq not in self._running:  # went with its beam group
-          continue
-        if need > free:
-          free += self._preempt(seq, plan)
-          continue
+      protected = seq is first or (seq.group is first.group and seq.group.is_beam)
+      while need > free:  # preempt the newest (not seq's own beam group)
+        queue = [v for v in queue if v in self._running]  # drop preempted beams
+        victims = [v for v in queue
+                   if not (seq.group.is_beam and v.group is seq.group)]
+        if not victims:
+          break
+        queue.remove(victims[-1])
+        free += self._preempt(victims[-1], plan)
+      if need > free and not protected:
+        free += self._preempt(seq, plan)
+        continue
       plan.append((seq, n))
       free -= need
       budget -= n
@@ -495,7 +503,6 @@ class Engine:
     for j, (s, n) in enumerate(plan):
       if out.ok[j]:
         s.num_cached += n
-        s.maybe_shared_tail = False
         self.stats.computed_tokens += n
       else:
         failed.add(id(s))
@@ -506,6 +513,10 @@ class Engine:
           self._free_slots.append(s.slot)
           s.slot = -1
           self._insert(self._waiting, s)
+    for s in self._running:  # exact sharing figures for the next plan
+      if s.slot >= 0 and s.fork_from < 0:
+        s.exclusive_blocks = int(out.exclusive_blocks[s.slot])
+        s.maybe_shared_tail = bool(out.tail_shared[s.slot])
     beam_rows: dict[int, list] = {}
     by_seq: dict[int, list] = {}
     for r, (_, s, lane) in enumerate(samples):
@@ -531,8 +542,8 @@ class Engine:
           self._insert(self._running, child)
           g.live.append(child)
           targets.append(child)
-        for t in targets:
-          t.shared_blocks = _cdiv(s.num_cached, bs)
+        for t in targets:  # until the next step's figures say otherwise
+          t.exclusive_blocks = 0
           t.maybe_shared_tail = bool(s.num_cached % bs)
         g.unborn = 0
       for t, (_, tok) in zip(targets, lanes):
@@ -632,7 +643,7 @@ class Engine:
       self._insert(self._running, child)
       g.live.append(child)
       for s in (child, parent):
-        s.shared_blocks = max(s.shared_blocks, _cdiv(parent.num_cached, bs))
+        s.exclusive_blocks = 0
         s.maybe_shared_tail = bool(parent.num_cached % bs)
     g.live.sort(key=lambda s: s.index)
     g.unborn = 0

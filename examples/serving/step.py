@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import flax
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from examples.serving import sampling
@@ -52,6 +53,8 @@ class StepOutputs:
   ok: jax.Array  # bool[max_batch]  reservation per entry
   fork_ok: jax.Array  # bool[max_batch]
   num_free: jax.Array  # i32[]
+  exclusive_blocks: jax.Array  # i32[max_seqs]  blocks releasing the slot frees
+  tail_shared: jax.Array  # bool[max_seqs]  next write into the slot copies
 
 
 def device_step(graphdef, params, cache: kv_cache_lib.KVCache,
@@ -85,8 +88,27 @@ def device_step(graphdef, params, cache: kv_cache_lib.KVCache,
   tokens = sampling.sample_tokens(logits, x.temperature, x.top_k, x.top_p,
                                   x.seeds, x.positions)
   top_lp, top_ids = sampling.top_logprobs(logits, num_logprobs)
+  exclusive, tail_shared = sharing(state)
   return cache, state, StepOutputs(tokens, top_lp, top_ids, res.ok, fork_ok,
-                                   state.num_free)
+                                   state.num_free, exclusive, tail_shared)
+
+
+def sharing(state: bm.BlockState) -> tuple[jax.Array, jax.Array]:
+  """Per sequence slot: blocks only it references (what releasing it frees),
+  and whether its partial last block is shared (its next write copies it).
+
+  The host plans admissions and preemptions with these exact figures.
+
+  Returns:
+    `(i32[max_seqs], bool[max_seqs])`.
+  """
+  tables = state.block_tables
+  refs = state.refcounts[jnp.clip(tables, 0, state.num_blocks - 1)]
+  exclusive = jnp.sum((tables >= 0) & (refs == 1), axis=1, dtype=jnp.int32)
+  bs = state.block_size
+  last = jnp.maximum((state.seq_lens + bs - 1) // bs - 1, 0)
+  tail_refs = jnp.take_along_axis(refs, last[:, None], axis=1)[:, 0]
+  return exclusive, (state.seq_lens % bs != 0) & (tail_refs > 1)
 
 
 # One jitted step shared by every engine: engines with the same model structure

@@ -251,3 +251,18 @@ def test_online_arrivals_and_trace_requests(model):
       arrival_times=trace.arrival_times, **SIZES)
   assert [o.completions for o in on_out] == [o.completions for o in off_out]
   assert online["served"] == offline["served"] == 5
+
+
+def test_samples_that_cannot_all_fit_take_turns(model):
+  # Each sample needs 10 of the 12 blocks at its longest; both cannot fit at
+  # once, so the newer one is preempted and recomputed after the older ends.
+  req = Request("g", list(range(20, 40)),
+                SamplingParams(n=2, temperature=1.0, seed=1, max_new_tokens=20))
+  small = make_engine(model, num_blocks=SMALL_POOL)
+  for_small = small.add_request(req)
+  assert for_small is None
+  got = {o.request_id: o for o in small.run_until_done(max_steps=500)}
+  want = serve(make_engine(model), [req])
+  assert got["g"].completions == want["g"].completions
+  assert got["g"].preemptions > 0
+  assert_pool_empty(small)

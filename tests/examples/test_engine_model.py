@@ -79,7 +79,7 @@ class EngineMachine(RuleBasedStateMachine):
     assert self.engine.usage()["blocks_used"] <= SMALL_POOL
 
   def teardown(self):
-    for o in self.engine.run_until_done():
+    for o in self.engine.run_until_done(max_steps=3000):
       self.outputs[o.request_id] = o
     for rid, req in self.accepted.items():
       out = self.outputs[rid]
