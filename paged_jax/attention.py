@@ -21,6 +21,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from paged_jax import kv_cache
 from paged_jax import xla_attention
 
 IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_gpu")
@@ -40,7 +41,7 @@ def _load_kernel(module_name: str):
 
 
 def check_paged_inputs(q, k_pages, v_pages, block_tables, kv_lens, *,
-                       q_name="q", q_rank=3, sliding_window=None,
+                       q_rows="batch", sliding_window=None,
                        soft_cap=None) -> None:
   """Static (shape and dtype) checks shared by the attention entry points.
 
@@ -48,9 +49,9 @@ def check_paged_inputs(q, k_pages, v_pages, block_tables, kv_lens, *,
     ValueError: saying which argument is wrong, what was expected and what was
       given.
   """
-  if q.ndim != q_rank:
-    raise ValueError(f"{q_name} must be [{'batch' if q_name == 'q' else 'num_tokens'}, "
-                     f"num_q_heads, head_dim], got shape {q.shape}")
+  if q.ndim != 3:
+    raise ValueError(f"q must be [{q_rows}, num_q_heads, head_dim], got shape "
+                     f"{q.shape}")
   if k_pages.ndim != 4:
     raise ValueError("k_pages must be [num_kv_heads, num_blocks, block_size, "
                      f"head_dim], got shape {k_pages.shape}")
@@ -255,7 +256,7 @@ def ragged_paged_attention(
       cannot serve the call.
   """
   check_paged_inputs(q, k_pages, v_pages, block_tables, kv_lens,
-                     q_name="q", sliding_window=sliding_window,
+                     q_rows="num_tokens", sliding_window=sliding_window,
                      soft_cap=soft_cap)
   max_num_seqs = block_tables.shape[0]
   if cu_q_lens.shape != (max_num_seqs + 1,):
@@ -313,7 +314,6 @@ def write_and_ragged_attention(
   Returns:
     `(out [num_tokens, num_q_heads, head_dim], k_pages, v_pages)`.
   """
-  from paged_jax import kv_cache  # pylint: disable=import-outside-toplevel
   k_pages, v_pages = kv_cache.write_kv(k_pages, v_pages, k, v, slots)
   out = ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
                                cu_q_lens, num_seqs, **kwargs)

@@ -303,3 +303,11 @@ def test_write_and_ragged_attention_writes_in_place_then_attends():
   state, _ = bm.fork(state, jnp.array([1]), jnp.array([2]))
   shared = bm.slot_mapping(state, jnp.array([1, 2]), jnp.array([5, 19]))
   assert shared.tolist() == [-1, -1]
+
+
+def test_ragged_q_shape_error_names_num_tokens():
+  _, k, v, tables, lens = _small()
+  with pytest.raises(ValueError, match=r"q must be \[num_tokens, num_q_heads, "
+                     r"head_dim\], got shape \(8, 64\)"):
+    attention.ragged_paged_attention(jnp.zeros((8, 64)), k, v, tables, lens,
+                                     jnp.zeros((3,), jnp.int32), jnp.array([1]))
