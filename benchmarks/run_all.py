@@ -8,6 +8,8 @@ its numbers are not meaningful, and it writes *_quick files and no RESULTS.md).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 from benchmarks import block_size
@@ -36,6 +38,13 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     module.run(args.quick, args.out)
     wall[module.__name__.split(".")[-1]] = time.perf_counter() - t0
+  # The scale-out benchmark needs 8 devices, which on CPU must be simulated
+  # before JAX starts: run it in its own process.
+  print("== 6. scale-out (benchmarks.sharded)", flush=True)
+  t0 = time.perf_counter()
+  cmd = [sys.executable, "-m", "benchmarks.sharded", "--out", str(args.out)]
+  subprocess.run(cmd + (["--quick"] if args.quick else []), check=True)
+  wall["sharded"] = time.perf_counter() - t0
   total = time.perf_counter() - start
   print("== wall time: " + ", ".join(f"{k} {v:.0f}s" for k, v in wall.items())
         + f"; total {total:.0f}s")

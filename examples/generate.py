@@ -16,18 +16,55 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+
+def _parse_mesh(text: str) -> tuple[int, int]:
+  """"data=2,model=4" (either part may be left out) -> (2, 4)."""
+  sizes = {"data": 1, "model": 1}
+  for part in text.split(","):
+    name, eq, value = part.partition("=")
+    name = name.strip()
+    if not eq or name not in sizes or not value.strip().isdigit() or int(value) < 1:
+      raise ValueError(f"--mesh must look like data=2,model=4, got {text!r}")
+    sizes[name] = int(value)
+  return sizes["data"], sizes["model"]
+
+
+def _simulate_host_devices(argv):
+  """With --mesh on a CPU-only machine, JAX needs that many host devices:
+  ask for them before JAX starts (the flag only affects the CPU platform)."""
+  for i, arg in enumerate(argv):
+    text = arg.split("=", 1)[1] if arg.startswith("--mesh=") else (
+        argv[i + 1] if arg == "--mesh" and i + 1 < len(argv) else None)
+    if text is None:
+      continue
+    try:
+      data, model = _parse_mesh(text)
+    except ValueError:
+      return  # reported properly after parsing
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+      os.environ["XLA_FLAGS"] = (
+          f"{flags} --xla_force_host_platform_device_count={data * model}").strip()
+
+
+if __name__ == "__main__":
+  _simulate_host_devices(sys.argv[1:])
+
 # pylint: disable=wrong-import-position
 from examples.llama import checkpoint as checkpoint_lib  # noqa: E402
 from examples.llama import model as model_lib  # noqa: E402
+from examples.llama import tensor_parallel  # noqa: E402
 from examples.serving import workload  # noqa: E402
 from examples.serving.requests import Request  # noqa: E402
 from examples.serving.sampling import SamplingParams  # noqa: E402
+from paged_jax import sharding  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,6 +108,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="token budget of a prefill/mixed step")
   eng.add_argument("--max-model-len", type=int, default=256,
                    help="longest prompt + output")
+  eng.add_argument("--mesh", metavar="data=D,model=M",
+                   help="serve on a D x M device mesh: M-way tensor parallelism, "
+                   "D data shards each with its own pool of --num-blocks "
+                   "blocks and --max-batch sequences (on CPU, D * M host "
+                   "devices are simulated)")
   eng.add_argument("--implementation", choices=["xla", "pallas_tpu", "pallas_gpu"],
                    help="attention backend (default: the best for the platform)")
   out = p.add_argument_group("output")
@@ -163,7 +205,12 @@ def build(args):
   if kv_tokens < args.block_size:
     raise ValueError(f"the KV budget holds {kv_tokens} tokens, less than one "
                      f"block of {args.block_size}")
-  return model, requests, kv_tokens
+  mesh = None
+  if args.mesh:
+    data, tp = _parse_mesh(args.mesh)
+    mesh = sharding.make_mesh(data, tp)
+    tensor_parallel.check_model_axis(cfg, tp)
+  return model, requests, kv_tokens, mesh
 
 
 def _reseed(params: SamplingParams, seed: int) -> SamplingParams:
@@ -186,6 +233,9 @@ def _fmt(stats: dict) -> list[str]:
       f" of {stats['block_size']}-token blocks",
       f"  sequences at once   peak {stats['peak_running']}, mean "
       f"{stats['mean_running']:.1f} (batch limit {stats['max_batch']})",
+      f"  KV memory           {stats['kv_bytes'] / 2**20:.2f} MiB, "
+      f"{stats['kv_bytes_per_device'] / 2**20:.3f} MiB on each of "
+      f"{stats['devices']} device(s)",
       f"  preemptions         {stats['preemptions']}",
       f"  steps               {stats['steps']} ({stats['decode_steps']} decode,"
       f" {stats['mixed_steps']} prefill/mixed); host "
@@ -197,13 +247,14 @@ def _fmt(stats: dict) -> list[str]:
 def main(argv=None) -> int:
   args = parse_args(argv)
   try:
-    model, requests, kv_tokens = build(args)
+    model, requests, kv_tokens, mesh = build(args)
     common = dict(kv_tokens=kv_tokens, block_size=args.block_size,
                   max_batch=args.max_batch,
                   max_tokens_per_step=args.max_tokens_per_step,
                   max_model_len=args.max_model_len,
-                  max_beam_width=args.beam_width, progress=not args.no_progress)
-    sizes = {n: v for n, v in common.items() if n != "progress"}
+                  max_beam_width=args.beam_width, progress=not args.no_progress,
+                  mesh=mesh)
+    sizes = {n: v for n, v in common.items() if n not in ("progress", "mesh")}
     configs = {"paged": workload.engine_config("paged", **sizes)}
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
@@ -223,7 +274,19 @@ def main(argv=None) -> int:
   print(f"workload: {len(requests)} requests, prompts "
         f"{min(len(r.prompt) for r in requests)}-{max(len(r.prompt) for r in requests)}"
         f" tokens, KV memory {kv_tokens} tokens "
-        f"({kv_tokens * cfg.kv_bytes_per_token() / 2**20:.2f} MiB)")
+        f"({kv_tokens * cfg.kv_bytes_per_token() / 2**20:.2f} MiB)"
+        + (" per data shard" if mesh is not None else ""))
+  shards = 1
+  if mesh is not None:
+    shards, tp = mesh.shape[sharding.DATA], mesh.shape[sharding.MODEL]
+    heads = sharding.cache_kv_heads(cfg.num_kv_heads, tp)
+    devices = mesh.devices.flat
+    print(f"mesh: data={shards} x model={tp} on {mesh.size} "
+          f"{next(iter(devices)).platform} devices; weights {tp}-way tensor "
+          f"parallel, {shards} data shard(s) each with its own pool and up to "
+          f"{args.max_batch} sequences; {heads // tp} KV head(s) per device"
+          + (f" ({cfg.num_kv_heads} KV heads replicated {heads // cfg.num_kv_heads}x)"
+             if heads > cfg.num_kv_heads else ""))
   results = {}
   t0 = time.perf_counter()
   for kind in kinds:
@@ -235,20 +298,23 @@ def main(argv=None) -> int:
     if o.rejected:
       print(f"rejected request {o.request_id}: {o.rejected}", file=sys.stderr)
   c = configs["paged"]
-  print(f"\npaged KV cache: {c.num_blocks} blocks x {c.block_size} tokens, "
-        "continuous batching")
+  print(f"\npaged KV cache: {c.num_blocks} blocks x {c.block_size} tokens"
+        + (f" in each of {shards} data shards" if shards > 1 else "")
+        + ", continuous batching")
   print("\n".join(_fmt(stats)))
   if "contiguous" in results:
     base, base_outputs = results["contiguous"]
     cc = configs["contiguous"]
     print(f"\ncontiguous KV cache, same memory: {cc.num_blocks} slots x "
-          f"{cc.block_size} tokens (max_model_len), static batching")
+          f"{cc.block_size} tokens (max_model_len)"
+          + (f" in each of {shards} data shards" if shards > 1 else "")
+          + ", static batching")
     print("\n".join(_fmt(base)))
     reasons = [o.rejected for o in base_outputs if o.rejected]
     if reasons:
       print(f"  rejected            {len(reasons)}, e.g. {reasons[0]}")
     print(f"\npaging ran {stats['peak_running']} sequences at once where the "
-          f"contiguous cache fits {cc.num_blocks}", end="")
+          f"contiguous cache fits {shards * cc.num_blocks}", end="")
     if base["served"] == stats["served"] and base["tokens_per_second"] > 0:
       ratio = stats["tokens_per_second"] / base["tokens_per_second"]
       print(f"; throughput x{ratio:.2f}")

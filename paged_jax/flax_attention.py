@@ -29,15 +29,19 @@ Example (one layer, one step; see `examples/llama/model.py` for a model):
 
 from __future__ import annotations
 
+import functools
+
+import flax
 import jax
 import jax.numpy as jnp
-import flax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from paged_jax import attention
 from paged_jax import block_manager
 from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import rope as rope_lib
+from paged_jax import sharding
 
 NULL_BLOCK = block_manager.NULL_BLOCK
 
@@ -59,6 +63,12 @@ class StepMetadata:
     num_seqs: `i32[1]` number of leading sequence entries in use.
     decode_only: static; every sequence has exactly one row, row `i` belonging
       to sequence `i`, and the decode kernel is used.
+    mesh: static; None on one device. On a `(data, model)` mesh (from
+      `sharded_step_metadata`) every array is the concatenation of the data
+      shards' own arrays (shard `i` owns rows `i * num_tokens / data ...`,
+      its own `cu_q_lens` starting at 0, one `num_seqs` entry; slots and block
+      ids are local to its pool), and the K/V write and attention run under
+      `shard_map` (`paged_jax.sharding`).
   """
 
   positions: jax.Array
@@ -68,6 +78,7 @@ class StepMetadata:
   cu_q_lens: jax.Array
   num_seqs: jax.Array
   decode_only: bool = flax.struct.field(pytree_node=False, default=False)
+  mesh: Mesh | None = flax.struct.field(pytree_node=False, default=None)
 
 
 def step_metadata(
@@ -138,6 +149,48 @@ def step_metadata(
       cu_q_lens=cu_q_lens, num_seqs=num_seqs, decode_only=decode_only)
 
 
+def sharded_step_metadata(
+    mesh: Mesh,
+    states: block_manager.BlockState,
+    seq_ids: jax.Array,  # i32[data, max_seqs_per_step]
+    q_lens: jax.Array,  # i32[data, max_seqs_per_step]
+    *,
+    num_tokens: int,
+    active: jax.Array | None = None,  # bool[data, max_seqs_per_step]
+    decode_only: bool = False,
+) -> StepMetadata:
+  """`step_metadata` for every data shard of a mesh at once.
+
+  Args:
+    mesh: a `(data, model)` mesh (`paged_jax.sharding.make_mesh`).
+    states: the data shards' block states stacked on a leading axis
+      (`sharding.init_block_states`).
+    seq_ids, q_lens, active: `[data, max_seqs_per_step]`, row `i` for data
+      shard `i` (its own sequence slots), as in `step_metadata`.
+    num_tokens: static token rows of each data shard.
+    decode_only: static, as in `step_metadata`.
+
+  Returns:
+    A `StepMetadata` in the mesh layout (see its `mesh` attribute): arrays
+    `[data * ...]`, sharded over `data`.
+  """
+  data = mesh.shape[sharding.DATA]
+  seq_ids = jnp.asarray(seq_ids, jnp.int32)
+  if seq_ids.ndim != 2 or seq_ids.shape[0] != data:
+    raise ValueError(f"seq_ids must be [data={data}, max_seqs_per_step], got "
+                     f"shape {seq_ids.shape}")
+  if active is None:
+    active = jnp.ones(seq_ids.shape, bool)
+  per_shard = jax.vmap(lambda st, ids, ql, act: step_metadata(
+      st, ids, ql, num_tokens=num_tokens, active=act, decode_only=decode_only))
+  meta = per_shard(states, seq_ids, q_lens, active)
+  spec = NamedSharding(mesh, P(sharding.DATA))
+  flat = jax.tree.map(
+      lambda x: jax.lax.with_sharding_constraint(
+          x.reshape((-1,) + x.shape[2:]), spec), meta)
+  return flat.replace(mesh=mesh)
+
+
 def write_and_attend(
     q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
     k: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
@@ -158,17 +211,23 @@ def write_and_attend(
   Returns:
     `(out [num_tokens, num_q_heads, head_dim] in q.dtype, k_pages, v_pages)`.
   """
-  k_pages, v_pages = kv_cache_lib.write_kv(
-      k_pages, v_pages, k.astype(k_pages.dtype), v.astype(v_pages.dtype), meta.slots)
+  k, v = k.astype(k_pages.dtype), v.astype(v_pages.dtype)
   kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap,
                 sliding_window=sliding_window, implementation=implementation)
-  if meta.decode_only:
-    out = attention.paged_attention(
-        q, k_pages, v_pages, meta.block_tables, meta.kv_lens, **kwargs)
+  args = (meta.block_tables, meta.kv_lens)
+  if not meta.decode_only:
+    args += (meta.cu_q_lens, meta.num_seqs)
+  if meta.mesh is None:
+    k_pages, v_pages = kv_cache_lib.write_kv(k_pages, v_pages, k, v, meta.slots)
+    attend = (attention.paged_attention if meta.decode_only
+              else attention.ragged_paged_attention)
   else:
-    out = attention.ragged_paged_attention(
-        q, k_pages, v_pages, meta.block_tables, meta.kv_lens, meta.cu_q_lens,
-        meta.num_seqs, **kwargs)
+    k_pages, v_pages = sharding.write_kv_sharded(
+        meta.mesh, k_pages, v_pages, k, v, meta.slots)
+    fn = (sharding.sharded_paged_attention if meta.decode_only
+          else sharding.sharded_ragged_paged_attention)
+    attend = functools.partial(fn, meta.mesh)
+  out = attend(q, k_pages, v_pages, *args, **kwargs)
   return out.astype(q.dtype), k_pages, v_pages
 
 

@@ -38,14 +38,8 @@ class KVCache:
     Raises:
       ValueError: if a size is not positive or `dtype` is not floating.
     """
-    sizes = dict(num_layers=num_layers, num_kv_heads=num_kv_heads,
-                 num_blocks=num_blocks, block_size=block_size, head_dim=head_dim)
-    for name, value in sizes.items():
-      if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
-    if not jnp.issubdtype(dtype, jnp.floating):
-      raise ValueError(f"dtype must be a floating dtype, got {jnp.dtype(dtype)}")
-    shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+    shape = cache_shape(num_layers, num_kv_heads, num_blocks, block_size,
+                        head_dim, dtype)
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
   @property
@@ -63,6 +57,23 @@ class KVCache:
   @property
   def nbytes(self) -> int:
     return self.k_pages.nbytes + self.v_pages.nbytes
+
+
+def cache_shape(num_layers: int, num_kv_heads: int, num_blocks: int,
+                block_size: int, head_dim: int, dtype) -> tuple[int, ...]:
+  """The pages' shape, after checking the sizes and dtype.
+
+  Raises:
+    ValueError: if a size is not positive or `dtype` is not floating.
+  """
+  sizes = dict(num_layers=num_layers, num_kv_heads=num_kv_heads,
+               num_blocks=num_blocks, block_size=block_size, head_dim=head_dim)
+  for name, value in sizes.items():
+    if not isinstance(value, int) or value <= 0:
+      raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"dtype must be a floating dtype, got {jnp.dtype(dtype)}")
+  return (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
 
 
 def _check_pages(name: str, pages: jax.Array):

@@ -89,6 +89,50 @@ def shard_cache(cache: kv_cache.KVCache, mesh: Mesh) -> kv_cache.KVCache:
                           jax.device_put(cache.v_pages, s))
 
 
+def create_cache(mesh: Mesh, num_layers: int, num_kv_heads: int,
+                 num_blocks_per_shard: int, block_size: int, head_dim: int,
+                 dtype=jnp.bfloat16) -> kv_cache.KVCache:
+  """A zero-filled `KVCache` created in place on the mesh.
+
+  Args:
+    mesh: a `(data, model)` mesh.
+    num_layers, block_size, head_dim: as `KVCache.create`.
+    num_kv_heads: heads the cache stores, `cache_kv_heads(...)` of the model's
+      KV heads (a multiple of the model axis).
+    num_blocks_per_shard: each data shard's pool.
+    dtype: page dtype.
+
+  Returns:
+    Pages `[num_layers, num_kv_heads, data * num_blocks_per_shard, block_size,
+    head_dim]` sharded `cache_spec()`: each device holds
+    `num_kv_heads / model` heads of its shard's pool and nothing else (no
+    device ever holds the whole cache, not even while it is created).
+
+  Raises:
+    ValueError: if `num_kv_heads` is not a multiple of the model axis.
+  """
+  model, data = mesh.shape[MODEL], mesh.shape[DATA]
+  if num_kv_heads % model:
+    raise ValueError(f"the cache's num_kv_heads={num_kv_heads} must be a "
+                     f"multiple of the model axis ({model}); use "
+                     "cache_kv_heads() to replicate heads")
+  shape = kv_cache.cache_shape(num_layers, num_kv_heads,
+                               data * num_blocks_per_shard, block_size,
+                               head_dim, dtype)
+  s = NamedSharding(mesh, cache_spec())
+  zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=s)
+  return kv_cache.KVCache(zeros(), zeros())
+
+
+def per_device_cache_bytes(cache: kv_cache.KVCache) -> dict:
+  """Bytes of K/V pages each device holds: `{device: bytes}`."""
+  out = {}
+  for pages in (cache.k_pages, cache.v_pages):
+    for shard in pages.addressable_shards:
+      out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+  return out
+
+
 def init_block_states(mesh: Mesh, num_blocks_per_shard: int, block_size: int,
                       max_seqs_per_shard: int, max_blocks_per_seq: int
                       ) -> bm.BlockState:
@@ -158,6 +202,30 @@ def sharded_ragged_paged_attention(mesh: Mesh, q, k_pages, v_pages,
                 P(DATA), P(DATA)),
       out_specs=P(DATA, MODEL, None),
   )(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs)
+
+
+def copy_blocks_sharded(mesh: Mesh, cache: kv_cache.KVCache, src: jax.Array,
+                        dst: jax.Array) -> kv_cache.KVCache:
+  """`kv_cache.copy_blocks` on a mesh: each data shard copies within its pool.
+
+  Args:
+    mesh: a `(data, model)` mesh.
+    cache: a `KVCache` sharded `cache_spec()`.
+    src, dst: `i32[data, n]`, row `i` the (local) block pairs of data shard `i`
+      (`Reservation.copy_src` / `copy_dst` of its block state).
+
+  Returns:
+    The updated cache, sharded as before.
+  """
+  def local(k_pages, v_pages, src, dst):
+    c = kv_cache.copy_blocks(kv_cache.KVCache(k_pages, v_pages), src[0], dst[0])
+    return c.k_pages, c.v_pages
+
+  pages = cache_spec()
+  k, v = _shard_map(local, mesh, in_specs=(pages, pages, P(DATA), P(DATA)),
+                    out_specs=(pages, pages))(cache.k_pages, cache.v_pages,
+                                              src, dst)
+  return kv_cache.KVCache(k, v)
 
 
 def write_kv_sharded(mesh: Mesh, k_pages, v_pages, k, v, slots):

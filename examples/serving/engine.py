@@ -47,12 +47,17 @@ import chex
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from examples.llama import tensor_parallel
 from examples.llama.model import Llama
 from examples.serving import sampling
 from examples.serving.requests import Completion, Group, Request, RequestOutput, Seq
-from examples.serving.step import StepInputs, StepOutputs, device_step, shared_step
+from examples.serving.step import (StepInputs, StepOutputs, device_step,
+                                   mesh_device_step, shared_mesh_step,
+                                   shared_step)
 from paged_jax import block_manager as bm
+from paged_jax import sharding
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -120,50 +125,24 @@ class EngineStats:
   rejected: int = 0
   host_seconds: float = 0.0  # scheduling + input building + applying results
   device_seconds: float = 0.0  # dispatch until the results are on the host
+  decode_device_seconds: float = 0.0  # the part of it in decode steps
   blocks_used: list = dataclasses.field(default_factory=list)  # after each step
   running: list = dataclasses.field(default_factory=list)
   waiting: list = dataclasses.field(default_factory=list)
 
 
-class Engine:
-  """Continuous batching over a paged KV cache (see the module docstring).
+class Scheduler:
+  """The host side of one block pool: queues, admission, preemption, the
+  step's inputs and applying its results. `Engine` drives one per pool (one
+  per data shard on a mesh); the device arrays live in the `Engine`."""
 
-  Example:
-    >>> model = init_model(LlamaConfig.tiny())
-    >>> engine = Engine(model, EngineConfig(num_blocks=64))
-    >>> engine.add_request(Request("a", [1, 2, 3], SamplingParams(max_new_tokens=4)))
-    >>> outputs = engine.run_until_done()
-  """
-
-  def __init__(self, model: Llama, config: EngineConfig):
+  def __init__(self, config: EngineConfig, model_config, max_model_len: int,
+               stats: EngineStats):
     self.config = config
-    self.model_config = model.config
-    bs = config.block_size
-    max_len = config.max_model_len or min(model.config.max_position_embeddings,
-                                          config.num_blocks * bs)
-    self.max_model_len = max_len
+    self.model_config = model_config
+    self.max_model_len = max_model_len
     self.max_seqs = 2 * config.max_batch
-    # Top log-probs returned per sample row: 2 * beam width candidates, at
-    # least 8 so that beam widths up to 4 share one compiled step.
-    self.num_logprobs = min(max(8, 2 * config.max_beam_width),
-                            model.config.vocab_size)
-    graphdef, self._params = nnx.split(model)
-    self._state = bm.init(config.num_blocks, bs, self.max_seqs, _cdiv(max_len, bs))
-    self._cache = model.make_cache(config.num_blocks, bs, config.cache_dtype)
-    self._steps = {}
-    for decode_only in (True, False):
-      if config.check_traces:
-        def fn(graphdef, params, cache, state, x, *, decode_only, num_logprobs):
-          return device_step(graphdef, params, cache, state, x,
-                             decode_only=decode_only, num_logprobs=num_logprobs)
-        fn.__name__ = "decode_step" if decode_only else "mixed_step"
-        step = jax.jit(chex.assert_max_traces(fn, n=1), donate_argnums=(2, 3),
-                       static_argnums=(0,),
-                 static_argnames=("decode_only", "num_logprobs"))
-      else:
-        step = shared_step
-      self._steps[decode_only] = functools.partial(
-          step, graphdef, decode_only=decode_only, num_logprobs=self.num_logprobs)
+    self.stats = stats
     self._num_free = config.num_blocks
     self._waiting: list[Seq] = []  # sorted by order
     self._running: list[Seq] = []  # sorted by order
@@ -174,7 +153,6 @@ class Engine:
     self._pending_freed = 0  # blocks the queued releases return (estimate)
     self._orders = 0
     self._step = 0
-    self.stats = EngineStats()
     self._outputs: list[RequestOutput] = []
 
   # ----------------------------------------------------------------- requests
@@ -228,6 +206,15 @@ class Engine:
   def has_unfinished(self) -> bool:
     return bool(self._waiting or self._running)
 
+  def has_releases(self) -> bool:
+    return bool(self._release_next or self._release_late_next)
+
+  def usage(self) -> dict:
+    """Blocks used / total, running and waiting sequences (from the last step)."""
+    used = self.config.num_blocks - self._num_free
+    return {"blocks_used": used, "blocks_total": self.config.num_blocks,
+            "running": len(self._running), "waiting": len(self._waiting)}
+
   @property
   def num_running(self) -> int:
     return len(self._running)
@@ -235,21 +222,6 @@ class Engine:
   @property
   def num_waiting(self) -> int:
     return len(self._waiting)
-
-  @property
-  def block_state(self) -> bm.BlockState:
-    return self._state
-
-  @property
-  def cache(self):
-    """The `KVCache` (donated to every step: do not hold on to it)."""
-    return self._cache
-
-  def usage(self) -> dict:
-    """Blocks used / total, running and waiting sequences (from the last step)."""
-    used = self.config.num_blocks - self._num_free
-    return {"blocks_used": used, "blocks_total": self.config.num_blocks,
-            "running": len(self._running), "waiting": len(self._waiting)}
 
   # --------------------------------------------------------------- scheduling
 
@@ -376,9 +348,8 @@ class Engine:
 
   # ------------------------------------------------------------------- a step
 
-  def _build(self, plan):
+  def _build(self, plan, decode_only: bool):
     c = self.config
-    decode_only = all(n == 1 for _, n in plan)
     num_tokens = c.max_batch if decode_only else c.max_tokens_per_step
     S = c.max_batch
     a = dict(
@@ -419,75 +390,41 @@ class Engine:
       a["top_p"][r] = p.top_p
       a["seeds"][r] = p.seed + lane
       a["positions"][r] = len(s.tokens)
-    return StepInputs(**a), decode_only, samples, forks
+    return StepInputs(**a), samples, forks
 
-  def step(self) -> list[RequestOutput]:
-    """Runs one engine step; returns the requests that finished (or were
-    rejected) since the last call."""
-    t0 = time.perf_counter()
+  def begin_step(self) -> list[tuple[Seq, int]] | None:
+    """Schedules this step; None when the pool has nothing to run or release.
+
+    Raises:
+      RuntimeError: if requests wait while nothing runs and none can start
+        (admission guarantees this never happens).
+    """
     plan = self._schedule()
     if not plan and not self._release_next and not self._release_late_next:
       if self._waiting and not self._running:  # admission guarantees progress
         raise RuntimeError(f"engine stalled with nothing running: {self.usage()}")
-      return self._take_outputs()
-    x, decode_only, samples, forks = self._build(plan)
+      return None
+    return plan
+
+  def build_step(self, plan, decode_only: bool):
+    """This step's `StepInputs` for `plan` (also hands over the queued
+    releases); returns `(inputs, applier)`, the applier taking the step's
+    outputs for this pool."""
+    x, samples, forks = self._build(plan, decode_only)
     self._release_next, self._release_late_next = [], []
     self._pending_freed = 0
-    t1 = time.perf_counter()
-    fn = self._steps[decode_only]
-    self._cache, self._state, out = fn(self._params, self._cache, self._state, x)
-    out = jax.device_get(out)
-    t2 = time.perf_counter()
-    self._apply(plan, samples, forks, out)
-    st = self.stats
-    st.steps += 1
-    st.decode_steps += decode_only
-    st.mixed_steps += not decode_only
-    st.blocks_used.append(self.config.num_blocks - self._num_free)
-    st.running.append(len(self._running))
-    st.waiting.append(len(self._waiting))
+    return x, lambda out: self._apply(plan, samples, forks, out)
+
+  def end_step(self):
     self._step += 1
-    st.device_seconds += t2 - t1
-    st.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
-    return self._take_outputs()
 
-  def warmup(self):
-    """Compiles both step shapes with all-padding inputs (changes nothing)."""
-    if self.has_unfinished() or self._release_next or self._release_late_next:
-      raise RuntimeError("warmup() needs an idle engine")
-    for decode_only in (True, False):
-      x, _, _, _ = self._build([])
-      if not decode_only:
-        x = x.replace(tokens=np.zeros(self.config.max_tokens_per_step, np.int32))
-      self._cache, self._state, out = self._steps[decode_only](
-          self._params, self._cache, self._state, x)
-      self._num_free = int(out.num_free)
-
-  def _take_outputs(self):
+  def take_outputs(self) -> list[RequestOutput]:
     outs, self._outputs = self._outputs, []
     return outs
 
-  def run_until_done(self, max_steps: int = 1_000_000,
-                     on_step: Callable[["Engine", list], None] | None = None
-                     ) -> list[RequestOutput]:
-    """Steps until every request has finished; returns all outputs."""
-    outputs = self._take_outputs()
-    for _ in range(max_steps):
-      if not self.has_unfinished():
-        break
-      done = self.step()
-      outputs += done
-      if on_step is not None:
-        on_step(self, done)
-    else:
-      raise RuntimeError(f"requests still unfinished after {max_steps} steps")
-    self.flush()
-    return outputs
-
-  def flush(self):
-    """Runs the releases still queued (so the pool is empty when idle)."""
-    if self._release_next or self._release_late_next:
-      self.step()
+  def sync_free(self, out: StepOutputs):
+    """Takes the exact free-block count from a step's outputs."""
+    self._num_free = int(out.num_free)
 
   # ------------------------------------------------------------ results
 
@@ -654,3 +591,214 @@ class Engine:
     if seq in seq.group.live:
       seq.group.live.remove(seq)
     self._release(seq)
+
+
+class Engine:
+  """Continuous batching over a paged KV cache (see the module docstring).
+
+  On a `(data, model)` mesh (`mesh=paged_jax.sharding.make_mesh(...)`) the
+  model is laid out tensor-parallel over `model`
+  (`examples.llama.tensor_parallel.shard_model`) and every data shard is a
+  replica with its own pool of `config.num_blocks` blocks, its own block state
+  and `config.max_batch` sequences: `EngineConfig` sizes are per data shard.
+  Requests go to the data shard with the fewest unfinished requests; one
+  jitted step runs every shard at once.
+
+  Example:
+    >>> model = init_model(LlamaConfig.tiny())
+    >>> engine = Engine(model, EngineConfig(num_blocks=64))
+    >>> engine.add_request(Request("a", [1, 2, 3], SamplingParams(max_new_tokens=4)))
+    >>> outputs = engine.run_until_done()
+  """
+
+  def __init__(self, model: Llama, config: EngineConfig, mesh: Mesh | None = None):
+    self.config = config
+    self.mesh = mesh
+    if mesh is not None:
+      model = tensor_parallel.shard_model(model, mesh)
+    self.model_config = model.config
+    bs = config.block_size
+    max_len = config.max_model_len or min(model.config.max_position_embeddings,
+                                          config.num_blocks * bs)
+    self.max_model_len = max_len
+    self.max_seqs = 2 * config.max_batch
+    # Top log-probs returned per sample row: 2 * beam width candidates, at
+    # least 8 so that beam widths up to 4 share one compiled step.
+    self.num_logprobs = min(max(8, 2 * config.max_beam_width),
+                            model.config.vocab_size)
+    self.stats = EngineStats()
+    data = 1 if mesh is None else mesh.shape[sharding.DATA]
+    self._pools = [Scheduler(config, model.config, max_len, self.stats)
+                   for _ in range(data)]
+    graphdef, self._params = nnx.split(model)
+    mc = model.config
+    blocks_per_seq = _cdiv(max_len, bs)
+    if mesh is None:
+      self._state = bm.init(config.num_blocks, bs, self.max_seqs, blocks_per_seq)
+      self._cache = model.make_cache(config.num_blocks, bs, config.cache_dtype)
+      step_fn, shared = device_step, shared_step
+    else:
+      self._state = sharding.init_block_states(
+          mesh, config.num_blocks, bs, self.max_seqs, blocks_per_seq)
+      self._cache = sharding.create_cache(
+          mesh, mc.num_layers, mc.num_kv_heads, config.num_blocks, bs,
+          mc.head_dim, config.cache_dtype or mc.jnp_dtype)
+      step_fn = functools.partial(mesh_device_step, mesh=mesh)
+      shared = functools.partial(shared_mesh_step, mesh=mesh)
+    self._steps = {}
+    for decode_only in (True, False):
+      if config.check_traces:
+        def fn(graphdef, params, cache, state, x, *, decode_only, num_logprobs):
+          return step_fn(graphdef, params, cache, state, x,
+                         decode_only=decode_only, num_logprobs=num_logprobs)
+        fn.__name__ = "decode_step" if decode_only else "mixed_step"
+        step = jax.jit(chex.assert_max_traces(fn, n=1), donate_argnums=(2, 3),
+                       static_argnums=(0,),
+                       static_argnames=("decode_only", "num_logprobs"))
+      else:
+        step = shared
+      self._steps[decode_only] = functools.partial(
+          step, graphdef, decode_only=decode_only, num_logprobs=self.num_logprobs)
+    self._outputs: list[RequestOutput] = []
+
+  # ----------------------------------------------------------------- requests
+
+  def add_request(self, request: Request) -> RequestOutput | None:
+    """Queues `request` (on the data shard with the fewest unfinished
+    requests), or rejects it if it can never be served.
+
+    Returns:
+      None when accepted; a `RequestOutput` with `rejected` set otherwise
+      (also returned by the next `step` or `run_until_done`).
+    """
+    pool = min(self._pools, key=lambda p: p.num_running + p.num_waiting)
+    return pool.add_request(request)
+
+  def has_unfinished(self) -> bool:
+    return any(p.has_unfinished() for p in self._pools)
+
+  @property
+  def num_running(self) -> int:
+    return sum(p.num_running for p in self._pools)
+
+  @property
+  def num_waiting(self) -> int:
+    return sum(p.num_waiting for p in self._pools)
+
+  @property
+  def data_shards(self) -> int:
+    """Data shards (block pools): the mesh's data axis, 1 without a mesh."""
+    return len(self._pools)
+
+  @property
+  def block_state(self) -> bm.BlockState:
+    """The `BlockState` (on a mesh: the data shards' states, stacked)."""
+    return self._state
+
+  @property
+  def cache(self):
+    """The `KVCache` (donated to every step: do not hold on to it)."""
+    return self._cache
+
+  def usage(self) -> dict:
+    """Blocks used / total, running and waiting sequences (from the last
+    step), summed over the data shards."""
+    total = {}
+    for p in self._pools:
+      for k, v in p.usage().items():
+        total[k] = total.get(k, 0) + v
+    return total
+
+  # ------------------------------------------------------------------- a step
+
+  def _device_inputs(self, xs: list[StepInputs]) -> StepInputs:
+    if self.mesh is None:
+      (x,) = xs
+      return x
+    x = jax.tree.map(lambda *a: np.stack(a), *xs)
+    return jax.device_put(x, NamedSharding(self.mesh, P(sharding.DATA)))
+
+  def lower_step(self, decode_only: bool) -> jax.stages.Lowered:
+    """The jitted step of one shape, lowered for inspection (`.as_text()`,
+    `.compile().as_text()`, `.cost_analysis()`); runs nothing."""
+    xs = [p._build([], decode_only)[0] for p in self._pools]  # pylint: disable=protected-access
+    fn = self._steps[decode_only]
+    return fn.func.lower(*fn.args, self._params, self._cache, self._state,
+                         self._device_inputs(xs), **fn.keywords)
+
+  def _run(self, decode_only: bool, xs: list[StepInputs]) -> list[StepOutputs]:
+    """Runs the device step on the pools' inputs; returns each pool's outputs."""
+    fn = self._steps[decode_only]
+    x = self._device_inputs(xs)
+    self._cache, self._state, out = fn(self._params, self._cache, self._state, x)
+    out = jax.device_get(out)
+    if self.mesh is None:
+      return [out]
+    return [jax.tree.map(lambda a, i=i: a[i], out) for i in range(len(xs))]
+
+  def step(self) -> list[RequestOutput]:
+    """Runs one engine step; returns the requests that finished (or were
+    rejected) since the last call."""
+    t0 = time.perf_counter()
+    plans = [p.begin_step() for p in self._pools]
+    if all(plan is None for plan in plans):
+      return self._take_outputs()
+    plans = [plan or [] for plan in plans]
+    decode_only = all(n == 1 for plan in plans for _, n in plan)
+    built = [p.build_step(plan, decode_only) for p, plan in zip(self._pools, plans)]
+    t1 = time.perf_counter()
+    outs = self._run(decode_only, [x for x, _ in built])
+    t2 = time.perf_counter()
+    for (_, apply), out in zip(built, outs):
+      apply(out)
+    st = self.stats
+    st.steps += 1
+    st.decode_steps += decode_only
+    st.mixed_steps += not decode_only
+    usage = self.usage()
+    st.blocks_used.append(usage["blocks_used"])
+    st.running.append(usage["running"])
+    st.waiting.append(usage["waiting"])
+    for p in self._pools:
+      p.end_step()
+    st.device_seconds += t2 - t1
+    st.decode_device_seconds += (t2 - t1) * decode_only
+    st.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
+    return self._take_outputs()
+
+  def warmup(self):
+    """Compiles both step shapes with all-padding inputs (changes nothing)."""
+    if self.has_unfinished() or any(p.has_releases() for p in self._pools):
+      raise RuntimeError("warmup() needs an idle engine")
+    for decode_only in (True, False):
+      xs = [p.build_step([], decode_only)[0] for p in self._pools]
+      for p, out in zip(self._pools, self._run(decode_only, xs)):
+        p.sync_free(out)
+
+  def _take_outputs(self):
+    outs = []
+    for p in self._pools:
+      outs += p.take_outputs()
+    return outs
+
+  def run_until_done(self, max_steps: int = 1_000_000,
+                     on_step: Callable[["Engine", list], None] | None = None
+                     ) -> list[RequestOutput]:
+    """Steps until every request has finished; returns all outputs."""
+    outputs = self._take_outputs()
+    for _ in range(max_steps):
+      if not self.has_unfinished():
+        break
+      done = self.step()
+      outputs += done
+      if on_step is not None:
+        on_step(self, done)
+    else:
+      raise RuntimeError(f"requests still unfinished after {max_steps} steps")
+    self.flush()
+    return outputs
+
+  def flush(self):
+    """Runs the releases still queued (so the pool is empty when idle)."""
+    if any(p.has_releases() for p in self._pools):
+      self.step()

@@ -11,6 +11,11 @@ nothing else changes. Its order is
 A refused reservation leaves that sequence's state as it was, its rows write
 nothing and attend to nothing (`step_metadata(active=...)`), and the host sees
 `ok == False`.
+
+`mesh_device_step` is the same step on a `(data, model)` device mesh: the
+bookkeeping runs once per data shard (`vmap` over the stacked block states),
+the model is tensor-parallel, and the cache writes, copies and attention run
+under `shard_map`, each device on its own KV heads of its own shard's pool.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ import flax
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from examples.serving import sampling
 from paged_jax import block_manager as bm
 from paged_jax import flax_attention
 from paged_jax import kv_cache as kv_cache_lib
+from paged_jax import sharding
 
 
 @flax.struct.dataclass
@@ -75,22 +82,90 @@ def device_step(graphdef, params, cache: kv_cache_lib.KVCache,
     `(cache, state, StepOutputs)`.
   """
   model = nnx.merge(graphdef, params)
-  state, _ = bm.release(state, x.release_early)
-  state, fork_ok = bm.fork(state, x.fork_parents, x.fork_children)
-  state, _ = bm.release(state, x.release_late)
-  state, res = bm.reserve(state, x.seq_ids, x.q_lens)
+  state, fork_ok, res = _bookkeeping(state, x)
   cache = kv_cache_lib.copy_blocks(cache, res.copy_src, res.copy_dst)
   meta = flax_attention.step_metadata(
       state, x.seq_ids, x.q_lens, num_tokens=x.tokens.shape[0], active=res.ok,
       decode_only=decode_only)
   hidden, cache = model.paged_forward(x.tokens, meta, cache)
-  logits = model.logits(hidden[x.sample_rows])
-  tokens = sampling.sample_tokens(logits, x.temperature, x.top_k, x.top_p,
-                                  x.seeds, x.positions)
-  top_lp, top_ids = sampling.top_logprobs(logits, num_logprobs)
+  tokens, top_lp, top_ids = _sample(model.logits(hidden[x.sample_rows]), x,
+                                    num_logprobs)
   exclusive, tail_shared = sharing(state)
   return cache, state, StepOutputs(tokens, top_lp, top_ids, res.ok, fork_ok,
                                    state.num_free, exclusive, tail_shared)
+
+
+def mesh_device_step(graphdef, params, cache: kv_cache_lib.KVCache,
+                     states: bm.BlockState, x: StepInputs, *, mesh: Mesh,
+                     decode_only: bool, num_logprobs: int):
+  """`device_step` on a `(data, model)` mesh: every data shard runs its own
+  step on its own pool and sequences, the model is tensor-parallel.
+
+  Args:
+    graphdef, params: the model laid out by `tensor_parallel.shard_model`.
+    cache: the `KVCache`, sharded `paged_jax.sharding.cache_spec()`.
+    states: the data shards' `BlockState`s stacked on a leading axis
+      (`paged_jax.sharding.init_block_states`).
+    x: `StepInputs` with a leading `[data]` axis on every array, row `i` for
+      data shard `i` (its own slots, rows and block ids).
+    mesh: static; the mesh.
+    decode_only, num_logprobs: static, as in `device_step`.
+
+  Returns:
+    `(cache, states, StepOutputs)`, the outputs with a leading `[data]` axis.
+  """
+  model = nnx.merge(graphdef, params)
+  data = mesh.shape[sharding.DATA]
+  states, fork_ok, res = jax.vmap(_bookkeeping)(states, x)
+  cache = sharding.copy_blocks_sharded(mesh, cache, res.copy_src, res.copy_dst)
+  num_tokens = x.tokens.shape[1]
+  meta = flax_attention.sharded_step_metadata(
+      mesh, states, x.seq_ids, x.q_lens, num_tokens=num_tokens, active=res.ok,
+      decode_only=decode_only)
+  hidden, cache = model.paged_forward(x.tokens.reshape(-1), meta, cache)
+  # Each shard's sample rows index its own token rows: gather locally.
+  hidden = hidden.reshape(data, num_tokens, -1)
+  hidden = jnp.take_along_axis(hidden, x.sample_rows[..., None], axis=1)
+  logits = model.logits(hidden)  # [data, max_batch, vocab]
+  if logits.shape[-1] % mesh.shape[sharding.MODEL] == 0:
+    # Vocab-parallel logits: gather the logits, never the LM head.
+    logits = jax.lax.with_sharding_constraint(
+        logits, NamedSharding(mesh, P(sharding.DATA, None, sharding.MODEL)))
+
+  # Each data shard samples its own rows (its own `lax.cond`s, no
+  # communication across data shards; the vocab is gathered over `model`).
+  def local_sample(logits, x):
+    x = jax.tree.map(lambda a: a[0], x)
+    return jax.tree.map(lambda a: a[None], _sample(logits[0], x, num_logprobs))
+
+  by_data = P(sharding.DATA)
+  tokens, top_lp, top_ids = jax.shard_map(
+      local_sample, mesh=mesh, in_specs=(by_data, by_data), out_specs=by_data,
+      check_vma=False)(logits, x)
+  exclusive, tail_shared = jax.vmap(sharing)(states)
+  cache = jax.lax.with_sharding_constraint(
+      cache, NamedSharding(mesh, sharding.cache_spec()))
+  states = jax.lax.with_sharding_constraint(states, NamedSharding(mesh, by_data))
+  return cache, states, StepOutputs(
+      tokens, top_lp, top_ids, res.ok, fork_ok, states.num_free, exclusive,
+      tail_shared)
+
+
+def _bookkeeping(state: bm.BlockState, x: StepInputs):
+  """release -> fork -> release -> reserve, on one pool."""
+  state, _ = bm.release(state, x.release_early)
+  state, fork_ok = bm.fork(state, x.fork_parents, x.fork_children)
+  state, _ = bm.release(state, x.release_late)
+  state, res = bm.reserve(state, x.seq_ids, x.q_lens)
+  return state, fork_ok, res
+
+
+def _sample(logits, x: StepInputs, num_logprobs: int):
+  """Sampled tokens and top log-probs of the sample rows' logits."""
+  tokens = sampling.sample_tokens(logits, x.temperature, x.top_k, x.top_p,
+                                  x.seeds, x.positions)
+  top_lp, top_ids = sampling.top_logprobs(logits, num_logprobs)
+  return tokens, top_lp, top_ids
 
 
 def sharing(state: bm.BlockState) -> tuple[jax.Array, jax.Array]:
@@ -115,3 +190,6 @@ def sharing(state: bm.BlockState) -> tuple[jax.Array, jax.Array]:
 # and sizes reuse the compiled executables (the graphdef is a static argument).
 shared_step = jax.jit(device_step, static_argnums=(0,), donate_argnums=(2, 3),
                       static_argnames=("decode_only", "num_logprobs"))
+shared_mesh_step = jax.jit(mesh_device_step, static_argnums=(0,),
+                           donate_argnums=(2, 3),
+                           static_argnames=("mesh", "decode_only", "num_logprobs"))

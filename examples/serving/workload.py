@@ -25,6 +25,7 @@ from examples.llama.model import Llama
 from examples.serving.engine import Engine, EngineConfig
 from examples.serving.requests import Request, RequestOutput
 from examples.serving.sampling import SamplingParams
+from paged_jax import sharding
 from paged_jax import traces
 
 KINDS = ("paged", "contiguous")
@@ -151,6 +152,7 @@ def run_workload(
     max_beam_width: int = 1,
     arrival_times: Sequence[float] | None = None,
     progress: bool = True,
+    mesh=None,
     **engine_kw,
 ) -> tuple[dict, list[RequestOutput]]:
   """Serves `requests` and measures it (compilation excluded).
@@ -159,12 +161,14 @@ def run_workload(
     kind: "paged" or "contiguous" (see the module docstring).
     model: the model.
     requests: the workload.
-    kv_tokens: KV memory budget in tokens (the same bytes for both kinds).
+    kv_tokens: KV memory budget in tokens (the same bytes for both kinds;
+      per data shard on a mesh).
     block_size, max_batch, max_tokens_per_step, max_model_len,
-      max_beam_width: engine sizes (see `EngineConfig`).
+      max_beam_width: engine sizes (see `EngineConfig`; per data shard).
     arrival_times: seconds after the start at which each request arrives
       (e.g. `paged_jax.traces.Trace.arrival_times`); default all at once.
     progress: show a tqdm progress bar on stderr.
+    mesh: optional `(data, model)` mesh to serve on (see `Engine`).
     **engine_kw: other `EngineConfig` fields.
 
   Returns:
@@ -179,7 +183,7 @@ def run_workload(
                          max_tokens_per_step=max_tokens_per_step,
                          max_model_len=max_model_len,
                          max_beam_width=max_beam_width, **engine_kw)
-  engine = Engine(model, config)
+  engine = Engine(model, config, mesh=mesh)
   compile_s = warmup(engine)
   bar = None
   if progress:
@@ -224,8 +228,10 @@ def run_workload(
   st = engine.stats
   used = np.asarray(st.blocks_used or [0], float)
   steps = max(st.steps, 1)
-  kv_bytes = config.num_blocks * config.block_size * model.config.kv_bytes_per_token(
-      config.cache_dtype)
+  shards = engine.data_shards
+  total_blocks = shards * config.num_blocks
+  kv_bytes = engine.cache.nbytes
+  devices = sharding.per_device_cache_bytes(engine.cache)
   stats = {
       "kind": kind,
       "requests": len(requests),
@@ -238,20 +244,25 @@ def run_workload(
       "steps": st.steps,
       "decode_steps": st.decode_steps,
       "mixed_steps": st.mixed_steps,
-      "num_blocks": config.num_blocks,
+      "data_shards": shards,
+      "num_blocks": total_blocks,
       "block_size": config.block_size,
       "kv_bytes": kv_bytes,
+      "devices": len(devices),
+      "kv_bytes_per_device": max(devices.values()),
       "peak_blocks_used": int(used.max()),
       "mean_blocks_used": float(used.mean()),
-      "peak_kv_fraction": float(used.max()) / config.num_blocks,
-      "mean_kv_fraction": float(used.mean()) / config.num_blocks,
+      "peak_kv_fraction": float(used.max()) / total_blocks,
+      "mean_kv_fraction": float(used.mean()) / total_blocks,
       "peak_running": max(st.running or [0]),
       "mean_running": float(np.mean(st.running or [0])),
-      "max_batch": config.max_batch,
+      "max_batch": shards * config.max_batch,
       "preemptions": st.preemptions,
       "refused_reservations": st.refused_reservations,
       "host_ms_per_step": 1e3 * st.host_seconds / steps,
       "device_ms_per_step": 1e3 * st.device_seconds / steps,
+      "device_ms_per_decode_step": (1e3 * st.decode_device_seconds
+                                    / max(st.decode_steps, 1)),
       "compile_seconds": compile_s,
   }
   return stats, outputs

@@ -73,7 +73,8 @@ class EngineMachine(RuleBasedStateMachine):
     state = self.engine.block_state
     bm.check_invariants(state)
     lens = np.asarray(state.seq_lens)
-    slots = [s.slot for s in self.engine._running if s.fork_from < 0]  # pylint: disable=protected-access
+    slots = [s.slot for p in self.engine._pools for s in p._running  # pylint: disable=protected-access
+             if s.fork_from < 0]
     assert len(slots) == len(set(slots))
     assert all(lens[s] > 0 for s in slots if s >= 0)
     assert self.engine.usage()["blocks_used"] <= SMALL_POOL

@@ -42,6 +42,25 @@ def test_synthetic_workload_with_baseline_is_deterministic(tmp_path, capsys):
   assert stats["paged"]["kv_bytes"] == stats["contiguous"]["kv_bytes"]
 
 
+def test_mesh_run_matches_one_device(tmp_path, capsys):
+  outs = []
+  for mesh in ([], ["--mesh", "data=2,model=2"]):
+    path = tmp_path / "out.json"
+    rc, out, _ = run(SMALL + ["--num-requests", "5", "--no-baseline",
+                              "--output", str(path)] + mesh, capsys)
+    assert rc == 0
+    outs.append(json.loads(path.read_text()))
+  assert ("mesh: data=2 x model=2 on 4 cpu devices; weights 2-way tensor "
+          "parallel") in out
+  assert "32 blocks x 4 tokens in each of 2 data shards" in out
+  assert outs[0]["requests"] == outs[1]["requests"]
+  one, mesh = outs[0]["stats"]["paged"], outs[1]["stats"]["paged"]
+  assert (one["devices"], mesh["devices"]) == (1, 4)
+  # Two pools of the same size; each device holds 1 of 2 KV heads of one.
+  assert mesh["kv_bytes"] == 2 * one["kv_bytes"]
+  assert mesh["kv_bytes_per_device"] == one["kv_bytes"] // 2
+
+
 def test_prompt_file_with_sampling_and_beam_search(tmp_path, capsys):
   prompts = tmp_path / "prompts.json"
   prompts.write_text(json.dumps([[5, 6, 7], [8, 9, 10, 11, 12], [13] * 70]))
@@ -101,6 +120,9 @@ def bad_checkpoint(tmp_path):
     (["--kv-budget-mb", "0.00001"], "error: the KV budget holds 0 tokens"),
     (["--temperature", "-1"], "error: temperature must be >= 0"),
     (["--prompt-ids", "/nonexistent.json"], "error: prompt file '/nonexistent.json' not found"),
+    (["--mesh", "data=2,modle=4"], "error: --mesh must look like data=2,model=4, got 'data=2,modle=4'"),
+    (["--mesh", "data=4,model=4"], "error: a data=4 x model=4 mesh needs 16 devices, 8 available"),
+    (["--mesh", "model=8"], "error: num_heads=4 must be a multiple of the model axis (8)"),
 ])
 def test_bad_input_is_one_error_line(args, match, capsys):
   rc, out, err = run(args + ["--no-progress"], capsys)

@@ -124,3 +124,44 @@ def test_mesh_errors():
                      r"\(2\) must divide one another"):
     ps.cache_kv_heads(3, 2)
   assert ps.cache_kv_heads(2, 8) == 8 and ps.cache_kv_heads(8, 2) == 8
+
+
+@pytest.mark.parametrize("data, model", [(2, 4), (4, 2), (8, 1)])
+def test_create_cache_and_copy_blocks_stay_in_their_shard(data, model):
+  mesh = ps.make_mesh(data, model)
+  cache = ps.create_cache(mesh, 2, 8, 6, 4, 16, jnp.float32)
+  assert cache.k_pages.shape == (2, 8, data * 6, 4, 16)
+  assert cache.k_pages.sharding.is_equivalent_to(
+      NamedSharding(mesh, ps.cache_spec()), 5)
+  per_device = ps.per_device_cache_bytes(cache)
+  assert len(per_device) == data * model
+  assert set(per_device.values()) == {cache.nbytes // (data * model)}
+  # Block b of shard i holds the value 100 * i + b everywhere.
+  vals = (100 * np.arange(data)[:, None] + np.arange(6)).reshape(-1)
+  pages = jnp.broadcast_to(jnp.asarray(vals, jnp.float32)[None, None, :, None, None],
+                           cache.k_pages.shape)
+  pages = jax.device_put(pages, cache.k_pages.sharding)
+  cache = cache.replace(k_pages=pages, v_pages=-pages)
+  # Shard i copies local block i % 6 -> 5 (shard 0 also 1 -> 4); -1 pairs skip.
+  src = np.full((data, 2), -1, np.int32)
+  dst = np.full((data, 2), -1, np.int32)
+  src[:, 0], dst[:, 0] = np.arange(data) % 5, 5
+  src[0, 1], dst[0, 1] = 1, 4
+  out = jax.jit(lambda c, s, d: ps.copy_blocks_sharded(mesh, c, s, d))(
+      cache, src, dst)
+  want = vals.reshape(data, 6).copy()
+  want[:, 5] = 100 * np.arange(data) + np.arange(data) % 5
+  want[0, 4] = 1
+  got = np.asarray(out.k_pages[1, 3, :, 2, 7]).reshape(data, 6)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(np.asarray(out.v_pages[0, 0, :, 0, 0]),
+                                -want.reshape(-1))
+  assert out.k_pages.sharding.is_equivalent_to(cache.k_pages.sharding, 5)
+
+
+def test_create_cache_errors():
+  with pytest.raises(ValueError, match=r"num_kv_heads=2 must be a multiple of "
+                     r"the model axis \(4\)"):
+    ps.create_cache(ps.make_mesh(2, 4), 1, 2, 4, 4, 16)
+  with pytest.raises(ValueError, match="block_size must be a positive int"):
+    ps.create_cache(ps.make_mesh(1, 2), 1, 2, 4, 0, 16)
