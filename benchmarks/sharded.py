@@ -155,7 +155,7 @@ def run(quick: bool = False, out=common.RESULTS_DIR) -> dict:
   cfg = bench_config(quick)
   model = model_lib.init_model(cfg, seed=0)
   requests = workload.synthetic_requests(
-      16 if quick else 64, vocab_size=cfg.vocab_size, max_model_len=256,
+      16 if quick else 32, vocab_size=cfg.vocab_size, max_model_len=256,
       seed=0, exclude_ids=cfg.eos_token_ids)
   base_stats, base_out = serve(model, requests, None, quick)
   rows = [{"data": 1, "model": 1, "devices": 1, "identical": len(base_out),

@@ -10,10 +10,15 @@ Public API:
     `ragged_paged_attention`, `write_and_ragged_attention`;
   * reference (`paged_jax.reference`): float32 oracles;
   * Flax NNX integration (`paged_jax.flax_attention`): `StepMetadata`,
-    `step_metadata`, `PagedAttention`, `write_and_attend`,
+    `step_metadata`, `sharded_step_metadata`, `PagedAttention`, `write_and_attend`,
     `dense_causal_attention`; RoPE with Llama 3 scaling (`paged_jax.rope`):
     `RopeConfig`, `Llama3Scaling`, `LinearScaling`, `apply_rope`,
     `inverse_frequencies`;
+  * scale-out on a `(data, model)` device mesh (`paged_jax.sharding`):
+    `make_mesh`, `create_cache`, `shard_cache`, `init_block_states`,
+    `sharded_paged_attention`, `sharded_ragged_paged_attention`,
+    `write_kv_sharded`, `copy_blocks_sharded`, `cache_kv_heads`,
+    `per_device_cache_bytes`;
   * capacity planning (`import paged_jax.capacity`; the command line is
     `python -m paged_jax.capacity`): `plan`, `CapacityPlan`, `kv_pool_bytes`,
     `bytes_per_block`, `weight_bytes`, `PRESETS`;
@@ -29,6 +34,7 @@ from paged_jax import flax_attention
 from paged_jax import kv_cache
 from paged_jax import reference
 from paged_jax import rope
+from paged_jax import sharding
 from paged_jax.attention import IMPLEMENTATIONS
 from paged_jax.attention import paged_attention
 from paged_jax.attention import ragged_paged_attention
@@ -51,6 +57,7 @@ __all__ = [
     "ragged_paged_attention",
     "reference",
     "rope",
+    "sharding",
     "write_and_ragged_attention",
 ]
 __version__ = "0.1.0"

@@ -16,7 +16,13 @@ Two mesh axes, through JAX's own SPMD machinery (`Mesh`, `NamedSharding`,
   are replicated within a data shard.
 
 Attention runs under `shard_map` on every backend with no gather of the cache
-across devices: each device attends over its own heads and its own pool.
+across devices: each device attends over its own heads and its own pool. So
+do the K/V writes (`write_kv_sharded`) and copy-on-write
+(`copy_blocks_sharded`). A Flax model needs no change: a `StepMetadata` from
+`flax_attention.sharded_step_metadata` carries the mesh, and
+`flax_attention.PagedAttention` then uses these functions (see
+`examples/llama/tensor_parallel.py` for the weights' layout and
+`examples/serving/step.py` for a whole serving step on a mesh).
 
 Example (8 devices):
   >>> mesh = make_mesh(data=2, model=4)

@@ -47,6 +47,7 @@ import chex
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from examples.llama import tensor_parallel
@@ -604,6 +605,12 @@ class Engine:
   Requests go to the data shard with the fewest unfinished requests; one
   jitted step runs every shard at once.
 
+  Several hosts (after `jax.distributed.initialize`): every process runs the
+  same program with the same requests in the same order, so every process
+  keeps the same (deterministic) host schedule; each places only its own
+  devices' shards of the step inputs and reads back the step's small
+  outputs. The weights, cache and block states stay where the mesh puts them.
+
   Example:
     >>> model = init_model(LlamaConfig.tiny())
     >>> engine = Engine(model, EngineConfig(num_blocks=64))
@@ -716,7 +723,11 @@ class Engine:
       (x,) = xs
       return x
     x = jax.tree.map(lambda *a: np.stack(a), *xs)
-    return jax.device_put(x, NamedSharding(self.mesh, P(sharding.DATA)))
+    # Every process builds the same inputs (see `Engine`); each places only
+    # the shards its own devices hold.
+    s = NamedSharding(self.mesh, P(sharding.DATA))
+    return jax.tree.map(
+        lambda a: jax.make_array_from_callback(a.shape, s, lambda i: a[i]), x)
 
   def lower_step(self, decode_only: bool) -> jax.stages.Lowered:
     """The jitted step of one shape, lowered for inspection (`.as_text()`,
@@ -731,6 +742,8 @@ class Engine:
     fn = self._steps[decode_only]
     x = self._device_inputs(xs)
     self._cache, self._state, out = fn(self._params, self._cache, self._state, x)
+    if not all(a.is_fully_addressable for a in jax.tree.leaves(out)):
+      out = multihost_utils.process_allgather(out, tiled=True)  # several hosts
     out = jax.device_get(out)
     if self.mesh is None:
       return [out]

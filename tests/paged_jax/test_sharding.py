@@ -21,18 +21,18 @@ pytestmark = pytest.mark.skipif(
     "XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/conftest.py)")
 
 
-def _per_shard_cases(rng, data, ragged):
+def _per_shard_cases(rng, data, ragged, head_dim=D):
   """Each data shard gets its own pool, sequences and (local) block ids."""
   out = []
   for _ in range(data):
     if ragged:
       out.append(cases.make_ragged_case(
           rng, q_lens=[5, 1], kv_lens=[9, 20], num_q_heads=HQ, num_kv_heads=HKV,
-          head_dim=D, block_size=BS, max_blocks_per_seq=4, num_tokens=8,
+          head_dim=head_dim, block_size=BS, max_blocks_per_seq=4, num_tokens=8,
           max_num_seqs=SEQS, extra_blocks=16 - 4))
     else:
       out.append(cases.make_decode_case(
-          rng, batch=SEQS, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
+          rng, batch=SEQS, num_q_heads=HQ, num_kv_heads=HKV, head_dim=head_dim,
           block_size=BS, max_blocks_per_seq=4, kv_lens=rng.integers(0, 33, SEQS),
           extra_blocks=5))
   nb = max(c.k_pages.shape[1] for c in out)
@@ -165,3 +165,34 @@ def test_create_cache_errors():
     ps.create_cache(ps.make_mesh(2, 4), 1, 2, 4, 4, 16)
   with pytest.raises(ValueError, match="block_size must be a positive int"):
     ps.create_cache(ps.make_mesh(1, 2), 1, 2, 4, 0, 16)
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_sharded_attention_runs_every_kernel(impl):
+  """The kernels (in interpret mode) under shard_map on a 2 x 2 mesh."""
+  data, model = 2, 2
+  rng = np.random.default_rng(7)
+  mesh = ps.make_mesh(data, model)
+  kw = dict(implementation=impl, interpret=True)
+  for ragged in (False, True):
+    cs, pad = _per_shard_cases(rng, data, ragged=ragged, head_dim=64)
+    k, v = _place_pages(mesh, cs, pad, model)
+    q = jnp.concatenate([c.q for c in cs])
+    if ragged:
+      args = [jnp.concatenate([getattr(c, f) for c in cs])
+              for f in ("block_tables", "kv_lens", "cu_q_lens", "num_seqs")]
+      out = jax.jit(lambda *a: ps.sharded_ragged_paged_attention(mesh, *a, **kw))(
+          q, k, v, *args)
+      refs = [reference.ragged_paged_attention_reference(
+          c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens, c.cu_q_lens,
+          c.num_seqs) for c in cs]
+    else:
+      tables = jnp.concatenate([c.block_tables for c in cs])
+      lens = jnp.concatenate([c.kv_lens for c in cs])
+      out = jax.jit(lambda *a: ps.sharded_paged_attention(mesh, *a, **kw))(
+          q, k, v, tables, lens)
+      refs = [reference.paged_attention_reference(
+          c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens) for c in cs]
+    rows = out.shape[0] // data
+    for i, ref in enumerate(refs):
+      cases.assert_rows_close(out[i * rows:(i + 1) * rows], ref, jnp.float32)
