@@ -37,21 +37,24 @@ def _parse_mesh(text: str) -> tuple[int, int]:
 
 
 def _simulate_host_devices(argv):
-  """With --mesh on a CPU-only machine, JAX needs that many host devices:
-  ask for them before JAX starts (the flag only affects the CPU platform)."""
-  for i, arg in enumerate(argv):
-    text = arg.split("=", 1)[1] if arg.startswith("--mesh=") else (
-        argv[i + 1] if arg == "--mesh" and i + 1 < len(argv) else None)
-    if text is None:
-      continue
-    try:
-      data, model = _parse_mesh(text)
-    except ValueError:
-      return  # reported properly after parsing
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-      os.environ["XLA_FLAGS"] = (
-          f"{flags} --xla_force_host_platform_device_count={data * model}").strip()
+  """With --mesh on a CPU-only machine, JAX needs that many host devices (per
+  process): ask for them before JAX starts (the flag only affects the CPU
+  platform)."""
+  pre = argparse.ArgumentParser(add_help=False)
+  pre.add_argument("--mesh")
+  pre.add_argument("--num-processes", type=int, default=1)
+  known, _ = pre.parse_known_args(argv)
+  if not known.mesh:
+    return
+  try:
+    data, model = _parse_mesh(known.mesh)
+  except ValueError:
+    return  # reported properly after parsing
+  local = max(1, data * model // max(known.num_processes, 1))
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = (
+        f"{flags} --xla_force_host_platform_device_count={local}").strip()
 
 
 if __name__ == "__main__":
@@ -113,6 +116,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "D data shards each with its own pool of --num-blocks "
                    "blocks and --max-batch sequences (on CPU, D * M host "
                    "devices are simulated)")
+  eng.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="several hosts: the address of process 0; every process "
+                   "runs this same command with its own --process-id "
+                   "(jax.distributed.initialize; see BUILD.md)")
+  eng.add_argument("--num-processes", type=int, default=1,
+                   help="processes (hosts) taking part, with --coordinator")
+  eng.add_argument("--process-id", type=int, default=0,
+                   help="this process' index, with --coordinator")
   eng.add_argument("--implementation", choices=["xla", "pallas_tpu", "pallas_gpu"],
                    help="attention backend (default: the best for the platform)")
   out = p.add_argument_group("output")
@@ -244,8 +255,32 @@ def _fmt(stats: dict) -> list[str]:
   ]
 
 
+def _start_distributed(args) -> bool:
+  """Joins the other processes (`--coordinator`); True on process 0."""
+  if not args.coordinator:
+    return True
+  if not 0 <= args.process_id < args.num_processes:
+    raise ValueError(f"--process-id must be in [0, {args.num_processes}), "
+                     f"got {args.process_id}")
+  import jax  # pylint: disable=import-outside-toplevel
+  # Cross-process collectives of the CPU backend (ignored by GPU and TPU).
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=args.coordinator,
+                             num_processes=args.num_processes,
+                             process_id=args.process_id)
+  return jax.process_index() == 0
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
+  try:
+    lead = _start_distributed(args)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if not lead:  # every process runs the same schedule; process 0 reports
+    args.no_progress, args.output = True, None
+    sys.stdout = open(os.devnull, "w")  # pylint: disable=consider-using-with
   try:
     model, requests, kv_tokens, mesh = build(args)
     common = dict(kv_tokens=kv_tokens, block_size=args.block_size,

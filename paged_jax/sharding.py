@@ -131,7 +131,7 @@ def create_cache(mesh: Mesh, num_layers: int, num_kv_heads: int,
 
 
 def per_device_cache_bytes(cache: kv_cache.KVCache) -> dict:
-  """Bytes of K/V pages each device holds: `{device: bytes}`."""
+  """Bytes of K/V pages each of this process' devices holds: `{device: bytes}`."""
   out = {}
   for pages in (cache.k_pages, cache.v_pages):
     for shard in pages.addressable_shards:

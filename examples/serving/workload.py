@@ -248,7 +248,7 @@ def run_workload(
       "num_blocks": total_blocks,
       "block_size": config.block_size,
       "kv_bytes": kv_bytes,
-      "devices": len(devices),
+      "devices": len(engine.cache.k_pages.sharding.device_set),
       "kv_bytes_per_device": max(devices.values()),
       "peak_blocks_used": int(used.max()),
       "mean_blocks_used": float(used.mean()),

@@ -123,6 +123,8 @@ def bad_checkpoint(tmp_path):
     (["--mesh", "data=2,modle=4"], "error: --mesh must look like data=2,model=4, got 'data=2,modle=4'"),
     (["--mesh", "data=4,model=4"], "error: a data=4 x model=4 mesh needs 16 devices, 8 available"),
     (["--mesh", "model=8"], "error: num_heads=4 must be a multiple of the model axis (8)"),
+    (["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "2"],
+     "error: --process-id must be in [0, 2), got 2"),
 ])
 def test_bad_input_is_one_error_line(args, match, capsys):
   rc, out, err = run(args + ["--no-progress"], capsys)
