@@ -222,3 +222,28 @@ def test_module_entry_point():
       capture_output=True, text=True)
   assert result.returncode == 2
   assert result.stderr.count("\n") == 1
+
+
+# Published Hugging Face config.json values of each preset: vocab, hidden,
+# intermediate, layers, query heads, KV heads, head_dim, tied embeddings,
+# q/k/v bias, norms per layer.
+PUBLISHED = {
+    "llama-2-7b": (32000, 4096, 11008, 32, 32, 32, 128, False, False, 2),
+    "llama-3.1-8b": (128256, 4096, 14336, 32, 32, 8, 128, False, False, 2),
+    "llama-3.1-70b": (128256, 8192, 28672, 80, 64, 8, 128, False, False, 2),
+    "mistral-7b": (32000, 4096, 14336, 32, 32, 8, 128, False, False, 2),
+    "qwen2.5-7b": (152064, 3584, 18944, 28, 28, 4, 128, False, True, 2),
+    "gemma-2-9b": (256000, 3584, 14336, 42, 16, 8, 256, True, False, 4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_presets_match_published_configs(name):
+  """Each preset's shape, and its parameter count recomputed from the
+  published architecture (gated MLP, GQA attention, RMSNorm weights)."""
+  vocab, hidden, inter, layers, heads, kv, hd, tied, qkv_bias, norms = PUBLISHED[name]
+  q, k = heads * hd, kv * hd
+  attn = hidden * (q + 2 * k) + q * hidden + (q + 2 * k) * qkv_bias
+  per_layer = attn + 3 * hidden * inter + norms * hidden
+  params = layers * per_layer + vocab * hidden * (1 if tied else 2) + hidden
+  assert capacity.PRESETS[name] == capacity.ModelShape(layers, kv, hd, params)
