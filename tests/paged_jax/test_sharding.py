@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ from paged_jax import block_manager as bm
 from paged_jax import reference
 from paged_jax import sharding as ps
 from tests import cases
+from tests.pallas_kernels import gpu_lowering
 
 MESHES = [(d, m) for d in (1, 2, 4, 8) for m in (1, 2, 4, 8) if d * m <= 8]
 HQ, HKV, D, BS, SEQS = 8, 2, 32, 8, 2
@@ -205,7 +208,9 @@ def test_sharded_kernels_lower_for_their_targets(target):
   backend = "tpu" if target == "tpu" else "gpu"
   decode = pytest.importorskip(f"pallas_kernels.{backend}.paged_decode")
   ragged = pytest.importorskip(f"pallas_kernels.{backend}.ragged_attention")
-  mesh = ps.make_mesh(2, 4)
+  mesh, context = ps.make_mesh(2, 4), contextlib.nullcontext()
+  if target == "cuda":
+    mesh, context = gpu_lowering.abstract_gpu_mesh(mesh)
   bf16 = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)  # noqa: E731
   i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
   pages = P(ps.MODEL, ps.DATA, None, None)
@@ -222,5 +227,6 @@ def test_sharded_kernels_lower_for_their_targets(target):
   for fn, in_specs, args in calls:
     f = jax.shard_map(lambda *a, fn=fn: fn(*a, sm_scale=0.1), mesh=mesh,
                       in_specs=in_specs, out_specs=rows, check_vma=False)
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=(target,)).as_text()
+    with context:
+      text = jax.jit(f).trace(*args).lower(lowering_platforms=(target,)).as_text()
     assert ("tpu_custom_call" if target == "tpu" else "triton") in text

@@ -22,6 +22,21 @@ def abstract_gpu():
   return jax.sharding.use_abstract_mesh(mesh)
 
 
+def abstract_gpu_mesh(mesh: jax.sharding.Mesh):
+  """`mesh`'s shape on abstract H200s, for lowering kernels inside
+  `shard_map` for CUDA (JAX >= 0.11 reads the compute capability from the
+  mesh's device); `mesh` itself on older JAX, which assumes sm_90."""
+  device_cls = getattr(jax.sharding, "AbstractDevice", None)
+  if device_cls is None:
+    return mesh, contextlib.nullcontext()
+  device = device_cls(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  abstract = jax.sharding.AbstractMesh(
+      tuple(mesh.shape.values()), tuple(mesh.axis_names),
+      (jax.sharding.AxisType.Auto,) * len(mesh.axis_names),
+      abstract_device=device)
+  return abstract, jax.sharding.use_abstract_mesh(abstract)
+
+
 def lower_for_cuda(f, *args):
   """`jax.jit(f)` traced and lowered for CUDA; returns the StableHLO text."""
   with abstract_gpu():
