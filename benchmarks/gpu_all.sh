@@ -11,6 +11,8 @@
 #                            on 2 shapes, a few ragged mixes           ~2.5 min
 #   block_size --gpu         decode time at block sizes 8-128 (xla, pallas_gpu)
 #                                                                      ~1 min
+#   gpu_mesh.py              the engine on a mesh of the local GPUs (shard_map
+#                            with the real Triton kernels) vs one device ~1 min
 # Each section runs under its own limit and a global deadline
 # (GPU_ALL_BUDGET_S, default 450 s); one that fails or runs out of time does not
 # stop the others, and the Python scripts rewrite their JSON after every part,
@@ -76,6 +78,7 @@ main() {
   part gpu_prefill 150 "$PY" benchmarks/gpu_prefill.py
   part gpu_decode 210 "$PY" benchmarks/gpu_decode.py --quick-gpu
   part block_size 120 "$PY" -m benchmarks.block_size --gpu
+  part gpu_mesh 90 "$PY" benchmarks/gpu_mesh.py
   echo
   echo "==== after ($(($(date +%s) - START))s)"
   timeout 20 nvidia-smi --format=csv --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,memory.used
