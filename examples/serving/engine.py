@@ -29,6 +29,10 @@ next step preempts to make room. The oldest running sequence is never
 preempted, and admission guarantees that any single request fits the pool
 alone, so every accepted request completes.
 
+On a `(data, model)` device mesh (`Engine(..., mesh=...)`) the model is
+tensor-parallel and each data shard is a replica with its own pool and its
+own `Scheduler`; one jitted step (`step.mesh_device_step`) serves them all.
+
 With `static_batching=True` and `block_size == max_model_len` the same engine
 is a contiguous max-length cache with static batching (the baseline paging is
 compared against): every sequence reserves one max-length slot, and new
