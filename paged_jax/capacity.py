@@ -12,6 +12,11 @@ a contiguous cache that reserves `max_model_len` slots for every sequence:
   paged           = num_blocks // blocks_per_seq
   contiguous      = kv_pool_bytes // (max_model_len * bytes_per_token)
 
+On several devices (`--tp`, `--dp`; memory flags stay per device) each device
+holds 1/tp of the weights and `cache_kv_heads(num_kv_heads, tp) / tp` KV
+heads (`paged_jax.sharding`), so its blocks are that much smaller, and the
+`dp` replicas each serve their own pool.
+
 All arithmetic is exact (integers and fractions), so the worked example below
 reproduces to the byte. Command line:
 
@@ -31,6 +36,8 @@ import json
 import math
 import sys
 from typing import Sequence
+
+from paged_jax import sharding
 
 GIB = 2**30
 MIB = 2**20
@@ -328,12 +335,22 @@ def _parser() -> argparse.ArgumentParser:
   work.add_argument("--target-concurrency", type=count,
                     help="also answer: blocks needed for this many sequences, "
                     "and the largest max_model_len at which they all fit")
+  par = p.add_argument_group(
+      "several devices (memory flags are per device)")
+  par.add_argument("--tp", type=count, default=1,
+                   help="tensor-parallel devices per replica (the model axis): "
+                   "weights and KV heads split over them, KV heads replicated "
+                   "when fewer than --tp (default 1)")
+  par.add_argument("--dp", type=count, default=1,
+                   help="data-parallel replicas (the data axis), each with its "
+                   "own pool (default 1)")
   p.add_argument("--json", action="store_true", help="machine-readable output")
   return p
 
 
 def _resolve_pool(args, shape: ModelShape | None) -> int:
-  """KV pool bytes from the flags; ValueError with a one-line message."""
+  """KV pool bytes of one device from the flags (the weights split over
+  `--tp` devices); ValueError with a one-line message."""
   derive = args.mem_gib is not None
   if args.weights_gib is not None and args.params is not None:
     raise ValueError("give --weights-gib or --params, not both")
@@ -347,6 +364,7 @@ def _resolve_pool(args, shape: ModelShape | None) -> int:
     raise ValueError("--mem-gib needs --weights-gib, --params or --model")
   else:
     weights = 0
+  weights = -(-weights // args.tp)  # each device holds 1/tp of the weights
   workspace = math.ceil(args.workspace_gib * GIB)
 
   if args.kv_pool_gib is not None:
@@ -384,12 +402,27 @@ def plan_from_args(args: argparse.Namespace) -> dict:
     raise ValueError(f"--util {float(args.util):g} must be in (0, 1]")
   dtype_bytes(args.kv_dtype)  # Validate before sizing anything.
   dtype_bytes(args.weight_dtype, allow_subbyte=True)
+  # Tensor parallelism: each device stores its share of the KV heads (each
+  # head replicated tp / kv_heads times when there are fewer heads than tp),
+  # so a block's bytes on one device shrink by that share.
+  try:
+    stored_heads = sharding.cache_kv_heads(kv_heads, args.tp)
+  except ValueError:
+    raise ValueError(f"--kv-heads {kv_heads} and --tp {args.tp} must divide "
+                     "one another") from None
   pool = _resolve_pool(args, shape)
-  p = plan(kv_pool_bytes=pool, num_layers=layers, num_kv_heads=kv_heads,
-           head_dim=head_dim, block_size=args.block_size,
-           avg_tokens=args.avg_tokens, max_model_len=args.max_model_len,
-           kv_dtype=args.kv_dtype)
+  p = plan(kv_pool_bytes=pool, num_layers=layers,
+           num_kv_heads=stored_heads // args.tp, head_dim=head_dim,
+           block_size=args.block_size, avg_tokens=args.avg_tokens,
+           max_model_len=args.max_model_len, kv_dtype=args.kv_dtype)
   out = p.to_json_dict()
+  if args.tp * args.dp > 1:
+    out.update(
+        tp=args.tp, dp=args.dp, devices=args.tp * args.dp,
+        kv_heads_per_device=stored_heads // args.tp,
+        kv_head_replication=stored_heads // kv_heads,
+        max_concurrency_paged_total=args.dp * p.max_concurrency_paged,
+        max_concurrency_contiguous_total=args.dp * p.max_concurrency_contiguous)
   if args.target_concurrency:
     n = args.target_concurrency
     out["target_concurrency"] = n
@@ -420,6 +453,16 @@ def format_report(out: dict) -> str:
       f"{out['max_model_len']} -> "
       + (f"{ratio:g}x" if ratio is not None else "n/a (no max-length sequence fits)"),
   ]
+  if "devices" in out:
+    lines += [
+        f"devices:          {out['devices']} (dp {out['dp']} x tp {out['tp']}); "
+        f"the figures above are per device / per replica; "
+        f"{out['kv_heads_per_device']} KV head(s) per device"
+        + (f", each replicated {out['kv_head_replication']}x"
+           if out["kv_head_replication"] > 1 else ""),
+        f"all replicas:     {out['max_concurrency_paged_total']} paged vs "
+        f"{out['max_concurrency_contiguous_total']} contiguous sequences",
+    ]
   if "target_concurrency" in out:
     n = out["target_concurrency"]
     lines += [

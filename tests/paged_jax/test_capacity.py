@@ -247,3 +247,34 @@ def test_presets_match_published_configs(name):
   per_layer = attn + 3 * hidden * inter + norms * hidden
   params = layers * per_layer + vocab * hidden * (1 if tied else 2) + hidden
   assert capacity.PRESETS[name] == capacity.ModelShape(layers, kv, hd, params)
+
+
+def test_cli_several_devices(capsys):
+  base = ("--layers 32 --kv-heads 8 --head-dim 128 --kv-pool-gib 56 "
+          "--avg-tokens 512 --max-model-len 8192")
+  one = _json(capsys, base)
+  assert "devices" not in one and one["max_concurrency_paged"] == 896
+  # tp 4: 2 of the 8 KV heads per device, a quarter of the block bytes.
+  out = _json(capsys, base + " --tp 4 --dp 2")
+  assert out["bytes_per_block"] == 512 * 1024
+  assert out["kv_heads_per_device"] == 2 and out["kv_head_replication"] == 1
+  assert out["max_concurrency_paged"] == 4 * 896
+  assert out["max_concurrency_paged_total"] == 8 * 896
+  assert out["devices"] == 8
+  # tp 16 > 8 KV heads: each head stored twice, one per device.
+  out = _json(capsys, base + " --tp 16")
+  assert out["kv_heads_per_device"] == 1 and out["kv_head_replication"] == 2
+  assert out["max_concurrency_paged_total"] == 8 * 896
+  # Weights split over tp: 80 GiB per device, 16 GiB of weights over 4.
+  out = _json(capsys, "--layers 32 --kv-heads 8 --head-dim 128 --mem-gib 80 "
+              "--util 0.9 --weights-gib 16 --avg-tokens 512 "
+              "--max-model-len 8192 --tp 4")
+  assert out["kv_pool_bytes"] == 72 * GIB - 4 * GIB
+
+
+def test_cli_tp_must_divide_kv_heads(capsys):
+  assert capacity.main("--layers 2 --kv-heads 3 --head-dim 64 --kv-pool-gib 1 "
+                       "--avg-tokens 8 --max-model-len 64 --tp 2".split()) == 2
+  assert capsys.readouterr().err == (
+      "python -m paged_jax.capacity: error: --kv-heads 3 and --tp 2 must "
+      "divide one another\n")
