@@ -58,9 +58,9 @@ from examples.llama import tensor_parallel
 from examples.llama.model import Llama
 from examples.serving import sampling
 from examples.serving.requests import Completion, Group, Request, RequestOutput, Seq
-from examples.serving.step import (StepInputs, StepOutputs, device_step,
-                                   mesh_device_step, shared_mesh_step,
-                                   shared_step)
+from examples.serving.step import (ModelDef, StepInputs, StepOutputs,
+                                   device_step, mesh_device_step,
+                                   shared_mesh_step, shared_step)
 from paged_jax import block_manager as bm
 from paged_jax import sharding
 
@@ -641,7 +641,9 @@ class Engine:
     data = 1 if mesh is None else mesh.shape[sharding.DATA]
     self._pools = [Scheduler(config, model.config, max_len, self.stats)
                    for _ in range(data)]
-    graphdef, self._params = nnx.split(model)
+    graphdef, params = nnx.split(model)
+    model_def = ModelDef(graphdef, params)
+    self._params = jax.tree.leaves(params)  # flat: cheap to pass every step
     mc = model.config
     blocks_per_seq = _cdiv(max_len, bs)
     if mesh is None:
@@ -659,8 +661,8 @@ class Engine:
     self._steps = {}
     for decode_only in (True, False):
       if config.check_traces:
-        def fn(graphdef, params, cache, state, x, *, decode_only, num_logprobs):
-          return step_fn(graphdef, params, cache, state, x,
+        def fn(model_def, params, cache, state, x, *, decode_only, num_logprobs):
+          return step_fn(model_def, params, cache, state, x,
                          decode_only=decode_only, num_logprobs=num_logprobs)
         fn.__name__ = "decode_step" if decode_only else "mixed_step"
         step = jax.jit(chex.assert_max_traces(fn, n=1), donate_argnums=(2, 3),
@@ -669,7 +671,7 @@ class Engine:
       else:
         step = shared
       self._steps[decode_only] = functools.partial(
-          step, graphdef, decode_only=decode_only, num_logprobs=self.num_logprobs)
+          step, model_def, decode_only=decode_only, num_logprobs=self.num_logprobs)
     self._outputs: list[RequestOutput] = []
 
   # ----------------------------------------------------------------- requests

@@ -33,6 +33,35 @@ from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import sharding
 
 
+class ModelDef:
+  """The model's static structure, as the jitted step's static argument.
+
+  Holds the `nnx.GraphDef` and the tree structure of the parameters, which
+  the engine passes as a flat list of arrays. jit hashes its static arguments
+  on every call: a GraphDef hashes by walking the whole module graph (about a
+  millisecond per step for a small model on CPU), so the hash is computed
+  once here. Equal structures compare equal, so engines of the same model
+  share the compiled steps.
+  """
+
+  def __init__(self, graphdef, params):
+    self.graphdef = graphdef
+    self.treedef = jax.tree.structure(params)
+    self._hash = hash((graphdef, self.treedef))
+
+  def merge(self, leaves):
+    """The model, from the flat parameter arrays."""
+    return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+
+  def __hash__(self):
+    return self._hash
+
+  def __eq__(self, other):
+    return self is other or (
+        isinstance(other, ModelDef) and self._hash == other._hash
+        and self.graphdef == other.graphdef and self.treedef == other.treedef)
+
+
 @flax.struct.dataclass
 class StepInputs:
   """One step's host-built arrays (shapes fixed by `EngineConfig`)."""
@@ -64,14 +93,14 @@ class StepOutputs:
   tail_shared: jax.Array  # bool[max_seqs]  next write into the slot copies
 
 
-def device_step(graphdef, params, cache: kv_cache_lib.KVCache,
+def device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
                 state: bm.BlockState, x: StepInputs, *, decode_only: bool,
                 num_logprobs: int):
   """The serving step (pure; jit it with the cache and state donated).
 
   Args:
-    graphdef: the model's `nnx.GraphDef` (static).
-    params: the model's state from `nnx.split`.
+    model_def: the model's `ModelDef` (static).
+    params: the model's parameter arrays, `jax.tree.leaves` of its state.
     cache: the `KVCache`.
     state: the `BlockState`.
     x: the step's `StepInputs`.
@@ -81,7 +110,7 @@ def device_step(graphdef, params, cache: kv_cache_lib.KVCache,
   Returns:
     `(cache, state, StepOutputs)`.
   """
-  model = nnx.merge(graphdef, params)
+  model = model_def.merge(params)
   state, fork_ok, res = _bookkeeping(state, x)
   cache = kv_cache_lib.copy_blocks(cache, res.copy_src, res.copy_dst)
   meta = flax_attention.step_metadata(
@@ -95,14 +124,15 @@ def device_step(graphdef, params, cache: kv_cache_lib.KVCache,
                                    state.num_free, exclusive, tail_shared)
 
 
-def mesh_device_step(graphdef, params, cache: kv_cache_lib.KVCache,
+def mesh_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
                      states: bm.BlockState, x: StepInputs, *, mesh: Mesh,
                      decode_only: bool, num_logprobs: int):
   """`device_step` on a `(data, model)` mesh: every data shard runs its own
   step on its own pool and sequences, the model is tensor-parallel.
 
   Args:
-    graphdef, params: the model laid out by `tensor_parallel.shard_model`.
+    model_def, params: the model laid out by `tensor_parallel.shard_model`
+      (as in `device_step`).
     cache: the `KVCache`, sharded `paged_jax.sharding.cache_spec()`.
     states: the data shards' `BlockState`s stacked on a leading axis
       (`paged_jax.sharding.init_block_states`).
@@ -114,7 +144,7 @@ def mesh_device_step(graphdef, params, cache: kv_cache_lib.KVCache,
   Returns:
     `(cache, states, StepOutputs)`, the outputs with a leading `[data]` axis.
   """
-  model = nnx.merge(graphdef, params)
+  model = model_def.merge(params)
   data = mesh.shape[sharding.DATA]
   states, fork_ok, res = jax.vmap(_bookkeeping)(states, x)
   cache = sharding.copy_blocks_sharded(mesh, cache, res.copy_src, res.copy_dst)
@@ -187,7 +217,7 @@ def sharing(state: bm.BlockState) -> tuple[jax.Array, jax.Array]:
 
 
 # One jitted step shared by every engine: engines with the same model structure
-# and sizes reuse the compiled executables (the graphdef is a static argument).
+# and sizes reuse the compiled executables (the ModelDef is a static argument).
 shared_step = jax.jit(device_step, static_argnums=(0,), donate_argnums=(2, 3),
                       static_argnames=("decode_only", "num_logprobs"))
 shared_mesh_step = jax.jit(mesh_device_step, static_argnums=(0,),
