@@ -36,8 +36,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -96,11 +94,13 @@ def check_model_axis(config: model_lib.LlamaConfig, model: int) -> int:
   return sharding.cache_kv_heads(config.num_kv_heads, model)
 
 
-def _repeat_heads(x: np.ndarray | jax.Array, num_heads: int, reps: int):
-  """Repeats each head's block of the last axis `reps` times (in place order)."""
+def _replicate_kv_columns(x: jax.Array, num_kv_heads: int, model: int):
+  """A K/V projection kernel `[hidden, kv_heads * head_dim]` (or its bias)
+  with each head's columns repeated as `sharding.replicate_kv_heads` repeats
+  the cache's heads."""
   lead = x.shape[:-1]
-  x = x.reshape(lead + (num_heads, x.shape[-1] // num_heads))
-  x = jnp.repeat(x, reps, axis=-2)
+  x = x.reshape(lead + (num_kv_heads, x.shape[-1] // num_kv_heads))
+  x = sharding.replicate_kv_heads(x, num_kv_heads, model, axis=-2)
   return x.reshape(lead + (-1,))
 
 
@@ -133,7 +133,7 @@ def shard_model(model: model_lib.Llama, mesh: Mesh) -> model_lib.Llama:
   for path, var in nnx.to_flat_state(state):
     value = var.get_value()
     if reps > 1 and path[-2] in ("k_proj", "v_proj"):
-      value = _repeat_heads(value, config.num_kv_heads, reps)
+      value = _replicate_kv_columns(value, config.num_kv_heads, tp)
     spec = param_spec(path, value.shape, tp)
     node = updates
     for p in path[:-1]:
