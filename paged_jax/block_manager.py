@@ -30,6 +30,12 @@ Failure is a value: every operation returns an `ok` mask, and a failed request
 leaves its part of the state exactly as it was. Out-of-range ids, negative or
 oversized requests, forking onto a live slot and releasing an empty slot all
 come back as `ok == False`; nothing a caller passes can corrupt the pool.
+That holds at the int32 extremes too: `init` refuses sizes whose token
+positions or flat slots would not fit int32, no operation computes a value
+that can wrap (lengths are compared against the room left, block counts are
+divided without an `a + b - 1` that overflows), and ids or counts outside
+int32 (int64 or uint64 arrays, Python ints) mean `ok == False` instead of
+being truncated into a valid id. Empty batches are accepted everywhere.
 Static mistakes (wrong shapes or dtypes, bad sizes) raise `ValueError`.
 
 Example:
@@ -50,6 +56,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax import _int32
+
 # Unused block-table entries, and "no copy" in copy-on-write pairs.
 NULL_BLOCK = -1
 
@@ -57,6 +65,10 @@ NULL_BLOCK = -1
 @flax.struct.dataclass
 class BlockState:
   """The block manager's whole state (a pytree; sizes are static).
+
+  Data shards' states (`sharding.init_block_states`) are stacked on a leading
+  axis; the size properties are then those of one shard, and `total_blocks`
+  counts every shard's pool.
 
   Attributes:
     block_tables: `i32[max_seqs, max_blocks_per_seq]`, `NULL_BLOCK` where unused.
@@ -76,11 +88,16 @@ class BlockState:
 
   @property
   def num_blocks(self) -> int:
-    return self.refcounts.shape[0]
+    return self.refcounts.shape[-1]
+
+  @property
+  def total_blocks(self) -> int:
+    """Blocks of the whole pool: `num_blocks` times the stacked shards."""
+    return self.refcounts.size
 
   @property
   def max_seqs(self) -> int:
-    return self.block_tables.shape[0]
+    return self.block_tables.shape[-2]
 
   @property
   def max_blocks_per_seq(self) -> int:
@@ -112,14 +129,6 @@ class Reservation:
   copy_dst: jax.Array
 
 
-def _check_positive_int(name: str, value) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise ValueError(f"{name} must be a positive int, got {value!r}")
-  if value <= 0:
-    raise ValueError(f"{name} must be a positive int, got {name}={value}")
-  return int(value)
-
-
 def init(num_blocks: int, block_size: int, max_seqs: int,
          max_blocks_per_seq: int) -> BlockState:
   """An empty pool: every block free, every sequence slot empty.
@@ -135,13 +144,20 @@ def init(num_blocks: int, block_size: int, max_seqs: int,
     A `BlockState`. Blocks are handed out lowest id first from a fresh pool.
 
   Raises:
-    ValueError: if a size is not a positive int.
+    ValueError: if a size is not a positive int, or if a sequence
+      (`max_blocks_per_seq * block_size` tokens), the pool's flat slots
+      (`num_blocks * block_size`) or `max_seqs` would not fit int32 (< 2**31).
   """
-  num_blocks = _check_positive_int("num_blocks", num_blocks)
-  block_size = _check_positive_int("block_size", block_size)
-  max_seqs = _check_positive_int("max_seqs", max_seqs)
-  max_blocks_per_seq = _check_positive_int("max_blocks_per_seq",
+  num_blocks = _int32.positive_int("num_blocks", num_blocks)
+  block_size = _int32.positive_int("block_size", block_size)
+  max_seqs = _int32.positive_int("max_seqs", max_seqs)
+  max_blocks_per_seq = _int32.positive_int("max_blocks_per_seq",
                                            max_blocks_per_seq)
+  _int32.check_fits("token positions", max_blocks_per_seq=max_blocks_per_seq,
+                    block_size=block_size)
+  _int32.check_fits("cache slots", num_blocks=num_blocks,
+                    block_size=block_size)
+  _int32.check_fits("sequence ids", max_seqs=max_seqs)
   return BlockState(
       block_tables=jnp.full((max_seqs, max_blocks_per_seq), NULL_BLOCK,
                             jnp.int32),
@@ -153,13 +169,7 @@ def init(num_blocks: int, block_size: int, max_seqs: int,
   )
 
 
-def _as_ids(name: str, x) -> jax.Array:
-  x = jnp.asarray(x)
-  if x.ndim != 1:
-    raise ValueError(f"{name} must be a 1-D integer array, got shape {x.shape}")
-  if not jnp.issubdtype(x.dtype, jnp.integer):
-    raise ValueError(f"{name} must have an integer dtype, got {x.dtype}")
-  return x.astype(jnp.int32)
+_as_ids = _int32.as_int32  # values outside int32 become -1: invalid everywhere
 
 
 def _same_length(a_name, a, b_name, b):
@@ -169,7 +179,8 @@ def _same_length(a_name, a, b_name, b):
 
 
 def _cdiv(a, b):
-  return (a + b - 1) // b
+  """`ceil(a / b)` for `a >= 0`, `b > 0`; no `a + b - 1` that could wrap."""
+  return a // b + (a % b != 0).astype(a.dtype)
 
 
 def _scatter_add(x: jax.Array, idx: jax.Array, mask: jax.Array, val):
@@ -203,12 +214,15 @@ def reserve(state: BlockState, seq_ids, num_new_tokens
 
   Args:
     state: the block state.
-    seq_ids: `i32[n]` sequence slots. Ids outside `[0, max_seqs)` fail.
-    num_new_tokens: `i32[n]` slots to add; negative requests fail, and so do
-      requests past `max_blocks_per_seq * block_size` tokens.
+    seq_ids: `int[n]` sequence slots (any integer dtype). Ids outside
+      `[0, max_seqs)` fail, int64 ones outside int32 included.
+    num_new_tokens: `int[n]` slots to add; negative requests fail, and so do
+      requests past `max_blocks_per_seq * block_size` tokens in all (however
+      large: the room left is compared, no sum can wrap).
 
   Returns:
-    `(new_state, Reservation)`.
+    `(new_state, Reservation)`; an empty batch gives empty results and the
+    state unchanged.
 
   Raises:
     ValueError: if the arguments are not 1-D integer arrays of equal length.
@@ -220,13 +234,18 @@ def reserve(state: BlockState, seq_ids, num_new_tokens
   num_blocks, max_seqs, width = (state.num_blocks, state.max_seqs,
                                  state.max_blocks_per_seq)
   n = seq_ids.shape[0]
+  if n == 0:  # static: the scan below cannot index an empty batch
+    none = jnp.zeros((0,), jnp.int32)
+    return state, Reservation(ok=jnp.zeros((0,), bool), copy_src=none,
+                              copy_dst=none)
   valid = ((seq_ids >= 0) & (seq_ids < max_seqs) & (num_new_tokens >= 0)
            & _first_occurrence(seq_ids))
   sid = jnp.clip(seq_ids, 0, max_seqs - 1)
   old_len = state.seq_lens[sid]
   rows = state.block_tables[sid]  # [n, width]
-  new_len = old_len + num_new_tokens
-  valid &= new_len <= width * bs
+  # Both sides lie in [0, max_seq_len] (< 2**31 by `init`): no sum can wrap.
+  valid &= num_new_tokens <= state.max_seq_len - old_len
+  new_len = old_len + jnp.where(valid, num_new_tokens, 0)
   cur_blocks = _cdiv(old_len, bs)
   new_blocks = _cdiv(new_len, bs)
   last = jnp.take_along_axis(rows, jnp.maximum(cur_blocks - 1, 0)[:, None],
@@ -280,11 +299,12 @@ def release(state: BlockState, seq_ids) -> tuple[BlockState, jax.Array]:
 
   Args:
     state: the block state.
-    seq_ids: `i32[n]` sequence slots to free.
+    seq_ids: `int[n]` sequence slots to free (any integer dtype).
 
   Returns:
-    `(new_state, ok)`; `ok` is `bool[n]`, False for out-of-range ids, empty
-    slots and repeats of an id earlier in the same call.
+    `(new_state, ok)`; `ok` is `bool[n]`, False for out-of-range ids (int64
+    ones outside int32 included), empty slots and repeats of an id earlier in
+    the same call.
 
   Raises:
     ValueError: if `seq_ids` is not a 1-D integer array.
@@ -298,7 +318,8 @@ def release(state: BlockState, seq_ids) -> tuple[BlockState, jax.Array]:
   ok = ((seq_ids >= 0) & (seq_ids < max_seqs) & (length > 0)
         & _first_occurrence(seq_ids))
   rows = state.block_tables[sid]  # [n, width]
-  owned = ok[:, None] & (jnp.arange(width)[None, :] < _cdiv(length, bs)[:, None])
+  cols = jnp.arange(width, dtype=jnp.int32)
+  owned = ok[:, None] & (cols[None, :] < _cdiv(length, bs)[:, None])
   refs = _scatter_add(state.refcounts, rows, owned, -1)
   # Blocks whose count reached zero go back on the stack, once each even when
   # several released sequences shared them: sort, keep first of each run.
@@ -328,14 +349,14 @@ def fork(state: BlockState, parent_ids, child_ids
 
   Args:
     state: the block state.
-    parent_ids: `i32[n]` live sequence slots to fork from (one parent may
+    parent_ids: `int[n]` live sequence slots to fork from (one parent may
       have several children).
-    child_ids: `i32[n]` empty sequence slots to fork into.
+    child_ids: `int[n]` empty sequence slots to fork into.
 
   Returns:
-    `(new_state, ok)`; `ok` is `bool[n]`, False when an id is out of range, the
-    parent is empty, the child is live, equals its parent, or is claimed by an
-    earlier pair of the same call.
+    `(new_state, ok)`; `ok` is `bool[n]`, False when an id is out of range
+    (int64 ones outside int32 included), the parent is empty, the child is
+    live, equals its parent, or is claimed by an earlier pair of the same call.
 
   Raises:
     ValueError: if the arguments are not 1-D integer arrays of equal length.
@@ -352,7 +373,8 @@ def fork(state: BlockState, parent_ids, child_ids
         & (child_ids < max_seqs) & (length > 0) & (state.seq_lens[cid] == 0)
         & (parent_ids != child_ids) & _first_occurrence(child_ids))
   rows = state.block_tables[pid]
-  owned = ok[:, None] & (jnp.arange(width)[None, :] < _cdiv(length, bs)[:, None])
+  cols = jnp.arange(width, dtype=jnp.int32)
+  owned = ok[:, None] & (cols[None, :] < _cdiv(length, bs)[:, None])
   refs = _scatter_add(state.refcounts, rows, owned, 1)
   write = jnp.where(ok, cid, max_seqs)
   tables = state.block_tables.at[write].set(rows, mode="drop")
@@ -365,14 +387,15 @@ def slot_mapping(state: BlockState, seq_ids, positions) -> jax.Array:
 
   Writes into shared blocks are impossible by construction: a position whose
   block has refcount > 1 maps to -1, and so does a position outside
-  `[0, seq_lens[seq])` or an out-of-range id. `kv_cache.write_kv` drops -1
-  slots. After `reserve` (and its copy-on-write), every newly reserved
-  position maps to an exclusively owned block.
+  `[0, seq_lens[seq])` or an out-of-range id (int64 values outside int32
+  included). `kv_cache.write_kv` drops -1 slots. After `reserve` (and its
+  copy-on-write), every newly reserved position maps to an exclusively owned
+  block. Slots fit int32: `init` bounds `num_blocks * block_size`.
 
   Args:
     state: the block state.
-    seq_ids: `i32[T]` sequence slot of each token.
-    positions: `i32[T]` token position within its sequence.
+    seq_ids: `int[T]` sequence slot of each token.
+    positions: `int[T]` token position within its sequence.
 
   Returns:
     `i32[T]` flat slots, -1 where the token must not be written.
@@ -389,7 +412,8 @@ def slot_mapping(state: BlockState, seq_ids, positions) -> jax.Array:
   valid &= (positions >= 0) & (positions < state.seq_lens[sid])
   col = jnp.clip(positions // bs, 0, state.max_blocks_per_seq - 1)
   block = state.block_tables[sid, col]
-  valid &= state.refcounts[jnp.clip(block, 0, state.num_blocks - 1)] == 1
+  valid &= (block >= 0) & (
+      state.refcounts[jnp.clip(block, 0, state.num_blocks - 1)] == 1)
   return jnp.where(valid, block * bs + positions % bs, -1)
 
 
@@ -398,11 +422,14 @@ def gather_tables(state: BlockState, seq_ids) -> tuple[jax.Array, jax.Array]:
 
   Args:
     state: the block state.
-    seq_ids: `i32[n]`; out-of-range ids (e.g. -1 for padding) give an all-
-      `NULL_BLOCK` row and length 0.
+    seq_ids: `int[n]`; out-of-range ids (e.g. -1 for padding, or int64 ids
+      outside int32) give an all-`NULL_BLOCK` row and length 0.
 
   Returns:
     `(block_tables i32[n, max_blocks_per_seq], kv_lens i32[n])`.
+
+  Raises:
+    ValueError: if `seq_ids` is not a 1-D integer array.
   """
   seq_ids = _as_ids("seq_ids", seq_ids)
   valid = (seq_ids >= 0) & (seq_ids < state.max_seqs)
@@ -417,15 +444,17 @@ def usage(state: BlockState) -> dict:
 
   Returns:
     `{"blocks_used", "blocks_total", "fraction", "live_seqs", "tokens"}`, where
-    `fraction` is `blocks_used / blocks_total`.
+    `fraction` is `blocks_used / blocks_total` and `tokens` sums `seq_lens` in
+    int64 (forked sequences share blocks, so it may pass 2**31).
   """
   used = int(state.num_used)
+  lens = np.asarray(state.seq_lens, np.int64)
   return {
       "blocks_used": used,
       "blocks_total": state.num_blocks,
       "fraction": used / state.num_blocks,
-      "live_seqs": int(jnp.sum(state.seq_lens > 0)),
-      "tokens": int(jnp.sum(state.seq_lens)),
+      "live_seqs": int(np.sum(lens > 0)),
+      "tokens": int(np.sum(lens)),
   }
 
 
@@ -436,11 +465,20 @@ def check_invariants(state: BlockState) -> None:
   equal the number of table references; free + used = `num_blocks`; no block
   appears twice in one row or twice in the free list; each row holds exactly
   `ceil(seq_len / block_size)` blocks followed by `NULL_BLOCK`; lengths lie
-  within the table's capacity.
+  within the table's capacity; every array is int32 with the pool's shapes.
 
   Raises:
     AssertionError: naming the broken invariant.
   """
+  for name in ("block_tables", "seq_lens", "refcounts", "free_stack",
+               "num_free"):
+    dtype = getattr(state, name).dtype
+    assert dtype == jnp.int32, f"{name} has dtype {dtype}, expected int32"
+  assert state.free_stack.shape == state.refcounts.shape, (
+      f"free_stack {state.free_stack.shape} != refcounts "
+      f"{state.refcounts.shape}")
+  assert state.seq_lens.shape == state.block_tables.shape[:1], (
+      f"seq_lens {state.seq_lens.shape} != {state.block_tables.shape[:1]}")
   tables = np.asarray(state.block_tables)
   lens = np.asarray(state.seq_lens)
   refs = np.asarray(state.refcounts)
@@ -450,7 +488,7 @@ def check_invariants(state: BlockState) -> None:
   assert 0 <= num_free <= n, f"num_free={num_free} outside [0, {n}]"
   assert np.all((lens >= 0) & (lens <= state.max_seq_len)), (
       f"seq_lens outside [0, {state.max_seq_len}]: {lens}")
-  need = -(-lens // bs)
+  need = -(-lens.astype(np.int64) // bs)
   counts = np.zeros(n, np.int64)
   for s, row in enumerate(tables):
     used, rest = row[:need[s]], row[need[s]:]

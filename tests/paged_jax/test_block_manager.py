@@ -15,10 +15,18 @@ from paged_jax import block_manager as bm
 from paged_jax.block_manager import NULL_BLOCK
 
 NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, WIDTH = 12, 4, 5, 4
+I32_MAX = 2**31 - 1
 
 _reserve = jax.jit(bm.reserve)
 _release = jax.jit(bm.release)
 _fork = jax.jit(bm.fork)
+_slot_mapping = jax.jit(bm.slot_mapping)
+
+
+def _host(values):
+  """int64 host array, converted as an eager call converts it (under `jit`
+  without x64, JAX would truncate int64 arguments before the op sees them)."""
+  return bm._as_ids("ids", np.asarray(values, np.int64))
 
 
 def _cdiv(a, b):
@@ -91,8 +99,14 @@ class PyModel:
     return oks
 
 
-seq_id = st.integers(-1, MAX_SEQS)
-batch = st.integers(1, 4)
+# int32 and int64 extremes: ids and counts that wrapped, or overflowed a
+# length, before the int32-safe arithmetic. Drawn about one time in four.
+EXTREMES = [I32_MAX, I32_MAX - 1, 2**31 - 5, 2**30, -2**31, -2**31 - 1, 2**31,
+            2**32, 2**32 + 1, 2**32 + 2, 2**63 - 1, -2**63]
+_hostile = st.sampled_from(EXTREMES)
+seq_id = st.one_of(*[st.integers(-1, MAX_SEQS)] * 3, _hostile)
+count = st.one_of(*[st.integers(-2, 9)] * 3, _hostile)
+position = st.one_of(*[st.integers(-1, WIDTH * BLOCK_SIZE)] * 3, _hostile)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -102,11 +116,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     self.state = bm.init(NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, WIDTH)
     self.model = PyModel()
 
-  @rule(reqs=st.lists(st.tuples(seq_id, st.integers(-2, 9)), min_size=1,
-                      max_size=4))
+  @rule(reqs=st.lists(st.tuples(seq_id, count), max_size=4))
   def reserve(self, reqs):
-    ids = jnp.array([r[0] for r in reqs], jnp.int32)
-    ns = jnp.array([r[1] for r in reqs], jnp.int32)
+    ids = _host([r[0] for r in reqs])
+    ns = _host([r[1] for r in reqs])
     self.state, res = _reserve(self.state, ids, ns)
     tables = np.asarray(self.state.block_tables)
     seen = set()
@@ -118,19 +131,31 @@ class BlockManagerMachine(RuleBasedStateMachine):
       got = (int(res.copy_src[i]), int(res.copy_dst[i]))
       assert got == (pair or (NULL_BLOCK, NULL_BLOCK)), (reqs, i, got, pair)
 
-  @rule(ids=st.lists(seq_id, min_size=1, max_size=4))
+  @rule(ids=st.lists(seq_id, max_size=4))
   def release(self, ids):
-    self.state, ok = _release(self.state, jnp.array(ids, jnp.int32))
+    self.state, ok = _release(self.state, _host(ids))
     expected = [self.model.release(s) for s in ids]
     assert np.asarray(ok).tolist() == expected, (ids, ok, expected)
 
-  @rule(pairs=st.lists(st.tuples(seq_id, seq_id), min_size=1, max_size=3))
+  @rule(pairs=st.lists(st.tuples(seq_id, seq_id), max_size=3))
   def fork(self, pairs):
-    parents = jnp.array([p for p, _ in pairs], jnp.int32)
-    children = jnp.array([c for _, c in pairs], jnp.int32)
+    parents = _host([p for p, _ in pairs])
+    children = _host([c for _, c in pairs])
     self.state, ok = _fork(self.state, parents, children)
     expected = self.model.fork(pairs)
     assert np.asarray(ok).tolist() == expected, (pairs, ok, expected)
+
+  @rule(tokens=st.lists(st.tuples(seq_id, position), max_size=4))
+  def slot_mapping(self, tokens):
+    slots = _slot_mapping(self.state, _host([t[0] for t in tokens]),
+                          _host([t[1] for t in tokens]))
+    m = self.model
+    for (sid, pos), got in zip(tokens, np.asarray(slots).tolist()):
+      writable = (0 <= sid < MAX_SEQS and 0 <= pos < m.lens[sid]
+                  and m.refs[m.rows[sid][pos // BLOCK_SIZE]] == 1)
+      want = (m.rows[sid][pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+              if writable else -1)
+      assert got == want, (tokens, slots)
 
   @invariant()
   def agrees_with_model(self):
@@ -301,3 +326,161 @@ def test_argument_errors():
   with pytest.raises(ValueError, match="seq_ids and positions must have"):
     bm.slot_mapping(state, jnp.zeros((2,), jnp.int32),
                     jnp.zeros((1,), jnp.int32))
+
+
+# Hostile inputs: int32 extremes, int64 ids, empty batches. Each of these
+# corrupted the pool (or raised) before the int32-safe arithmetic.
+
+I32_MAX = 2**31 - 1
+
+
+def test_reserve_cannot_overflow_a_length():
+  state = bm.init(4, 4, 3, 2)
+  state, _ = bm.reserve(state, jnp.array([0]), jnp.array([1]))
+  before = state
+  for n in (I32_MAX, I32_MAX - 3, 2**31 - 5, 2**30):
+    state, res = _reserve(state, jnp.array([0]), jnp.array([n]))
+    assert res.ok.tolist() == [False], n
+    chex.assert_trees_all_equal(before, state)
+
+
+@pytest.mark.parametrize("parent_len", [5, 7])
+def test_fork_then_huge_reserve_never_makes_a_shared_block_writable(parent_len):
+  state = bm.init(4, 4, 3, 2)
+  state, _ = bm.reserve(state, jnp.array([0]), jnp.array([parent_len]))
+  state, ok = bm.fork(state, jnp.array([0]), jnp.array([1]))
+  assert ok.tolist() == [True]
+  before = state
+  for n in (2**31 - 5, I32_MAX):  # parent_len + n wraps negative in int32
+    state, res = _reserve(state, jnp.array([1]), jnp.array([n]))
+    assert res.ok.tolist() == [False]
+    chex.assert_trees_all_equal(before, state)
+  bm.check_invariants(state)
+  # The shared blocks stay read-only for both holders.
+  slots = bm.slot_mapping(state, jnp.array([0, 1, 0, 1]), jnp.array([0, 0, 4, 4]))
+  assert slots.tolist() == [-1] * 4
+
+
+def test_block_counts_do_not_overflow_for_a_large_block_size():
+  bs = 2**30 + 2**29  # (len + bs - 1) overflows int32 for len > 2**29
+  state = bm.init(1, bs, 2, 1)
+  state, res = _reserve(state, jnp.array([0]), jnp.array([bs]))
+  assert res.ok.tolist() == [True]
+  assert state.block_tables.tolist() == [[0], [NULL_BLOCK]]
+  assert int(state.num_free) == 0
+  bm.check_invariants(state)
+  state, res = _reserve(state, jnp.array([1]), jnp.array([5]))
+  assert res.ok.tolist() == [False]  # the pool is empty
+  state, ok = _release(state, jnp.array([0]))
+  assert ok.tolist() == [True] and int(state.num_free) == 1
+  bm.check_invariants(state)
+
+
+@pytest.mark.parametrize("sizes, match", [
+    # Token positions are int32: a sequence must fit.
+    ((4, 2**20, 2, 2**11), r"max_blocks_per_seq \* block_size = 2147483648 must "
+     r"be < 2\*\*31 \(int32 token positions\), got max_blocks_per_seq=2048, block_size=1048576"),
+    # Flat slots (block * block_size + offset) are int32: the pool must fit.
+    ((2, 2**30 + 2**29, 1, 1), r"num_blocks \* block_size = 3221225472 must be "
+     r"< 2\*\*31 \(int32 cache slots\), got num_blocks=2, block_size=1610612736"),
+    ((2**31, 1, 1, 1), r"num_blocks \* block_size = 2147483648 must be"),
+    ((4, 4, 2**31, 1), r"max_seqs=2147483648 must be < 2\*\*31 \(int32 sequence ids\)"),
+    ((np.int64(2**40), np.int64(1), 1, 1), r"num_blocks \* block_size = "
+     r"1099511627776 must be"),
+])
+def test_init_refuses_sizes_past_int32(sizes, match):
+  with pytest.raises(ValueError, match=match):
+    bm.init(*sizes)
+
+
+def test_ids_and_counts_outside_int32_fail_instead_of_wrapping():
+  state = bm.init(4, 4, 3, 2)
+  state, _ = bm.reserve(state, jnp.array([0, 1]), jnp.array([1, 2]))
+  before = state
+  big = np.array([2**32 + 1], np.int64)  # wraps to slot 1 / 1 token in int32
+  for ids, ns in [(big, [1]), ([0], big), (np.array([2**63], np.uint64), [1]),
+                  ([2**40], [1]), ([1], [-2**40]), (np.array([2**32], np.int64), [0])]:
+    state, res = bm.reserve(state, ids, ns)
+    assert res.ok.tolist() == [False], (ids, ns)
+    chex.assert_trees_all_equal(before, state)
+  state, ok = bm.release(state, np.array([2**32, 2**32 + 1], np.int64))
+  assert ok.tolist() == [False, False]
+  state, ok = bm.fork(state, np.array([2**32], np.int64), [2])
+  assert ok.tolist() == [False]
+  state, ok = bm.fork(state, [0], np.array([2**32 + 2], np.int64))
+  assert ok.tolist() == [False]
+  chex.assert_trees_all_equal(before, state)
+  slots = bm.slot_mapping(state, np.array([0, 2**32], np.int64),
+                          np.array([2**32, 0], np.int64))
+  assert slots.tolist() == [-1, -1]
+  tables, lens = bm.gather_tables(state, np.array([2**32 + 1], np.int64))
+  assert tables.tolist() == [[NULL_BLOCK] * 2] and lens.tolist() == [0]
+
+
+def test_python_ints_past_int64_are_a_value_error():
+  state = bm.init(4, 4, 3, 2)
+  with pytest.raises(ValueError, match="seq_ids must have an integer dtype, "
+                     "got object"):
+    bm.reserve(state, [2**70], [1])
+
+
+def _enable_x64():
+  fn = getattr(jax, "enable_x64", None)
+  if fn is None:  # older JAX
+    fn = jax.experimental.enable_x64
+  return fn(True)
+
+
+def test_int64_ids_fail_under_jit_with_x64():
+  state = bm.init(4, 4, 3, 2)
+  state, _ = bm.reserve(state, jnp.array([0, 1]), jnp.array([1, 2]))
+  before = state
+  with _enable_x64():
+    big = jnp.array([2**32 + 1], jnp.int64)
+    state, res = jax.jit(bm.reserve)(state, big, jnp.array([1], jnp.int64))
+    assert res.ok.tolist() == [False]
+    state, res = jax.jit(bm.reserve)(state, jnp.array([1]), big)
+    assert res.ok.tolist() == [False]
+    state, ok = jax.jit(bm.release)(state, big)
+    assert ok.tolist() == [False]
+    slots = jax.jit(bm.slot_mapping)(state, jnp.array([1]), big)
+    assert slots.tolist() == [-1]
+  chex.assert_trees_all_equal(before, state)
+  bm.check_invariants(state)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_every_op_accepts_an_empty_batch(jit):
+  wrap = jax.jit if jit else (lambda f: f)
+  state = bm.init(4, 4, 3, 2)
+  state, _ = bm.reserve(state, jnp.array([0]), jnp.array([5]))
+  before = state
+  none = jnp.zeros((0,), jnp.int32)
+  state, res = wrap(bm.reserve)(state, none, none)
+  assert res.ok.shape == res.copy_src.shape == res.copy_dst.shape == (0,)
+  state, ok = wrap(bm.release)(state, none)
+  assert ok.shape == (0,)
+  state, ok = wrap(bm.fork)(state, none, none)
+  assert ok.shape == (0,)
+  assert wrap(bm.slot_mapping)(state, none, none).shape == (0,)
+  tables, lens = wrap(bm.gather_tables)(state, none)
+  assert tables.shape == (0, 2) and lens.shape == (0,)
+  chex.assert_trees_all_equal(before, state)
+
+
+def test_usage_counts_tokens_past_int32():
+  state = bm.init(1, 2**30, 3, 1)
+  state, res = bm.reserve(state, jnp.array([0]), jnp.array([2**30]))
+  state, ok = bm.fork(state, jnp.array([0, 0]), jnp.array([1, 2]))
+  assert res.ok.tolist() == [True] and ok.tolist() == [True, True]
+  assert bm.usage(state) == dict(blocks_used=1, blocks_total=1, fraction=1.0,
+                                 live_seqs=3, tokens=3 * 2**30)
+
+
+def test_slot_mapping_at_int32_extremes():
+  state = bm.init(4, 4, 3, 2)
+  state, _ = bm.reserve(state, jnp.array([0]), jnp.array([5]))
+  ids = jnp.array([0, 0, 0, I32_MAX, -2**31, 0])
+  pos = jnp.array([I32_MAX, -2**31, -1, 0, 0, 4])
+  t = state.block_tables
+  assert bm.slot_mapping(state, ids, pos).tolist() == [-1] * 5 + [int(t[0, 1]) * 4]
