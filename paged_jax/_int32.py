@@ -59,8 +59,8 @@ def check_fits(what: str, **sizes: int) -> None:
                    f"(int32 {what}), got {given}")
 
 
-def as_int32(name: str, x) -> jax.Array:
-  """A 1-D integer array as `i32[n]`; values outside int32 become -1.
+def as_int32(name: str, x, ndim: int = 1) -> jax.Array:
+  """An `ndim`-D integer array as int32; values outside int32 become -1.
 
   Host values (lists, NumPy arrays) are checked exactly in NumPy; JAX arrays
   (traced or not) in their own dtype, so an int64 array under
@@ -70,16 +70,17 @@ def as_int32(name: str, x) -> jax.Array:
   function sees them: pass int32 to jitted code.)
 
   Raises:
-    ValueError: if `x` is not 1-D or not of an integer dtype (a Python list
-      with ints past 64 bits has dtype object).
+    ValueError: if `x` is not `ndim`-D or not of an integer dtype (a Python
+      list with ints past 64 bits has dtype object).
   """
   if not isinstance(x, jax.Array):
     try:
       x = np.asarray(x)
     except (OverflowError, ValueError) as e:
-      raise ValueError(f"{name} must be a 1-D integer array: {e}") from None
-  if x.ndim != 1:
-    raise ValueError(f"{name} must be a 1-D integer array, got shape {x.shape}")
+      raise ValueError(f"{name} must be a {ndim}-D integer array: {e}") from None
+  if x.ndim != ndim:
+    raise ValueError(f"{name} must be a {ndim}-D integer array, got shape "
+                     f"{x.shape}")
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise ValueError(f"{name} must have an integer dtype, got {x.dtype}")
   info = jnp.iinfo(x.dtype)

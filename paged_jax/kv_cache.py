@@ -7,6 +7,14 @@ head_dim]` per layer; `KVCache` stacks them over layers. Token slots come from
 Every function here is pure and jittable. Jit the caller with the cache
 donated (`donate_argnums`) and XLA updates the pages in place: a write costs
 the bytes written, not a copy of the cache.
+
+No id a caller passes reaches outside the pool: slots and block ids outside
+it (negative ones, ids past `num_blocks`, int64 values outside int32) are
+dropped by the writes and copies and read as zeros by `gather_kv`, never
+clamped or wrapped onto another block. Flat slots are int32, so a pool of
+`num_blocks * block_size >= 2**31` slots is refused with a `ValueError`.
+A `KVCache` serves one block pool: `check_compatible` checks that a block
+state (or the step metadata made from it) agrees with it.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from paged_jax import _int32
 from paged_jax.block_manager import NULL_BLOCK
 
 
@@ -64,16 +73,61 @@ def cache_shape(num_layers: int, num_kv_heads: int, num_blocks: int,
   """The pages' shape, after checking the sizes and dtype.
 
   Raises:
-    ValueError: if a size is not positive or `dtype` is not floating.
+    ValueError: if a size is not a positive int (bools are not), the pool's
+      flat slots (`num_blocks * block_size`) would not fit int32, or `dtype`
+      is not floating.
   """
   sizes = dict(num_layers=num_layers, num_kv_heads=num_kv_heads,
                num_blocks=num_blocks, block_size=block_size, head_dim=head_dim)
-  for name, value in sizes.items():
-    if not isinstance(value, int) or value <= 0:
-      raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+  shape = tuple(_int32.positive_int(k, v) for k, v in sizes.items())
+  _check_pool_fits(shape[2], shape[3])
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"dtype must be a floating dtype, got {jnp.dtype(dtype)}")
-  return (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+  return shape
+
+
+def _check_pool_fits(num_blocks: int, block_size: int):
+  _int32.check_fits("cache slots", num_blocks=num_blocks,
+                    block_size=block_size)
+
+
+def check_compatible(cache, state) -> None:
+  """Checks that `cache` holds the block pool that `state` manages.
+
+  Block ids and slots from a block state index the cache's pages directly,
+  so a cache with another `block_size` or another number of blocks gives
+  silently wrong attention. Call this wherever the two meet;
+  `flax_attention.write_and_attend` (and so `PagedAttention`) does.
+
+  Args:
+    cache: a `KVCache`, or one layer's pages `[num_kv_heads, num_blocks,
+      block_size, head_dim]` (a mesh's global pages: every data shard's pool).
+    state: a `block_manager.BlockState` (data shards' states stacked on a
+      leading axis count every shard's pool), or a
+      `flax_attention.StepMetadata` made from one (it records the state's
+      `block_size` and `total_blocks`).
+
+  Raises:
+    ValueError: naming both values when `block_size` or the number of blocks
+      differ.
+
+  Example:
+    >>> state = block_manager.init(num_blocks=8, block_size=16, max_seqs=2,
+    ...                            max_blocks_per_seq=4)
+    >>> check_compatible(KVCache.create(1, 1, 8, 16, 64), state)
+  """
+  if isinstance(cache, KVCache):
+    blocks, block_size = cache.num_blocks, cache.block_size
+  else:
+    _check_pages("pages", cache)
+    blocks, block_size = cache.shape[1], cache.shape[2]
+  if block_size != state.block_size:
+    raise ValueError(f"the KV cache's block_size={block_size} must equal the "
+                     f"block state's block_size={state.block_size}")
+  if blocks != state.total_blocks:
+    raise ValueError(f"the KV cache's num_blocks={blocks} must equal the block "
+                     f"state's {state.total_blocks} blocks (all data shards' "
+                     "pools together)")
 
 
 def _check_pages(name: str, pages: jax.Array):
@@ -91,14 +145,16 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array,
     v_pages: same shape as `k_pages`.
     k: `[T, num_kv_heads, head_dim]` new keys (cast to the pages' dtype).
     v: `[T, num_kv_heads, head_dim]` new values.
-    slots: `i32[T]` flat slots from `slot_mapping`; -1 (and any slot out of
-      range) is dropped, so padding tokens write nothing.
+    slots: `int[T]` flat slots from `slot_mapping`; -1 (and any slot out of
+      range, int64 ones outside int32 included) is dropped, so padding tokens
+      write nothing.
 
   Returns:
     `(k_pages, v_pages)` updated.
 
   Raises:
-    ValueError: on mismatched shapes.
+    ValueError: on mismatched shapes, non-integer slots, or a pool whose flat
+      slots (`num_blocks * block_size`) would not fit int32.
 
   Example:
     >>> pages = jnp.zeros((1, 2, 4, 8))
@@ -112,8 +168,10 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array,
     raise ValueError(f"v_pages.shape={v_pages.shape} must equal "
                      f"k_pages.shape={k_pages.shape}")
   kvh, num_blocks, block_size, head_dim = k_pages.shape
+  _check_pool_fits(num_blocks, block_size)
+  slots = _int32.as_int32("slots", slots)
   expected = (slots.shape[0], kvh, head_dim)
-  if slots.ndim != 1 or k.shape != expected or v.shape != expected:
+  if k.shape != expected or v.shape != expected:
     raise ValueError(
         f"k and v must be [T, num_kv_heads, head_dim]={expected} with slots "
         f"i32[T], got k.shape={k.shape}, v.shape={v.shape}, "
@@ -135,19 +193,26 @@ def copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
 
   Args:
     cache: the cache.
-    src: `i32[n]` source blocks (`Reservation.copy_src`).
-    dst: `i32[n]` destination blocks; pairs with `NULL_BLOCK` are skipped.
+    src: `int[n]` source blocks (`Reservation.copy_src`).
+    dst: `int[n]` destination blocks. A pair is skipped when either id is
+      outside `[0, num_blocks)`: `NULL_BLOCK`, any other negative id, ids past
+      the pool and int64 ids outside int32.
 
   Returns:
     The updated cache.
+
+  Raises:
+    ValueError: if `src` and `dst` are not 1-D integer arrays of equal length.
   """
-  if src.shape != dst.shape or src.ndim != 1:
+  src = _int32.as_int32("src", src)
+  dst = _int32.as_int32("dst", dst)
+  if src.shape != dst.shape:
     raise ValueError(f"src and dst must be 1-D of equal length, got "
                      f"src.shape={src.shape}, dst.shape={dst.shape}")
   n = cache.num_blocks
-  valid = (src != NULL_BLOCK) & (dst != NULL_BLOCK)
-  src = jnp.clip(src, 0, n - 1)
-  dst = jnp.where(valid, dst, n)
+  valid = (src >= 0) & (src < n) & (dst >= 0) & (dst < n)
+  src = jnp.where(valid, src, 0)
+  dst = jnp.where(valid, dst, n)  # dropped
 
   def copy(pages):
     return pages.at[:, :, dst].set(pages[:, :, src], mode="drop")
@@ -161,26 +226,33 @@ def gather_kv(pages: jax.Array, block_tables: jax.Array, kv_lens: jax.Array,
 
   Args:
     pages: one layer's `[num_kv_heads, num_blocks, block_size, head_dim]`.
-    block_tables: `i32[n, max_blocks_per_seq]`.
-    kv_lens: `i32[n]`.
+    block_tables: `int[n, max_blocks_per_seq]`.
+    kv_lens: `int[n]`.
     max_len: static output length (at most the table's capacity).
 
   Returns:
-    `[n, max_len, num_kv_heads, head_dim]`, zeros past each `kv_len`.
+    `[n, max_len, num_kv_heads, head_dim]`: zeros past each `kv_len`, and
+    zeros for the tokens of a table entry outside `[0, num_blocks)`
+    (`NULL_BLOCK` included), which is never read.
 
   Raises:
-    ValueError: if `max_len` exceeds the block table's capacity.
+    ValueError: if `max_len` exceeds the block table's capacity, or the
+      tables and lengths are not integer arrays of rank 2 and 1.
   """
   _check_pages("pages", pages)
+  block_tables = _int32.as_int32("block_tables", block_tables, ndim=2)
+  kv_lens = _int32.as_int32("kv_lens", kv_lens)
   kvh, num_blocks, block_size, head_dim = pages.shape
   capacity = block_tables.shape[1] * block_size
   if not 0 < max_len <= capacity:
     raise ValueError(f"max_len must be in [1, {capacity}] (block_tables.shape[1]"
                      f" * block_size), got {max_len=}")
   nb = -(-max_len // block_size)
-  ids = jnp.clip(block_tables[:, :nb], 0, num_blocks - 1)
-  x = pages[:, ids]  # [kvh, n, nb, block_size, head_dim]
+  ids = block_tables[:, :nb]
+  owned = (ids >= 0) & (ids < num_blocks)  # [n, nb]
+  x = pages[:, jnp.where(owned, ids, 0)]  # [kvh, n, nb, block_size, head_dim]
   x = x.reshape(kvh, ids.shape[0], nb * block_size, head_dim)[:, :, :max_len]
   x = jnp.transpose(x, (1, 2, 0, 3))  # [n, max_len, kvh, head_dim]
   keep = jnp.arange(max_len)[None, :] < kv_lens[:, None]
+  keep &= jnp.repeat(owned, block_size, axis=1)[:, :max_len]
   return jnp.where(keep[:, :, None, None], x, jnp.zeros((), x.dtype))

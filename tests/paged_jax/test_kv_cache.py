@@ -114,3 +114,91 @@ def test_reference_is_softmax_attention():
   s = np.tanh([1.0, 0.0, 2.0])
   np.testing.assert_allclose(capped[0, 0], (np.exp(s) / np.exp(s).sum()) @ v[:, 0],
                              rtol=1e-6)
+
+
+def _numbered_cache(num_blocks=8):
+  """One layer, one head, block `b` filled with the value `b`."""
+  pages = jnp.broadcast_to(jnp.arange(num_blocks, dtype=jnp.float32)[
+      None, None, :, None, None], (1, 1, num_blocks, 2, 1))
+  return kv_cache.KVCache(pages, pages + 100)
+
+
+def test_copy_blocks_skips_pairs_with_an_id_outside_the_pool():
+  cache = _numbered_cache()
+  copy = jax.jit(kv_cache.copy_blocks)
+  # Each pair has one bad id: a clamp copied block 7 into 0, and a wrapped
+  # negative index wrote block 6; every pair must be skipped.
+  src = jnp.array([8, 2**30, 1, 1, -2, 3, NULL_BLOCK])
+  dst = jnp.array([0, 0, -2, 8, 0, 2**30, 5])
+  for c in (copy(cache, src, dst), kv_cache.copy_blocks(cache, src, dst)):
+    np.testing.assert_array_equal(c.k_pages, cache.k_pages)
+    np.testing.assert_array_equal(c.v_pages, cache.v_pages)
+  # int64 ids outside int32 are out of range too, not truncated to 1 -> 0.
+  c = kv_cache.copy_blocks(cache, np.array([2**32 + 1], np.int64), [0])
+  np.testing.assert_array_equal(c.k_pages, cache.k_pages)
+  c = kv_cache.copy_blocks(cache, np.array([1], np.int64), [0])  # a good pair
+  assert float(c.k_pages[0, 0, 0, 0, 0]) == 1.0
+
+
+def test_gather_kv_never_reads_a_block_outside_the_pool():
+  cache = _numbered_cache(4)
+  tables = jnp.array([[NULL_BLOCK, 1], [4, 2], [2**30, 3], [-2, 0]])
+  got = kv_cache.gather_kv(cache.k_pages[0], tables, jnp.array([4, 4, 4, 4]),
+                           max_len=4)
+  # Entries inside kv_len that are NULL_BLOCK or outside [0, 4) give zeros.
+  np.testing.assert_array_equal(got[:, :, 0, 0], [[0, 0, 1, 1], [0, 0, 2, 2],
+                                                  [0, 0, 3, 3], [0, 0, 0, 0]])
+
+
+def test_write_kv_checks_slots():
+  pages = jnp.zeros((1, 2, 4, 1))
+  one = jnp.ones((1, 1, 1))
+  with pytest.raises(ValueError, match="slots must have an integer dtype, got float32"):
+    kv_cache.write_kv(pages, pages, one, one, jnp.array([1.0]))
+  kp, _ = kv_cache.write_kv(pages, pages, one, one, np.array([2**32 + 5], np.int64))
+  assert not np.asarray(kp).any()  # out of int32: dropped, not slot 5
+  kp, _ = kv_cache.write_kv(pages, pages, one, one, [5])
+  assert float(kp[0, 1, 1, 0]) == 1.0
+  # A pool whose flat slots do not fit int32 is refused (checked on shapes).
+  big = jax.ShapeDtypeStruct((1, 2**20, 2**11, 1), jnp.float32)
+  with pytest.raises(ValueError, match=r"num_blocks \* block_size = 2147483648 "
+                     r"must be < 2\*\*31 \(int32 cache slots\)"):
+    jax.eval_shape(kv_cache.write_kv, big, big, one, one, jnp.array([0]))
+
+
+@pytest.mark.parametrize("sizes, match", [
+    (dict(num_layers=True), "num_layers must be a positive int, got True"),
+    (dict(head_dim=0), "head_dim must be a positive int, got head_dim=0"),
+    (dict(num_blocks=2**21, block_size=2**10),
+     r"num_blocks \* block_size = 2147483648 must be < 2\*\*31 \(int32 cache slots\)"),
+])
+def test_cache_shape_errors(sizes, match):
+  args = dict(num_layers=2, num_kv_heads=4, num_blocks=10, block_size=16,
+              head_dim=64)
+  args.update(sizes)
+  with pytest.raises(ValueError, match=match):
+    kv_cache.cache_shape(**args, dtype=jnp.float32)
+
+
+def test_cache_shape_takes_numpy_ints_like_block_manager_init():
+  shape = kv_cache.cache_shape(np.int64(2), 4, np.int32(10), 16, 64, jnp.float32)
+  assert shape == (2, 4, 10, 16, 64) and all(type(d) is int for d in shape)
+
+
+def test_check_compatible():
+  state = bm.init(num_blocks=8, block_size=4, max_seqs=2, max_blocks_per_seq=2)
+  kv_cache.check_compatible(_numbered_cache(8).replace(
+      k_pages=jnp.zeros((1, 1, 8, 4, 1)), v_pages=jnp.zeros((1, 1, 8, 4, 1))), state)
+  kv_cache.check_compatible(jnp.zeros((1, 8, 4, 1)), state)  # one layer's pages
+  with pytest.raises(ValueError, match=r"the KV cache's block_size=2 must equal "
+                     r"the block state's block_size=4"):
+    kv_cache.check_compatible(_numbered_cache(8), state)
+  with pytest.raises(ValueError, match=r"the KV cache's num_blocks=6 must equal "
+                     r"the block state's 8 blocks"):
+    kv_cache.check_compatible(jnp.zeros((1, 6, 4, 1)), state)
+  # Data shards' states stacked on a leading axis: their pools add up.
+  stacked = jax.tree.map(lambda x: jnp.stack([x, x]), state)
+  kv_cache.check_compatible(jnp.zeros((1, 16, 4, 1)), stacked)
+  with pytest.raises(ValueError, match=r"num_blocks=8 must equal the block "
+                     r"state's 16 blocks"):
+    kv_cache.check_compatible(jnp.zeros((1, 8, 4, 1)), stacked)
