@@ -34,9 +34,11 @@ import functools
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from paged_jax import _int32
 from paged_jax import attention
 from paged_jax import block_manager
 from paged_jax import kv_cache as kv_cache_lib
@@ -61,6 +63,11 @@ class StepMetadata:
       0 for padding or inactive sequences (their rows attend to nothing).
     cu_q_lens: `i32[max_seqs_per_step + 1]` row boundaries of each sequence.
     num_seqs: `i32[1]` number of leading sequence entries in use.
+    block_size: static; the block state's `block_size` (slots and tables
+      index pages of this block size).
+    total_blocks: static; the blocks of the pool the slots and tables index
+      (every data shard's pool in the mesh layout). `write_and_attend` checks
+      both against the pages (`kv_cache.check_compatible`).
     decode_only: static; every sequence has exactly one row, row `i` belonging
       to sequence `i`, and the decode kernel is used.
     mesh: static; None on one device. On a `(data, model)` mesh (from
@@ -77,6 +84,8 @@ class StepMetadata:
   kv_lens: jax.Array
   cu_q_lens: jax.Array
   num_seqs: jax.Array
+  block_size: int = flax.struct.field(pytree_node=False)
+  total_blocks: int = flax.struct.field(pytree_node=False)
   decode_only: bool = flax.struct.field(pytree_node=False, default=False)
   mesh: Mesh | None = flax.struct.field(pytree_node=False, default=None)
 
@@ -95,8 +104,10 @@ def step_metadata(
   Args:
     state: block state in which every active sequence already holds the slots
       for its `q_lens` new tokens (its `seq_lens` counts them).
-    seq_ids: `i32[max_seqs_per_step]` block-state sequence slot of each entry;
+    seq_ids: `int[max_seqs_per_step]` block-state sequence slot of each entry;
       entries in use come first, the rest are padding (any id, `q_lens` 0).
+      An id outside `[0, state.max_seqs)` (int64 ones outside int32
+      included) writes nothing and attends to nothing.
     q_lens: `i32[max_seqs_per_step]` new tokens of each entry (0 for padding).
     num_tokens: static number of token rows in the step (padded budget).
     active: optional `bool[max_seqs_per_step]`; an inactive entry keeps its
@@ -109,12 +120,10 @@ def step_metadata(
     A `StepMetadata`.
 
   Raises:
-    ValueError: on inconsistent static shapes.
+    ValueError: on inconsistent static shapes, or ids that are not integers.
   """
-  seq_ids = jnp.asarray(seq_ids, jnp.int32)
-  q_lens = jnp.asarray(q_lens, jnp.int32)
-  if seq_ids.ndim != 1:
-    raise ValueError(f"seq_ids must be 1-D, got shape {seq_ids.shape}")
+  seq_ids = _int32.as_int32("seq_ids", seq_ids)
+  q_lens = _int32.as_int32("q_lens", q_lens)
   (max_seqs,) = seq_ids.shape
   if q_lens.shape != (max_seqs,):
     raise ValueError(f"q_lens shape {q_lens.shape} must be {(max_seqs,)} like seq_ids")
@@ -146,7 +155,8 @@ def step_metadata(
   slots = jnp.where(row_valid, slots, -1)
   return StepMetadata(
       positions=positions, slots=slots, block_tables=tables, kv_lens=kv_lens,
-      cu_q_lens=cu_q_lens, num_seqs=num_seqs, decode_only=decode_only)
+      cu_q_lens=cu_q_lens, num_seqs=num_seqs, block_size=state.block_size,
+      total_blocks=state.total_blocks, decode_only=decode_only)
 
 
 def sharded_step_metadata(
@@ -175,10 +185,13 @@ def sharded_step_metadata(
     `[data * ...]`, sharded over `data`.
   """
   data = mesh.shape[sharding.DATA]
-  seq_ids = jnp.asarray(seq_ids, jnp.int32)
-  if seq_ids.ndim != 2 or seq_ids.shape[0] != data:
+  shape = np.shape(seq_ids)
+  if len(shape) != 2 or shape[0] != data:
     raise ValueError(f"seq_ids must be [data={data}, max_seqs_per_step], got "
-                     f"shape {seq_ids.shape}")
+                     f"shape {shape}")
+  # Here, not in the vmapped per-shard call: vmap would truncate int64.
+  seq_ids = _int32.as_int32("seq_ids", seq_ids, ndim=2)
+  q_lens = _int32.as_int32("q_lens", q_lens, ndim=2)
   if active is None:
     active = jnp.ones(seq_ids.shape, bool)
   per_shard = jax.vmap(lambda st, ids, ql, act: step_metadata(
@@ -188,7 +201,7 @@ def sharded_step_metadata(
   flat = jax.tree.map(
       lambda x: jax.lax.with_sharding_constraint(
           x.reshape((-1,) + x.shape[2:]), spec), meta)
-  return flat.replace(mesh=mesh)
+  return flat.replace(mesh=mesh, total_blocks=states.total_blocks)
 
 
 def write_and_attend(
@@ -210,7 +223,12 @@ def write_and_attend(
 
   Returns:
     `(out [num_tokens, num_q_heads, head_dim] in q.dtype, k_pages, v_pages)`.
+
+  Raises:
+    ValueError: if the pages' block size or number of blocks differ from the
+      pool `meta` was computed from (`kv_cache.check_compatible`).
   """
+  kv_cache_lib.check_compatible(k_pages, meta)
   k, v = k.astype(k_pages.dtype), v.astype(v_pages.dtype)
   kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap,
                 sliding_window=sliding_window, implementation=implementation)
@@ -304,6 +322,10 @@ class PagedAttention(nnx.Module):
 
     Returns:
       `(out [num_tokens, hidden], cache)` with layer `layer` updated.
+
+    Raises:
+      ValueError: if `cache` does not hold the pool `meta` was computed from
+        (another block size or number of blocks).
     """
     q, k, v = self.qkv(x, meta.positions)
     out, k_pages, v_pages = write_and_attend(

@@ -14,6 +14,7 @@ from paged_jax import block_manager as bm
 from paged_jax import flax_attention as fa
 from paged_jax import kv_cache
 from paged_jax import rope
+from paged_jax import sharding
 
 
 reserve = jax.jit(bm.reserve)
@@ -118,7 +119,8 @@ def test_errors():
   with pytest.raises(ValueError, match="decode_only needs one row per sequence"):
     fa.step_metadata(state, jnp.array([0, 1]), jnp.array([1, 1]), num_tokens=4,
                      decode_only=True)
-  with pytest.raises(ValueError, match="seq_ids must be 1-D"):
+  with pytest.raises(ValueError, match=r"seq_ids must be a 1-D integer array, "
+                     r"got shape \(2, 1\)"):
     fa.step_metadata(state, jnp.zeros((2, 1), jnp.int32), jnp.array([1, 1]), num_tokens=4)
   with pytest.raises(ValueError, match="q_lens shape"):
     fa.step_metadata(state, jnp.array([0, 1]), jnp.array([1]), num_tokens=4)
@@ -126,3 +128,47 @@ def test_errors():
     fa.PagedAttention(32, 6, 4, 16, rope=None, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="must equal head_dim=16"):
     fa.PagedAttention(32, 4, 4, 16, rope=rope.RopeConfig(32), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("blocks, block_size, match", [
+    (4, 8, "the KV cache's block_size=8 must equal the block state's block_size=4"),
+    (6, 4, "the KV cache's num_blocks=6 must equal the block state's 4 blocks"),
+])
+def test_a_cache_of_another_pool_is_refused(blocks, block_size, match):
+  """Slots and tables index the pages directly: a cache with another block
+  size gave silently wrong attention (error 0.67 against the reference)."""
+  attn = _module(4, 2, 16)
+  state = bm.init(num_blocks=4, block_size=4, max_seqs=2, max_blocks_per_seq=2)
+  cache = kv_cache.KVCache.create(1, 2, blocks, block_size, 16, jnp.float32)
+  ids, lens = np.array([0, 1]), np.array([3, 2])
+  state, _ = bm.reserve(state, ids, lens)
+  meta = fa.step_metadata(state, ids, lens, num_tokens=5)
+  assert (meta.block_size, meta.total_blocks) == (4, 4)
+  with pytest.raises(ValueError, match=match):
+    attn(jnp.ones((5, 32)), meta, cache, 0)
+
+
+def test_sharded_metadata_records_the_whole_pool():
+  mesh = sharding.make_mesh(data=2, model=1)
+  states = sharding.init_block_states(mesh, num_blocks_per_shard=4, block_size=4,
+                                      max_seqs_per_shard=2, max_blocks_per_seq=2)
+  ids = np.array([[0, 1], [0, 1]])
+  meta = fa.sharded_step_metadata(mesh, states, ids, np.zeros((2, 2), np.int32),
+                                  num_tokens=2)
+  assert (meta.block_size, meta.total_blocks) == (4, 8)
+  kv_cache.check_compatible(jnp.zeros((1, 8, 4, 16)), meta)
+  x = jnp.zeros((4, 1, 16))
+  pages = jnp.zeros((1, 4, 4, 16))  # one shard's pool, not the mesh's
+  with pytest.raises(ValueError, match="num_blocks=4 must equal the block "
+                     "state's 8 blocks"):
+    fa.write_and_attend(x, x, x, pages, pages, meta)
+
+
+def test_step_metadata_ids_outside_int32_are_padding():
+  state = bm.init(num_blocks=8, block_size=4, max_seqs=3, max_blocks_per_seq=2)
+  state, _ = bm.reserve(state, np.array([0, 1]), np.array([2, 3]))
+  ids = np.array([2**32 + 1, 0], np.int64)  # wrapped to slot 1 in int32
+  meta = fa.step_metadata(state, ids, np.array([3, 2]), num_tokens=5)
+  np.testing.assert_array_equal(meta.kv_lens, [0, 2])
+  np.testing.assert_array_equal(meta.slots[:3], -1)
+  assert (np.asarray(meta.block_tables)[0] == bm.NULL_BLOCK).all()
