@@ -61,7 +61,9 @@ def op_costs(pool_sizes, *, repeats: int) -> dict:
   """
   ids = jnp.arange(BATCH, dtype=jnp.int32)
   n = jnp.full((BATCH,), BLOCK_SIZE, jnp.int32)
-  states = {nb: block_manager.init(nb, BLOCK_SIZE, BATCH, 64) for nb in pool_sizes}
+  states = {nb: block_manager.init(num_blocks=nb, block_size=BLOCK_SIZE,
+                                   max_seqs=BATCH, max_blocks_per_seq=64)
+            for nb in pool_sizes}
   times = {nb: {"reserve": [], "release": []} for nb in pool_sizes}
   for i in range(repeats + 2):  # the first two rounds compile and warm up
     for nb in pool_sizes:

@@ -68,9 +68,14 @@ def logit_error(model, mesh, prompts_per_shard: int = 2) -> float:
   sharded = tensor_parallel.shard_model(model, mesh)
   c = sharded.config
   bs, blocks, T = 8, 16, 32
-  cache = ps.create_cache(mesh, c.num_layers, c.num_kv_heads, blocks, bs,
-                          c.head_dim, jnp.float32)
-  states = ps.init_block_states(mesh, blocks, bs, prompts_per_shard, blocks)
+  cache = ps.create_cache(mesh, num_layers=c.num_layers,
+                          num_kv_heads=c.num_kv_heads,
+                          num_blocks_per_shard=blocks, block_size=bs,
+                          head_dim=c.head_dim, dtype=jnp.float32)
+  states = ps.init_block_states(mesh, num_blocks_per_shard=blocks,
+                                block_size=bs,
+                                max_seqs_per_shard=prompts_per_shard,
+                                max_blocks_per_seq=blocks)
   graphdef, params = nnx.split(sharded)
   rng = np.random.default_rng(0)
   lens = rng.integers(4, T // prompts_per_shard, (data, prompts_per_shard))
@@ -132,8 +137,10 @@ def capacity(quick: bool) -> list[dict]:
       # Bytes one block takes on one device: its share of the heads, K and V.
       block_bytes = 2 * cfg.num_layers * (heads // tp) * bs * cfg.head_dim * 4
       blocks = budget // block_bytes
-      cache = ps.create_cache(mesh, cfg.num_layers, heads, blocks, bs,
-                              cfg.head_dim, jnp.float32)
+      cache = ps.create_cache(mesh, num_layers=cfg.num_layers,
+                              num_kv_heads=heads, num_blocks_per_shard=blocks,
+                              block_size=bs, head_dim=cfg.head_dim,
+                              dtype=jnp.float32)
       per_device = ps.per_device_cache_bytes(cache)
       rows.append({
           "model_kv_heads": cfg.num_kv_heads, "data": data, "model": tp,

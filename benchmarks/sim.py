@@ -184,7 +184,8 @@ def simulate_paged(trace: Trace, *, block_size: int, num_blocks: int,
     raise ValueError(f"a {longest}-token request does not fit in {num_blocks=} "
                      f"of {block_size=} (less the {watermark_blocks}-block watermark)")
   width = -(-max_model_len // bs)
-  state = block_manager.init(num_blocks, bs, max_seqs, width)
+  state = block_manager.init(num_blocks=num_blocks, block_size=bs,
+                             max_seqs=max_seqs, max_blocks_per_seq=width)
   arrive = _arrival_steps(trace, step_s)
   total = trace.total_lens.astype(np.int64)
   prompt = trace.prompt_lens.astype(np.int64)

@@ -89,7 +89,8 @@ def bench_decode(batch, context, block_size, hq=8, hkv=2, d=128, seed=0):
 
 def bench_reserve(num_blocks, batch=64, reps=200):
   """Median time of one jitted, donated reserve + release of `batch` sequences."""
-  state = bm.init(num_blocks, 16, max_seqs=batch, max_blocks_per_seq=64)
+  state = bm.init(num_blocks=num_blocks, block_size=16, max_seqs=batch,
+                  max_blocks_per_seq=64)
 
   @functools.partial(jax.jit, donate_argnums=0)
   def step(state, ids, n):

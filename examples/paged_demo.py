@@ -37,8 +37,9 @@ def main():
   heads, kv_heads, head_dim, block_size = 8, 2, 64, 16
   state = bm.init(num_blocks=64, block_size=block_size, max_seqs=8,
                   max_blocks_per_seq=16)
-  cache = kv_cache.KVCache.create(1, kv_heads, 64, block_size, head_dim,
-                                  jnp.float32)
+  cache = kv_cache.KVCache.create(num_layers=1, num_kv_heads=kv_heads,
+                                  num_blocks=64, block_size=block_size,
+                                  head_dim=head_dim, dtype=jnp.float32)
   seq_ids = jnp.arange(4, dtype=jnp.int32)
   budgets = np.array([5, 40, 90, 17])  # tokens each sequence will generate
   worst = 0.0

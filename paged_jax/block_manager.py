@@ -129,9 +129,11 @@ class Reservation:
   copy_dst: jax.Array
 
 
-def init(num_blocks: int, block_size: int, max_seqs: int,
+def init(*, num_blocks: int, block_size: int, max_seqs: int,
          max_blocks_per_seq: int) -> BlockState:
   """An empty pool: every block free, every sequence slot empty.
+
+  Sizes are keyword-only, as in `KVCache.create`: their orders differ.
 
   Args:
     num_blocks: physical blocks in the pool.
@@ -142,6 +144,8 @@ def init(num_blocks: int, block_size: int, max_seqs: int,
 
   Returns:
     A `BlockState`. Blocks are handed out lowest id first from a fresh pool.
+    Its `KVCache` must have the same `num_blocks` and `block_size`
+    (`kv_cache.check_compatible`).
 
   Raises:
     ValueError: if a size is not a positive int, or if a sequence
@@ -467,9 +471,18 @@ def check_invariants(state: BlockState) -> None:
   `ceil(seq_len / block_size)` blocks followed by `NULL_BLOCK`; lengths lie
   within the table's capacity; every array is int32 with the pool's shapes.
 
+  Data shards' states stacked on leading axes are checked shard by shard.
+
   Raises:
-    AssertionError: naming the broken invariant.
+    AssertionError: naming the broken invariant (and the shard).
   """
+  if state.block_tables.ndim > 2:
+    for shard in np.ndindex(state.block_tables.shape[:-2]):
+      try:
+        check_invariants(jax.tree.map(lambda x, i=shard: x[i], state))
+      except AssertionError as e:
+        raise AssertionError(f"data shard {shard}: {e}") from None
+    return
   for name in ("block_tables", "seq_lens", "refcounts", "free_stack",
                "num_free"):
     dtype = getattr(state, name).dtype

@@ -108,7 +108,11 @@ def step_metadata(
       entries in use come first, the rest are padding (any id, `q_lens` 0).
       An id outside `[0, state.max_seqs)` (int64 ones outside int32
       included) writes nothing and attends to nothing.
-    q_lens: `i32[max_seqs_per_step]` new tokens of each entry (0 for padding).
+    q_lens: `int[max_seqs_per_step]` new tokens of each entry (0 for padding).
+      An entry's rows in the layout are `clip(q_lens, 0, num_tokens)`, so
+      `cu_q_lens` never decreases or wraps; an entry whose `q_lens` exceeds
+      its sequence's length or `num_tokens` writes nothing and attends to
+      nothing.
     num_tokens: static number of token rows in the step (padded budget).
     active: optional `bool[max_seqs_per_step]`; an inactive entry keeps its
       rows in the layout but writes nothing and attends to nothing (its rows
@@ -120,7 +124,8 @@ def step_metadata(
     A `StepMetadata`.
 
   Raises:
-    ValueError: on inconsistent static shapes, or ids that are not integers.
+    ValueError: on inconsistent static shapes, ids that are not integers,
+      or `max_seqs_per_step * num_tokens >= 2**31` (int32 `cu_q_lens`).
   """
   seq_ids = _int32.as_int32("seq_ids", seq_ids)
   q_lens = _int32.as_int32("q_lens", q_lens)
@@ -130,11 +135,18 @@ def step_metadata(
   if decode_only and num_tokens != max_seqs:
     raise ValueError(
         f"decode_only needs one row per sequence: {num_tokens=} != {max_seqs=}")
+  _int32.check_fits("cu_q_lens", max_seqs_per_step=max_seqs,
+                    num_tokens=num_tokens)
   in_use = (q_lens > 0) & (seq_ids >= 0) & (seq_ids < state.max_seqs)
   if active is not None:
     in_use = in_use & jnp.asarray(active, bool)
   safe_ids = jnp.clip(seq_ids, 0, state.max_seqs - 1)
   tables, kv_lens = block_manager.gather_tables(state, safe_ids)
+  # More new tokens than the sequence holds, or than the step has rows: a
+  # caller's mistake; such an entry must not write (its positions would be
+  # negative or past its rows). Clamped, no cumsum below can wrap.
+  in_use &= q_lens <= jnp.minimum(kv_lens, num_tokens)
+  q_lens = jnp.clip(q_lens, 0, num_tokens)
   kv_lens = jnp.where(in_use, kv_lens, 0)
   tables = jnp.where(in_use[:, None], tables, NULL_BLOCK)
   cu_q_lens = jnp.concatenate(

@@ -40,15 +40,19 @@ class KVCache:
   v_pages: jax.Array
 
   @classmethod
-  def create(cls, num_layers: int, num_kv_heads: int, num_blocks: int,
+  def create(cls, *, num_layers: int, num_kv_heads: int, num_blocks: int,
              block_size: int, head_dim: int, dtype=jnp.bfloat16) -> "KVCache":
-    """A zero-filled cache.
+    """A zero-filled cache of pages `[num_layers, num_kv_heads, num_blocks,
+    block_size, head_dim]`.
+
+    Sizes are keyword-only, as in `block_manager.init`: their orders differ.
 
     Raises:
-      ValueError: if a size is not positive or `dtype` is not floating.
+      ValueError: as `cache_shape`.
     """
-    shape = cache_shape(num_layers, num_kv_heads, num_blocks, block_size,
-                        head_dim, dtype)
+    shape = cache_shape(num_layers=num_layers, num_kv_heads=num_kv_heads,
+                        num_blocks=num_blocks, block_size=block_size,
+                        head_dim=head_dim, dtype=dtype)
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
   @property
@@ -68,7 +72,7 @@ class KVCache:
     return self.k_pages.nbytes + self.v_pages.nbytes
 
 
-def cache_shape(num_layers: int, num_kv_heads: int, num_blocks: int,
+def cache_shape(*, num_layers: int, num_kv_heads: int, num_blocks: int,
                 block_size: int, head_dim: int, dtype) -> tuple[int, ...]:
   """The pages' shape, after checking the sizes and dtype.
 
@@ -114,7 +118,9 @@ def check_compatible(cache, state) -> None:
   Example:
     >>> state = block_manager.init(num_blocks=8, block_size=16, max_seqs=2,
     ...                            max_blocks_per_seq=4)
-    >>> check_compatible(KVCache.create(1, 1, 8, 16, 64), state)
+    >>> cache = KVCache.create(num_layers=1, num_kv_heads=1, num_blocks=8,
+    ...                        block_size=16, head_dim=64)
+    >>> check_compatible(cache, state)
   """
   if isinstance(cache, KVCache):
     blocks, block_size = cache.num_blocks, cache.block_size

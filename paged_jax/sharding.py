@@ -95,7 +95,7 @@ def shard_cache(cache: kv_cache.KVCache, mesh: Mesh) -> kv_cache.KVCache:
                           jax.device_put(cache.v_pages, s))
 
 
-def create_cache(mesh: Mesh, num_layers: int, num_kv_heads: int,
+def create_cache(mesh: Mesh, *, num_layers: int, num_kv_heads: int,
                  num_blocks_per_shard: int, block_size: int, head_dim: int,
                  dtype=jnp.bfloat16) -> kv_cache.KVCache:
   """A zero-filled `KVCache` created in place on the mesh.
@@ -115,16 +115,20 @@ def create_cache(mesh: Mesh, num_layers: int, num_kv_heads: int,
     device ever holds the whole cache, not even while it is created).
 
   Raises:
-    ValueError: if `num_kv_heads` is not a multiple of the model axis.
+    ValueError: if `num_kv_heads` is not a multiple of the model axis, or as
+      `kv_cache.cache_shape` for one shard's pool (its flat slots must fit
+      int32; slots are local to the shard).
   """
   model, data = mesh.shape[MODEL], mesh.shape[DATA]
   if num_kv_heads % model:
     raise ValueError(f"the cache's num_kv_heads={num_kv_heads} must be a "
                      f"multiple of the model axis ({model}); use "
                      "cache_kv_heads() to replicate heads")
-  shape = kv_cache.cache_shape(num_layers, num_kv_heads,
-                               data * num_blocks_per_shard, block_size,
-                               head_dim, dtype)
+  shard = kv_cache.cache_shape(
+      num_layers=num_layers, num_kv_heads=num_kv_heads,
+      num_blocks=num_blocks_per_shard, block_size=block_size,
+      head_dim=head_dim, dtype=dtype)
+  shape = shard[:2] + (data * shard[2],) + shard[3:]
   s = NamedSharding(mesh, cache_spec())
   zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=s)
   return kv_cache.KVCache(zeros(), zeros())
@@ -139,16 +143,22 @@ def per_device_cache_bytes(cache: kv_cache.KVCache) -> dict:
   return out
 
 
-def init_block_states(mesh: Mesh, num_blocks_per_shard: int, block_size: int,
-                      max_seqs_per_shard: int, max_blocks_per_seq: int
-                      ) -> bm.BlockState:
+def init_block_states(mesh: Mesh, *, num_blocks_per_shard: int,
+                      block_size: int, max_seqs_per_shard: int,
+                      max_blocks_per_seq: int) -> bm.BlockState:
   """One block state per data shard, stacked on a leading axis.
 
   Operate on it with `jax.vmap(bm.reserve)` etc.; under `jax.jit` each data
-  shard's state stays on its devices. Block ids are local to the shard.
+  shard's state stays on its devices. Block ids are local to the shard. Its
+  cache is `create_cache(mesh, num_blocks_per_shard=..., block_size=...)`
+  with the same sizes (`kv_cache.check_compatible` checks them).
+
+  Raises:
+    ValueError: as `block_manager.init`.
   """
-  state = bm.init(num_blocks_per_shard, block_size, max_seqs_per_shard,
-                  max_blocks_per_seq)
+  state = bm.init(num_blocks=num_blocks_per_shard, block_size=block_size,
+                  max_seqs=max_seqs_per_shard,
+                  max_blocks_per_seq=max_blocks_per_seq)
   data = mesh.shape[DATA]
   stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (data,) + x.shape),
                          state)

@@ -183,8 +183,9 @@ class Llama(nnx.Module):
     """A zeroed `KVCache` for this model (dtype defaults to the model's)."""
     c = self.config
     return kv_cache_lib.KVCache.create(
-        c.num_layers, c.num_kv_heads, num_blocks, block_size, c.head_dim,
-        dtype or c.jnp_dtype)
+        num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
+        num_blocks=num_blocks, block_size=block_size, head_dim=c.head_dim,
+        dtype=dtype or c.jnp_dtype)
 
   def paged_forward(
       self,

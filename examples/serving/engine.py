@@ -647,15 +647,19 @@ class Engine:
     mc = model.config
     blocks_per_seq = _cdiv(max_len, bs)
     if mesh is None:
-      self._state = bm.init(config.num_blocks, bs, self.max_seqs, blocks_per_seq)
+      self._state = bm.init(num_blocks=config.num_blocks, block_size=bs,
+                            max_seqs=self.max_seqs,
+                            max_blocks_per_seq=blocks_per_seq)
       self._cache = model.make_cache(config.num_blocks, bs, config.cache_dtype)
       step_fn, shared = device_step, shared_step
     else:
       self._state = sharding.init_block_states(
-          mesh, config.num_blocks, bs, self.max_seqs, blocks_per_seq)
+          mesh, num_blocks_per_shard=config.num_blocks, block_size=bs,
+          max_seqs_per_shard=self.max_seqs, max_blocks_per_seq=blocks_per_seq)
       self._cache = sharding.create_cache(
-          mesh, mc.num_layers, mc.num_kv_heads, config.num_blocks, bs,
-          mc.head_dim, config.cache_dtype or mc.jnp_dtype)
+          mesh, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+          num_blocks_per_shard=config.num_blocks, block_size=bs,
+          head_dim=mc.head_dim, dtype=config.cache_dtype or mc.jnp_dtype)
       step_fn = functools.partial(mesh_device_step, mesh=mesh)
       shared = functools.partial(shared_mesh_step, mesh=mesh)
     self._steps = {}

@@ -66,9 +66,13 @@ def _prefill_then_decode(mesh, model, prompts):
   data = mesh.shape[ps.DATA]
   sharded = tensor_parallel.shard_model(model, mesh)
   c = sharded.config
-  cache = ps.create_cache(mesh, c.num_layers, c.num_kv_heads, BLOCKS, BS,
-                          c.head_dim, jnp.float32)
-  states = ps.init_block_states(mesh, BLOCKS, BS, SEQS, BLOCKS)
+  cache = ps.create_cache(mesh, num_layers=c.num_layers,
+                          num_kv_heads=c.num_kv_heads,
+                          num_blocks_per_shard=BLOCKS, block_size=BS,
+                          head_dim=c.head_dim, dtype=jnp.float32)
+  states = ps.init_block_states(mesh, num_blocks_per_shard=BLOCKS,
+                                block_size=BS, max_seqs_per_shard=SEQS,
+                                max_blocks_per_seq=BLOCKS)
   graphdef, params = nnx.split(sharded)
 
   def step(params, cache, states, tokens, q_lens, decode_only):
@@ -210,7 +214,8 @@ def test_mesh_errors(model8):
     tensor_parallel.check_model_axis(three, 2)
   with pytest.raises(ValueError, match="seq_ids must be"):
     mesh = ps.make_mesh(2, 1)
-    states = ps.init_block_states(mesh, 4, 4, 2, 2)
+    states = ps.init_block_states(mesh, num_blocks_per_shard=4, block_size=4,
+                                  max_seqs_per_shard=2, max_blocks_per_seq=2)
     flax_attention.sharded_step_metadata(mesh, states, jnp.zeros((3, 2)),
                                          jnp.zeros((3, 2)), num_tokens=2)
 

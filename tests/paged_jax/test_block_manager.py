@@ -113,7 +113,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
   def __init__(self):
     super().__init__()
-    self.state = bm.init(NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, WIDTH)
+    self.state = bm.init(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                         max_seqs=MAX_SEQS, max_blocks_per_seq=WIDTH)
     self.model = PyModel()
 
   @rule(reqs=st.lists(st.tuples(seq_id, count), max_size=4))
@@ -186,7 +187,8 @@ def jit_ops(monkeypatch):
 
 def test_jitted_and_unjitted_agree():
   rng = np.random.default_rng(1)
-  s_jit = s_eager = bm.init(NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, WIDTH)
+  s_jit = s_eager = bm.init(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                            max_seqs=MAX_SEQS, max_blocks_per_seq=WIDTH)
   for _ in range(30):
     ids = jnp.asarray(rng.integers(-1, MAX_SEQS + 1, 3), jnp.int32)
     op = rng.integers(3)
@@ -219,7 +221,8 @@ def test_jitted_step_compiles_once_over_a_long_random_run():
     return state, (res.ok, forked, released)
 
   step = jax.jit(step, donate_argnums=0)
-  state = bm.init(64, 8, 16, 8)
+  state = bm.init(num_blocks=64, block_size=8, max_seqs=16,
+                  max_blocks_per_seq=8)
   rng = np.random.default_rng(0)
   for _ in range(200):
     args = [jnp.asarray(rng.integers(0, 16, 4), jnp.int32),
@@ -231,7 +234,7 @@ def test_jitted_step_compiles_once_over_a_long_random_run():
 
 
 def test_copy_on_write_only_for_partial_shared_blocks(jit_ops):
-  state = bm.init(8, 4, 3, 4)
+  state = bm.init(num_blocks=8, block_size=4, max_seqs=3, max_blocks_per_seq=4)
   state, _ = bm.reserve(state, jnp.array([0]), jnp.array([8]))  # 2 full blocks
   state, ok = bm.fork(state, jnp.array([0]), jnp.array([1]))
   assert ok.tolist() == [True]
@@ -247,7 +250,7 @@ def test_copy_on_write_only_for_partial_shared_blocks(jit_ops):
 
 
 def test_failed_requests_leave_state_untouched(jit_ops):
-  state = bm.init(4, 4, 3, 2)
+  state = bm.init(num_blocks=4, block_size=4, max_seqs=3, max_blocks_per_seq=2)
   state, res = bm.reserve(state, jnp.array([0, 1, 2]), jnp.array([8, 9, 4]))
   assert res.ok.tolist() == [True, False, True]  # 9 > 2 blocks of 4
   assert state.seq_lens.tolist() == [8, 0, 4]
@@ -270,7 +273,7 @@ def test_failed_requests_leave_state_untouched(jit_ops):
 
 
 def test_slot_mapping_and_tables(jit_ops):
-  state = bm.init(8, 4, 3, 4)
+  state = bm.init(num_blocks=8, block_size=4, max_seqs=3, max_blocks_per_seq=4)
   state, _ = bm.reserve(state, jnp.array([0]), jnp.array([6]))
   slots = bm.slot_mapping(state, jnp.array([0, 0, 0, 1, 5]),
                           jnp.array([0, 5, 6, 0, 0]))
@@ -287,13 +290,24 @@ def test_slot_mapping_and_tables(jit_ops):
 
 
 def test_check_invariants_catches_corruption():
-  state = bm.init(8, 4, 2, 4)
+  state = bm.init(num_blocks=8, block_size=4, max_seqs=2, max_blocks_per_seq=4)
   state, _ = bm.reserve(state, jnp.array([0]), jnp.array([5]))
   bad = state.replace(refcounts=state.refcounts.at[0].add(1))
   with pytest.raises(AssertionError, match="refcounts != table references"):
     bm.check_invariants(bad)
   bad = state.replace(num_free=state.num_free + 1)
   with pytest.raises(AssertionError):
+    bm.check_invariants(bad)
+
+
+def test_check_invariants_checks_stacked_shards_one_by_one():
+  state = bm.init(num_blocks=8, block_size=4, max_seqs=2, max_blocks_per_seq=4)
+  state, _ = bm.reserve(state, jnp.array([0]), jnp.array([5]))
+  stacked = jax.tree.map(lambda x: jnp.stack([x, x]), state)
+  bm.check_invariants(stacked)
+  bad = stacked.replace(refcounts=stacked.refcounts.at[1, 0].add(1))
+  with pytest.raises(AssertionError, match=r"data shard \(1,\): refcounts != "
+                     "table references"):
     bm.check_invariants(bad)
 
 
@@ -311,7 +325,7 @@ def test_init_errors(kwargs, match):
 
 
 def test_argument_errors():
-  state = bm.init(4, 4, 2, 2)
+  state = bm.init(num_blocks=4, block_size=4, max_seqs=2, max_blocks_per_seq=2)
   with pytest.raises(ValueError, match=r"seq_ids must be a 1-D integer array, "
                      r"got shape \(1, 1\)"):
     bm.reserve(state, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32))
@@ -335,7 +349,7 @@ I32_MAX = 2**31 - 1
 
 
 def test_reserve_cannot_overflow_a_length():
-  state = bm.init(4, 4, 3, 2)
+  state = bm.init(num_blocks=4, block_size=4, max_seqs=3, max_blocks_per_seq=2)
   state, _ = bm.reserve(state, jnp.array([0]), jnp.array([1]))
   before = state
   for n in (I32_MAX, I32_MAX - 3, 2**31 - 5, 2**30):
@@ -346,7 +360,7 @@ def test_reserve_cannot_overflow_a_length():
 
 @pytest.mark.parametrize("parent_len", [5, 7])
 def test_fork_then_huge_reserve_never_makes_a_shared_block_writable(parent_len):
-  state = bm.init(4, 4, 3, 2)
+  state = bm.init(num_blocks=4, block_size=4, max_seqs=3, max_blocks_per_seq=2)
   state, _ = bm.reserve(state, jnp.array([0]), jnp.array([parent_len]))
   state, ok = bm.fork(state, jnp.array([0]), jnp.array([1]))
   assert ok.tolist() == [True]
@@ -363,7 +377,7 @@ def test_fork_then_huge_reserve_never_makes_a_shared_block_writable(parent_len):
 
 def test_block_counts_do_not_overflow_for_a_large_block_size():
   bs = 2**30 + 2**29  # (len + bs - 1) overflows int32 for len > 2**29
-  state = bm.init(1, bs, 2, 1)
+  state = bm.init(num_blocks=1, block_size=bs, max_seqs=2, max_blocks_per_seq=1)
   state, res = _reserve(state, jnp.array([0]), jnp.array([bs]))
   assert res.ok.tolist() == [True]
   assert state.block_tables.tolist() == [[0], [NULL_BLOCK]]
@@ -389,12 +403,13 @@ def test_block_counts_do_not_overflow_for_a_large_block_size():
      r"1099511627776 must be"),
 ])
 def test_init_refuses_sizes_past_int32(sizes, match):
+  names = ("num_blocks", "block_size", "max_seqs", "max_blocks_per_seq")
   with pytest.raises(ValueError, match=match):
-    bm.init(*sizes)
+    bm.init(**dict(zip(names, sizes)))
 
 
 def test_ids_and_counts_outside_int32_fail_instead_of_wrapping():
-  state = bm.init(4, 4, 3, 2)
+  state = bm.init(num_blocks=4, block_size=4, max_seqs=3, max_blocks_per_seq=2)
   state, _ = bm.reserve(state, jnp.array([0, 1]), jnp.array([1, 2]))
   before = state
   big = np.array([2**32 + 1], np.int64)  # wraps to slot 1 / 1 token in int32
@@ -418,7 +433,7 @@ def test_ids_and_counts_outside_int32_fail_instead_of_wrapping():
 
 
 def test_python_ints_past_int64_are_a_value_error():
-  state = bm.init(4, 4, 3, 2)
+  state = bm.init(num_blocks=4, block_size=4, max_seqs=3, max_blocks_per_seq=2)
   with pytest.raises(ValueError, match="seq_ids must have an integer dtype, "
                      "got object"):
     bm.reserve(state, [2**70], [1])
@@ -432,7 +447,7 @@ def _enable_x64():
 
 
 def test_int64_ids_fail_under_jit_with_x64():
-  state = bm.init(4, 4, 3, 2)
+  state = bm.init(num_blocks=4, block_size=4, max_seqs=3, max_blocks_per_seq=2)
   state, _ = bm.reserve(state, jnp.array([0, 1]), jnp.array([1, 2]))
   before = state
   with _enable_x64():
@@ -452,7 +467,7 @@ def test_int64_ids_fail_under_jit_with_x64():
 @pytest.mark.parametrize("jit", [False, True])
 def test_every_op_accepts_an_empty_batch(jit):
   wrap = jax.jit if jit else (lambda f: f)
-  state = bm.init(4, 4, 3, 2)
+  state = bm.init(num_blocks=4, block_size=4, max_seqs=3, max_blocks_per_seq=2)
   state, _ = bm.reserve(state, jnp.array([0]), jnp.array([5]))
   before = state
   none = jnp.zeros((0,), jnp.int32)
@@ -469,7 +484,8 @@ def test_every_op_accepts_an_empty_batch(jit):
 
 
 def test_usage_counts_tokens_past_int32():
-  state = bm.init(1, 2**30, 3, 1)
+  state = bm.init(num_blocks=1, block_size=2**30, max_seqs=3,
+                  max_blocks_per_seq=1)
   state, res = bm.reserve(state, jnp.array([0]), jnp.array([2**30]))
   state, ok = bm.fork(state, jnp.array([0, 0]), jnp.array([1, 2]))
   assert res.ok.tolist() == [True] and ok.tolist() == [True, True]
@@ -478,7 +494,7 @@ def test_usage_counts_tokens_past_int32():
 
 
 def test_slot_mapping_at_int32_extremes():
-  state = bm.init(4, 4, 3, 2)
+  state = bm.init(num_blocks=4, block_size=4, max_seqs=3, max_blocks_per_seq=2)
   state, _ = bm.reserve(state, jnp.array([0]), jnp.array([5]))
   ids = jnp.array([0, 0, 0, I32_MAX, -2**31, 0])
   pos = jnp.array([I32_MAX, -2**31, -1, 0, 0, 4])

@@ -59,7 +59,9 @@ def test_chunked_prefill_and_decode_match_dense(num_heads, num_kv_heads, head_di
   dense_a = np.asarray(dense(params, np.pad(xa, ((0, 2), (0, 0)))[None])[0])
   dense_b = np.asarray(dense(params, np.pad(xb, ((0, 9), (0, 0)))[None])[0])
   state = bm.init(num_blocks=12, block_size=4, max_seqs=3, max_blocks_per_seq=4)
-  cache = kv_cache.KVCache.create(1, num_kv_heads, 12, 4, head_dim, jnp.float32)
+  cache = kv_cache.KVCache.create(num_layers=1, num_kv_heads=num_kv_heads,
+                                  num_blocks=12, block_size=4,
+                                  head_dim=head_dim, dtype=jnp.float32)
 
   @functools.partial(jax.jit, static_argnames=("decode_only",))
   def step(params, state, cache, ids, lens, x, decode_only):
@@ -95,7 +97,8 @@ def test_chunked_prefill_and_decode_match_dense(num_heads, num_kv_heads, head_di
 def test_inactive_entries_write_nothing():
   attn = _module(4, 2, 16)
   state = bm.init(num_blocks=4, block_size=4, max_seqs=2, max_blocks_per_seq=2)
-  cache = kv_cache.KVCache.create(1, 2, 4, 4, 16, jnp.float32)
+  cache = kv_cache.KVCache.create(num_layers=1, num_kv_heads=2, num_blocks=4,
+                                  block_size=4, head_dim=16, dtype=jnp.float32)
   ids, lens = np.array([0, 1]), np.array([3, 2])
   graphdef, params = nnx.split(attn)
 
@@ -139,7 +142,9 @@ def test_a_cache_of_another_pool_is_refused(blocks, block_size, match):
   size gave silently wrong attention (error 0.67 against the reference)."""
   attn = _module(4, 2, 16)
   state = bm.init(num_blocks=4, block_size=4, max_seqs=2, max_blocks_per_seq=2)
-  cache = kv_cache.KVCache.create(1, 2, blocks, block_size, 16, jnp.float32)
+  cache = kv_cache.KVCache.create(num_layers=1, num_kv_heads=2,
+                                  num_blocks=blocks, block_size=block_size,
+                                  head_dim=16, dtype=jnp.float32)
   ids, lens = np.array([0, 1]), np.array([3, 2])
   state, _ = bm.reserve(state, ids, lens)
   meta = fa.step_metadata(state, ids, lens, num_tokens=5)
@@ -172,3 +177,26 @@ def test_step_metadata_ids_outside_int32_are_padding():
   np.testing.assert_array_equal(meta.kv_lens, [0, 2])
   np.testing.assert_array_equal(meta.slots[:3], -1)
   assert (np.asarray(meta.block_tables)[0] == bm.NULL_BLOCK).all()
+
+
+def test_step_metadata_hostile_q_lens_keep_the_layout_well_formed():
+  state = bm.init(num_blocks=8, block_size=4, max_seqs=3, max_blocks_per_seq=2)
+  state, _ = bm.reserve(state, np.array([0, 1]), np.array([2, 3]))
+  tables = np.asarray(state.block_tables)
+  # A huge count wrapped cu_q_lens negative; a negative one made it decrease.
+  meta = fa.step_metadata(state, [0, 1], [2**31 - 1, 3], num_tokens=5)
+  np.testing.assert_array_equal(meta.cu_q_lens, [0, 5, 8])
+  np.testing.assert_array_equal(meta.kv_lens, [0, 3])
+  np.testing.assert_array_equal(meta.slots, -1)
+  meta = fa.step_metadata(state, [0, 1], [-3, 3], num_tokens=5)
+  np.testing.assert_array_equal(meta.cu_q_lens, [0, 0, 3])
+  np.testing.assert_array_equal(meta.kv_lens, [0, 3])
+  np.testing.assert_array_equal(meta.positions[:3], [0, 1, 2])
+  np.testing.assert_array_equal(meta.slots[:3], tables[1, 0] * 4 + np.arange(3))
+  # More new tokens than the sequence holds: no write at a negative position.
+  meta = fa.step_metadata(state, [0, 1], [4, 1], num_tokens=5)
+  np.testing.assert_array_equal(meta.kv_lens, [0, 3])
+  np.testing.assert_array_equal(meta.slots, [-1] * 4 + [tables[1, 0] * 4 + 2])
+  with pytest.raises(ValueError, match=r"max_seqs_per_step \* num_tokens = "
+                     r"2147483648 must be < 2\*\*31 \(int32 cu_q_lens\)"):
+    fa.step_metadata(state, [0, 1], [1, 1], num_tokens=2**30)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,8 +23,10 @@ def _rand(rng, shape, dtype=jnp.float32):
 def test_write_then_gather_round_trips(dtype):
   rng = np.random.default_rng(0)
   kvh, d, bs = 2, 8, 4
-  state = bm.init(num_blocks=16, block_size=bs, max_seqs=3, max_blocks_per_seq=5)
-  cache = kv_cache.KVCache.create(2, kvh, 16, bs, d, dtype)
+  state = bm.init(num_blocks=16, block_size=bs, max_seqs=3,
+                  max_blocks_per_seq=5)
+  cache = kv_cache.KVCache.create(num_layers=2, num_kv_heads=kvh, num_blocks=16,
+                                  block_size=bs, head_dim=d, dtype=dtype)
   lens = [7, 0, 13]
   state, res = bm.reserve(state, jnp.array([0, 1, 2]), jnp.array(lens))
   assert res.ok.tolist() == [True, True, True]
@@ -70,15 +74,19 @@ def test_copy_on_write_copies_the_shared_block_in_every_layer():
 
 
 def test_create_and_errors():
-  cache = kv_cache.KVCache.create(2, 4, 10, 16, 64, jnp.bfloat16)
+  cache = kv_cache.KVCache.create(num_layers=2, num_kv_heads=4, num_blocks=10,
+                                  block_size=16, head_dim=64,
+                                  dtype=jnp.bfloat16)
   assert cache.k_pages.shape == (2, 4, 10, 16, 64)
   assert (cache.num_layers, cache.num_blocks, cache.block_size) == (2, 10, 16)
   assert cache.nbytes == 2 * 2 * 4 * 10 * 16 * 64 * 2
   with pytest.raises(ValueError, match="num_blocks must be a positive int, got "
                      "num_blocks=0"):
-    kv_cache.KVCache.create(2, 4, 0, 16, 64)
+    kv_cache.KVCache.create(num_layers=2, num_kv_heads=4, num_blocks=0,
+                            block_size=16, head_dim=64)
   with pytest.raises(ValueError, match="dtype must be a floating dtype, got int32"):
-    kv_cache.KVCache.create(2, 4, 1, 16, 64, jnp.int32)
+    kv_cache.KVCache.create(num_layers=2, num_kv_heads=4, num_blocks=1,
+                            block_size=16, head_dim=64, dtype=jnp.int32)
   pages = cache.k_pages[0]
   with pytest.raises(ValueError, match=r"k and v must be \[T, num_kv_heads, "
                      r"head_dim\]=\(3, 4, 64\)"):
@@ -181,7 +189,9 @@ def test_cache_shape_errors(sizes, match):
 
 
 def test_cache_shape_takes_numpy_ints_like_block_manager_init():
-  shape = kv_cache.cache_shape(np.int64(2), 4, np.int32(10), 16, 64, jnp.float32)
+  shape = kv_cache.cache_shape(num_layers=np.int64(2), num_kv_heads=4,
+                               num_blocks=np.int32(10), block_size=16,
+                               head_dim=64, dtype=jnp.float32)
   assert shape == (2, 4, 10, 16, 64) and all(type(d) is int for d in shape)
 
 
@@ -202,3 +212,16 @@ def test_check_compatible():
   with pytest.raises(ValueError, match=r"num_blocks=8 must equal the block "
                      r"state's 16 blocks"):
     kv_cache.check_compatible(jnp.zeros((1, 8, 4, 1)), stacked)
+
+
+def test_sizes_are_keyword_only_where_orders_differ():
+  """`init(num_blocks, block_size, ...)` and `create(num_layers, num_kv_heads,
+  num_blocks, block_size, ...)` put the same sizes at other positions."""
+  from paged_jax import sharding
+  for fn in (bm.init, kv_cache.KVCache.create, kv_cache.cache_shape,
+             sharding.create_cache, sharding.init_block_states):
+    params = inspect.signature(fn).parameters.values()
+    sizes = [p for p in params if p.name not in ("mesh", "cls")]
+    assert all(p.kind is p.KEYWORD_ONLY for p in sizes), fn.__qualname__
+  with pytest.raises(TypeError):
+    bm.init(4, 4, 3, 2)

@@ -132,7 +132,9 @@ def test_mesh_errors():
 @pytest.mark.parametrize("data, model", [(2, 4), (4, 2), (8, 1)])
 def test_create_cache_and_copy_blocks_stay_in_their_shard(data, model):
   mesh = ps.make_mesh(data, model)
-  cache = ps.create_cache(mesh, 2, 8, 6, 4, 16, jnp.float32)
+  cache = ps.create_cache(mesh, num_layers=2, num_kv_heads=8,
+                          num_blocks_per_shard=6, block_size=4, head_dim=16,
+                          dtype=jnp.float32)
   assert cache.k_pages.shape == (2, 8, data * 6, 4, 16)
   assert cache.k_pages.sharding.is_equivalent_to(
       NamedSharding(mesh, ps.cache_spec()), 5)
@@ -165,9 +167,17 @@ def test_create_cache_and_copy_blocks_stay_in_their_shard(data, model):
 def test_create_cache_errors():
   with pytest.raises(ValueError, match=r"num_kv_heads=2 must be a multiple of "
                      r"the model axis \(4\)"):
-    ps.create_cache(ps.make_mesh(2, 4), 1, 2, 4, 4, 16)
+    ps.create_cache(ps.make_mesh(2, 4), num_layers=1, num_kv_heads=2,
+                    num_blocks_per_shard=4, block_size=4, head_dim=16)
   with pytest.raises(ValueError, match="block_size must be a positive int"):
-    ps.create_cache(ps.make_mesh(1, 2), 1, 2, 4, 0, 16)
+    ps.create_cache(ps.make_mesh(1, 2), num_layers=1, num_kv_heads=2,
+                    num_blocks_per_shard=4, block_size=0, head_dim=16)
+  # Slots are local to a data shard: each shard's pool must fit int32.
+  with pytest.raises(ValueError, match=r"num_blocks \* block_size = 2147483648 "
+                     r"must be < 2\*\*31 \(int32 cache slots\), got "
+                     r"num_blocks=2097152"):
+    ps.create_cache(ps.make_mesh(2, 1), num_layers=1, num_kv_heads=1,
+                    num_blocks_per_shard=2**21, block_size=2**10, head_dim=1)
 
 
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
