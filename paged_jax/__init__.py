@@ -5,7 +5,7 @@ Public API:
     `init`, `reserve`, `release`, `fork`, `slot_mapping`, `gather_tables`,
     `check_invariants`, `usage`, `NULL_BLOCK`;
   * KV cache (`paged_jax.kv_cache`): `KVCache`, `write_kv`, `copy_blocks`,
-    `gather_kv`;
+    `gather_kv`, `check_compatible`;
   * attention (`paged_jax.attention`): `paged_attention`,
     `ragged_paged_attention`, `write_and_ragged_attention`;
   * reference (`paged_jax.reference`): float32 oracles;

@@ -225,3 +225,16 @@ def test_sizes_are_keyword_only_where_orders_differ():
     assert all(p.kind is p.KEYWORD_ONLY for p in sizes), fn.__qualname__
   with pytest.raises(TypeError):
     bm.init(4, 4, 3, 2)
+
+
+def test_empty_batches_change_nothing():
+  cache = _numbered_cache(4)
+  none = jnp.zeros((0,), jnp.int32)
+  pages = cache.k_pages[0]
+  kp, vp = kv_cache.write_kv(pages, pages, jnp.zeros((0, 1, 1)),
+                             jnp.zeros((0, 1, 1)), none)
+  np.testing.assert_array_equal(kp, pages)
+  same = kv_cache.copy_blocks(cache, none, none)
+  np.testing.assert_array_equal(same.k_pages, cache.k_pages)
+  got = kv_cache.gather_kv(pages, jnp.zeros((0, 2), jnp.int32), none, max_len=4)
+  assert got.shape == (0, 4, 1, 1)
