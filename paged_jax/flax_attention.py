@@ -194,7 +194,12 @@ def sharded_step_metadata(
 
   Returns:
     A `StepMetadata` in the mesh layout (see its `mesh` attribute): arrays
-    `[data * ...]`, sharded over `data`.
+    `[data * ...]`, sharded over `data`; `total_blocks` counts every data
+    shard's pool, as the mesh's pages do.
+
+  Raises:
+    ValueError: if `seq_ids` is not `[data, max_seqs_per_step]`, or as
+      `step_metadata`.
   """
   data = mesh.shape[sharding.DATA]
   shape = np.shape(seq_ids)
