@@ -531,7 +531,12 @@ def main(argv=None) -> int:
     args = parse_and_check(argv)
   except SystemExit as e:
     return e.code
-  lead = _start_distributed(args)
+  try:
+    lead = _start_distributed(args)
+  except Exception as e:  # pylint: disable=broad-except  # JAX's own errors
+    print(f"error: --coordinator {args.coordinator}: cannot join the other "
+          f"processes ({_cli.one_line(e, 300)})", file=sys.stderr)
+    return 2
   if not lead:  # every process runs the same schedule; process 0 reports
     args.no_progress, args.output = True, None
     sys.stdout = open(os.devnull, "w")  # pylint: disable=consider-using-with

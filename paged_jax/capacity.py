@@ -485,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     out = plan_from_args(args)
   except ValueError as e:
-    print(f"python -m paged_jax.capacity: error: {e}", file=sys.stderr)
+    print(f"python -m paged_jax.capacity: error: {_cli.one_line(e)}", file=sys.stderr)
     return 2
   print(json.dumps(out, indent=2) if args.json else format_report(out))
   return 0

@@ -172,3 +172,12 @@ def test_end_to_end_subprocess():
   assert r.stderr.startswith("error: --num-blocks 100000000 needs 763 GiB of KV "
                              "memory, more than the "), r.stderr
   assert r.stderr.count("\n") == 1 and r.stdout == ""
+
+
+@SETTINGS
+@given(junk=st.text(min_size=1, max_size=30), choice=st.sampled_from(
+    ["--model", "--kv-dtype", "--weight-dtype", "--bogus"]))
+def test_capacity_refuses_malformed_text(junk, choice):
+  value = ("x" + junk if junk.startswith("-") else junk) + "\x00"
+  base = CAP_BASE + ["--mem-gib", "80", "--weights-gib", "1"]
+  _capacity(base + [choice, value])
