@@ -8,8 +8,14 @@ paged KV cache, then serves the same workload with a contiguous max-length
 cache of the same memory (static batching) and prints both, so you see what
 paging buys. With `--checkpoint DIR` it loads a Hugging Face Llama checkpoint;
 with `--prompt-ids FILE` it serves your prompts (a JSON list of token-id
-lists). `--output FILE` writes every request's generated ids and finish
-reason as JSON. Temperature 0 (the default) is deterministic.
+lists, or of objects `{"prompt_ids": [...], "max_new_tokens": n}`).
+`--output FILE` writes every request's generated ids and finish reason as
+JSON. Temperature 0 (the default) is deterministic.
+
+Every flag has a finite range, checked while parsing; a bad flag or input is
+one `error: ...` line naming the flag and exit status 2, before any work
+(the KV pool is checked against the device's free memory before it is
+allocated). A run in which every request is rejected exits 1 after its report.
 """
 
 from __future__ import annotations
@@ -102,7 +108,6 @@ MAX_MODEL_LEN = 2**24
 MAX_BLOCK_SIZE = 2**20
 MAX_REQUESTS = 10**5
 MAX_KV_MB = 2**30           # 1 PiB
-MAX_MESH_AXIS = 2**12
 DEFAULT_KV_TOKENS = 1024    # the KV memory when no budget is given: 64 x 16
 NEVER_SAMPLED = (-1,)       # --ignore-eos: a stop token no step can produce
 
