@@ -46,7 +46,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
-import math
 import os
 import pathlib
 import shutil

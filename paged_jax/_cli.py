@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import decimal
 import fractions
-import math
 
 
 def one_line(text: str, limit: int = 400) -> str:
