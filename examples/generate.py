@@ -8,8 +8,14 @@ paged KV cache, then serves the same workload with a contiguous max-length
 cache of the same memory (static batching) and prints both, so you see what
 paging buys. With `--checkpoint DIR` it loads a Hugging Face Llama checkpoint;
 with `--prompt-ids FILE` it serves your prompts (a JSON list of token-id
-lists). `--output FILE` writes every request's generated ids and finish
-reason as JSON. Temperature 0 (the default) is deterministic.
+lists, or of objects `{"prompt_ids": [...], "max_new_tokens": n}`).
+`--output FILE` writes every request's generated ids and finish reason as
+JSON. Temperature 0 (the default) is deterministic.
+
+Every flag has a finite range, checked while parsing; a bad flag or input is
+one `error: ...` line naming the flag and exit status 2, before any work
+(the KV pool is checked against the device's free memory before it is
+allocated). A run in which every request is rejected exits 1 after its report.
 """
 
 from __future__ import annotations
@@ -24,26 +30,47 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 
+MAX_SIMULATED_DEVICES = 512
+
+
 def _parse_mesh(text: str) -> tuple[int, int]:
-  """"data=2,model=4" (either part may be left out) -> (2, 4)."""
+  """"data=2,model=4" (either part may be left out) -> (2, 4); each at most
+  4096."""
   sizes = {"data": 1, "model": 1}
   for part in text.split(","):
     name, eq, value = part.partition("=")
-    name = name.strip()
-    if not eq or name not in sizes or not value.strip().isdigit() or int(value) < 1:
-      raise ValueError(f"--mesh must look like data=2,model=4, got {text!r}")
+    name, value = name.strip(), value.strip()
+    if (not eq or name not in sizes or not value.isascii() or not value.isdigit()
+        or len(value) > 4 or not 1 <= int(value) <= 4096):
+      raise ValueError("--mesh must look like data=2,model=4 (each from 1 to "
+                       f"4096), got {repr(text)[:60]}")
     sizes[name] = int(value)
   return sizes["data"], sizes["model"]
+
+
+class _QuietParser(argparse.ArgumentParser):
+  def error(self, message):
+    raise ValueError(message)
+
+
+def _int_or_1(text: str) -> int:
+  try:
+    return max(1, int(text))
+  except ValueError:
+    return 1  # reported properly after parsing
 
 
 def _simulate_host_devices(argv):
   """With --mesh on a CPU-only machine, JAX needs that many host devices (per
   process): ask for them before JAX starts (the flag only affects the CPU
   platform)."""
-  pre = argparse.ArgumentParser(add_help=False)
+  pre = _QuietParser(add_help=False)
   pre.add_argument("--mesh")
-  pre.add_argument("--num-processes", type=int, default=1)
-  known, _ = pre.parse_known_args(argv)
+  pre.add_argument("--num-processes", type=_int_or_1, default=1)
+  try:
+    known, _ = pre.parse_known_args(argv)
+  except ValueError:
+    return  # reported properly after parsing
   if not known.mesh:
     return
   try:
@@ -51,6 +78,8 @@ def _simulate_host_devices(argv):
   except ValueError:
     return  # reported properly after parsing
   local = max(1, data * model // max(known.num_processes, 1))
+  if local > MAX_SIMULATED_DEVICES:
+    return  # "needs N devices" is reported after parsing
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (
@@ -67,62 +96,96 @@ from examples.llama import tensor_parallel  # noqa: E402
 from examples.serving import workload  # noqa: E402
 from examples.serving.requests import Request  # noqa: E402
 from examples.serving.sampling import SamplingParams  # noqa: E402
+from paged_jax import _cli  # noqa: E402
 from paged_jax import sharding  # noqa: E402
 
 
+# Sane, finite ranges of the flags, checked while parsing (one line, exit 2).
+INT31 = 2**31 - 1
+MAX_SEQS = 2**16            # --max-batch, --n, --beam-width
+MAX_TOKENS_PER_STEP = 2**20
+MAX_MODEL_LEN = 2**24
+MAX_BLOCK_SIZE = 2**20
+MAX_REQUESTS = 10**5
+MAX_KV_MB = 2**30           # 1 PiB
+DEFAULT_KV_TOKENS = 1024    # the KV memory when no budget is given: 64 x 16
+NEVER_SAMPLED = (-1,)       # --ignore-eos: a stop token no step can produce
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(
+  """The flags, each range-checked while parsing (one `error:` line, exit 2).
+
+  Where vLLM has a flag of the same meaning its name is an alias
+  (`--max-num-seqs`, `--max-num-batched-tokens`); messages name the one typed.
+  """
+  p = _cli.OneLineParser(
       description=__doc__.split("\n\n")[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  count = _cli.int_in
   src = p.add_argument_group("model and prompts")
   src.add_argument("--checkpoint", metavar="DIR",
                    help="Hugging Face Llama checkpoint (config.json + *.safetensors); "
                    "default: the tiny model with seeded random weights")
-  src.add_argument("--model-seed", type=int, default=0,
+  src.add_argument("--model-seed", type=count(0, 2**63 - 1), default=0,
                    help="seed of the tiny model's random weights")
   src.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="parameter/compute dtype (default: the checkpoint's)")
   src.add_argument("--prompt-ids", metavar="FILE",
-                   help="JSON list of token-id lists; default: a synthetic workload")
-  src.add_argument("--num-requests", type=int, default=48,
+                   help="JSON list of prompts, each a token-id list or an object "
+                   '{"prompt_ids": [...], "max_new_tokens": n}; default: a '
+                   "synthetic workload")
+  src.add_argument("--num-requests", type=count(1, MAX_REQUESTS), default=48,
                    help="size of the synthetic workload")
-  src.add_argument("--workload-seed", type=int, default=0)
+  src.add_argument("--workload-seed", type=count(0, 2**63 - 1), default=0)
   gen = p.add_argument_group("sampling")
-  gen.add_argument("--max-new-tokens", type=int,
+  gen.add_argument("--max-new-tokens", type=count(1, MAX_MODEL_LEN),
                    help="output budget per request (default: drawn per request "
-                   "for the synthetic workload, 32 for --prompt-ids)")
-  gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-  gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-  gen.add_argument("--top-p", type=float, default=1.0)
-  gen.add_argument("--n", type=int, default=1, help="samples per prompt")
-  gen.add_argument("--beam-width", type=int, default=1, help="> 1: beam search")
-  gen.add_argument("--seed", type=int, default=0,
-                   help="sampling seed (request i uses seed + i * n)")
+                   "for the synthetic workload; for --prompt-ids, the entry's "
+                   "max_new_tokens, else 32)")
+  gen.add_argument("--ignore-eos", action="store_true",
+                   help="generate exactly the output budget: stop tokens do "
+                   "not end a sequence (fixed output lengths, for benchmarks)")
+  gen.add_argument("--temperature", type=_cli.number_in(0, 10**6), default=0.0,
+                   help="0 = greedy")
+  gen.add_argument("--top-k", type=count(0, INT31), default=0, help="0 = off")
+  gen.add_argument("--top-p", type=_cli.number_in(0, 1, lo_open=True), default=1.0)
+  gen.add_argument("--n", type=count(1, MAX_SEQS), default=1, help="samples per prompt")
+  gen.add_argument("--beam-width", type=count(1, MAX_SEQS), default=1,
+                   help="> 1: beam search")
+  gen.add_argument("--seed", type=count(0, INT31), default=0,
+                   help="sampling seed (request i uses seed + i * n, wrapped to "
+                   "stay within int32)")
   eng = p.add_argument_group("engine")
-  eng.add_argument("--block-size", type=int, default=16)
-  eng.add_argument("--num-blocks", type=int,
+  eng.add_argument("--block-size", type=count(1, MAX_BLOCK_SIZE), default=16,
+                   help="tokens per KV block; the KV memory stays the same "
+                   "(the number of blocks follows) unless --num-blocks is given")
+  eng.add_argument("--num-blocks", type=count(1, INT31),
                    help="KV blocks in the pool (default: from --kv-budget-mb, "
-                   "else 64)")
-  eng.add_argument("--kv-budget-mb", type=float,
-                   help="KV memory budget in MiB (alternative to --num-blocks)")
-  eng.add_argument("--max-batch", type=int, default=16,
+                   f"else {DEFAULT_KV_TOKENS} tokens' worth)")
+  eng.add_argument("--kv-budget-mb", type=_cli.number_in(0, MAX_KV_MB, lo_open=True),
+                   help="KV memory budget in MiB (alternative to --num-blocks); "
+                   "the pool holds as many whole blocks as fit")
+  eng.add_argument("--max-batch", "--max-num-seqs", dest="max_batch",
+                   type=count(1, MAX_SEQS), default=16, action=_cli.TypedFlag,
                    help="sequences per step (the compiled decode batch)")
-  eng.add_argument("--max-tokens-per-step", type=int, default=128,
+  eng.add_argument("--max-tokens-per-step", "--max-num-batched-tokens",
+                   dest="max_tokens_per_step", action=_cli.TypedFlag,
+                   type=count(1, MAX_TOKENS_PER_STEP), default=128,
                    help="token budget of a prefill/mixed step")
-  eng.add_argument("--max-model-len", type=int, default=256,
-                   help="longest prompt + output")
+  eng.add_argument("--max-model-len", type=count(2, MAX_MODEL_LEN), default=256,
+                   help="longest prompt + output (at least 2: one prompt and "
+                   "one generated token)")
   eng.add_argument("--mesh", metavar="data=D,model=M",
                    help="serve on a D x M device mesh: M-way tensor parallelism, "
-                   "D data shards each with its own pool of --num-blocks "
-                   "blocks and --max-batch sequences (on CPU, D * M host "
-                   "devices are simulated)")
+                   "D data shards each with its own KV pool and --max-batch "
+                   "sequences (on CPU, D * M host devices are simulated)")
   eng.add_argument("--coordinator", metavar="HOST:PORT",
                    help="several hosts: the address of process 0; every process "
                    "runs this same command with its own --process-id "
                    "(jax.distributed.initialize; see BUILD.md)")
-  eng.add_argument("--num-processes", type=int, default=1,
+  eng.add_argument("--num-processes", type=count(1, MAX_SEQS), default=1,
                    help="processes (hosts) taking part, with --coordinator")
-  eng.add_argument("--process-id", type=int, default=0,
+  eng.add_argument("--process-id", type=count(0, MAX_SEQS), default=0,
                    help="this process' index, with --coordinator")
   eng.add_argument("--implementation", choices=["xla", "pallas_tpu", "pallas_gpu"],
                    help="attention backend (default: the best for the platform)")
@@ -135,27 +198,132 @@ def parse_args(argv=None) -> argparse.Namespace:
   return p.parse_args(argv)
 
 
-def load_prompts(path: str) -> list[list[int]]:
-  """Reads a JSON list of token-id lists.
+def _flag(args, dest: str) -> str:
+  """The flag the user typed for `dest` (an alias if that is what was typed)."""
+  return _cli.typed_flag(args, dest, "--" + dest.replace("_", "-"))
+
+
+def check_args(args) -> None:
+  """Checks between flags that need no model; ValueError naming the flags."""
+  batch, step = _flag(args, "max_batch"), _flag(args, "max_tokens_per_step")
+  if args.max_tokens_per_step < args.max_batch:
+    raise ValueError(f"{step} {args.max_tokens_per_step} must be >= {batch} "
+                     f"{args.max_batch} (every decode must fit one step)")
+  if args.block_size > args.max_model_len:
+    raise ValueError(f"--block-size {args.block_size} must be <= "
+                     f"--max-model-len {args.max_model_len}")
+  if args.max_new_tokens is not None and args.max_new_tokens >= args.max_model_len:
+    raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be < "
+                     f"--max-model-len {args.max_model_len} (room for a prompt)")
+  if args.n > 1 and args.beam_width > 1:
+    raise ValueError(f"give --n or --beam-width, not both (got --n {args.n}, "
+                     f"--beam-width {args.beam_width})")
+  for name in ("n", "beam_width"):
+    if getattr(args, name) > args.max_batch:
+      raise ValueError(f"{_flag(args, name)} {getattr(args, name)} must be <= "
+                       f"{batch} {args.max_batch} (a request's sequences run "
+                       "in one batch)")
+  span = max(args.n, args.beam_width)
+  if args.seed > 2**31 - span:
+    raise ValueError(f"--seed {args.seed} must be <= {2**31 - span} (sample i "
+                     "of a request uses its seed + i, an int32)")
+  if args.num_blocks is not None and args.kv_budget_mb is not None:
+    raise ValueError("give --num-blocks or --kv-budget-mb, not both")
+  if args.mesh:
+    _parse_mesh(args.mesh)
+  if args.coordinator:
+    host, colon, port = args.coordinator.rpartition(":")
+    if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
+      raise ValueError("--coordinator must look like HOST:PORT, got "
+                       f"{_cli.shown(args.coordinator)}")
+    if not args.process_id < args.num_processes:
+      raise ValueError(f"--process-id must be in [0, {args.num_processes}), "
+                       f"got {args.process_id}")
+  if args.output is not None:
+    check_output_path(args.output)
+
+
+def parse_and_check(argv=None) -> argparse.Namespace:
+  """`parse_args`, then `check_args`: a bad flag prints one `error:` line on
+  stderr and exits with status 2 (SystemExit), before anything is loaded."""
+  args = parse_args(argv)
+  try:
+    check_args(args)
+  except ValueError as e:
+    print(f"error: {_cli.one_line(e)}", file=sys.stderr)
+    raise SystemExit(2) from None
+  return args
+
+
+def check_output_path(path: str) -> None:
+  """`--output` must name a file in a folder that exists and can be written;
+  checked before the run, not after it."""
+  f = pathlib.Path(path)
+  if f.is_dir():
+    raise ValueError(f"--output {_cli.shown(path)} is a folder; give a file name")
+  folder = f.parent
+  if not folder.is_dir():
+    raise ValueError(f"--output {_cli.shown(path)}: folder "
+                     f"{_cli.shown(str(folder))} does not exist")
+  if not os.access(folder, os.W_OK | os.X_OK):
+    raise ValueError(f"--output {_cli.shown(path)}: folder "
+                     f"{_cli.shown(str(folder))} is not writable")
+
+
+def load_prompts(path: str) -> list[tuple[list[int], int | None]]:
+  """Reads a JSON list of prompts: token-id lists, or objects
+  `{"prompt_ids": [...], "max_new_tokens": n}` (`max_new_tokens` optional).
+
+  Returns:
+    `(prompt_ids, max_new_tokens or None)` per prompt.
 
   Raises:
     FileNotFoundError: missing file.
-    ValueError: not JSON, or not a non-empty list of non-empty int lists.
+    ValueError: unreadable, not JSON, nested too deeply, or not a non-empty
+      list of prompts as above (a float or bool token id is a type error).
   """
   f = pathlib.Path(path)
   if not f.is_file():
-    raise FileNotFoundError(f"prompt file {path!r} not found")
+    raise FileNotFoundError(f"prompt file {_cli.shown(path)} not found")
   try:
-    data = json.loads(f.read_text())
+    data = json.loads(f.read_text(encoding="utf-8"))
   except json.JSONDecodeError as e:
     raise ValueError(f"{path}: not valid JSON ({e})") from None
+  except RecursionError:
+    raise ValueError(f"{path}: JSON nested too deeply (expected a list of "
+                     "token-id lists)") from None
+  except (ValueError, OSError) as e:  # bad UTF-8, > 4300-digit ints, unreadable
+    raise ValueError(f"{path}: cannot read it ({e})") from None
   if not isinstance(data, list) or not data:
-    raise ValueError(f"{path}: expected a non-empty JSON list of token-id lists")
-  for i, prompt in enumerate(data):
-    if (not isinstance(prompt, list) or not prompt or
-        not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
-      raise ValueError(f"{path}: prompt {i} must be a non-empty list of ints")
-  return data
+    raise ValueError(f"{path}: expected a non-empty JSON list of prompts "
+                     "(token-id lists or objects with prompt_ids)")
+  return [_prompt_entry(path, i, entry) for i, entry in enumerate(data)]
+
+
+def _prompt_entry(path, i, entry) -> tuple[list[int], int | None]:
+  max_new = None
+  if isinstance(entry, dict):
+    unknown = sorted(set(entry) - {"prompt_ids", "max_new_tokens"})
+    if unknown or "prompt_ids" not in entry:
+      raise ValueError(f"{path}: prompt {i}: expected keys prompt_ids and "
+                       f"optionally max_new_tokens, got {sorted(entry)}")
+    max_new = entry.get("max_new_tokens")
+    if max_new is not None and (not _is_int(max_new) or max_new < 1):
+      raise ValueError(f"{path}: prompt {i}: max_new_tokens must be an int "
+                       f">= 1, got {max_new!r}")
+    entry = entry["prompt_ids"]
+  if not isinstance(entry, list) or not entry:
+    raise ValueError(f"{path}: prompt {i} must be a non-empty list of ints")
+  for j, t in enumerate(entry):
+    if not _is_int(t):
+      raise ValueError(f"{path}: prompt {i}, token {j}: expected an int "
+                       f"token id, got {_cli.one_line(repr(t), 40)} "
+                       f"({type(t).__name__})")
+  return entry, max_new
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
 
 
 def check_vocab(prompts, vocab_size: int):
@@ -164,6 +332,108 @@ def check_vocab(prompts, vocab_size: int):
       if not 0 <= t < vocab_size:
         raise ValueError(f"prompt {i}: token id {t} is outside the vocabulary "
                          f"[0, {vocab_size})")
+
+
+def sampling_params(args, max_new_tokens: int) -> SamplingParams:
+  """The request parameters the flags give (the seed is set per request)."""
+  return SamplingParams(
+      max_new_tokens=max_new_tokens, temperature=args.temperature,
+      top_k=args.top_k, top_p=args.top_p, seed=args.seed, n=args.n,
+      beam_width=args.beam_width,
+      eos_token_ids=NEVER_SAMPLED if args.ignore_eos else ())
+
+
+def request_seed(args, i: int) -> int:
+  """Request i's seed: `--seed + i * --n`, wrapped so that every sample's
+  seed (`+ lane`) stays an int32."""
+  span = max(args.n, args.beam_width)
+  return (args.seed + i * args.n) % (2**31 - span + 1)
+
+
+def kv_tokens_from_args(args, bytes_per_token: int) -> tuple[int, str]:
+  """KV memory in tokens (per data shard), and the flag that set it.
+
+  Memory first: without --num-blocks the KV bytes are fixed (by
+  --kv-budget-mb, else DEFAULT_KV_TOKENS tokens' worth) and the number of
+  blocks follows from --block-size.
+  """
+  if args.num_blocks is not None:
+    tokens, source = args.num_blocks * args.block_size, f"--num-blocks {args.num_blocks}"
+  elif args.kv_budget_mb is not None:
+    tokens = int(args.kv_budget_mb * 2**20 // bytes_per_token)
+    source = f"--kv-budget-mb {args.kv_budget_mb:g}"
+  else:
+    tokens, source = DEFAULT_KV_TOKENS, f"the default KV budget ({DEFAULT_KV_TOKENS} tokens)"
+  if tokens < args.block_size:
+    raise ValueError(f"{source} holds {tokens} tokens, less than one block of "
+                     f"--block-size {args.block_size}")
+  return tokens, source
+
+
+def free_memory_bytes(device) -> tuple[int, str]:
+  """Bytes free on `device` (its allocator's limit less what is in use), or
+  the host's available memory where the device does not report it (CPU)."""
+  try:
+    stats = device.memory_stats()
+  except Exception:  # pylint: disable=broad-except  # not every backend has it
+    stats = None
+  if stats and stats.get("bytes_limit"):
+    return (int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)),
+            f"{device.platform} device {device.id}")
+  try:
+    with open("/proc/meminfo", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024, "host memory available"
+  except OSError:
+    pass
+  return (os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"),
+          "host memory free")
+
+
+def check_kv_memory(kv_bytes_per_device: int, total_kv_bytes: int, source: str,
+                    devices) -> None:
+  """The KV pool must fit in the memory left on its devices (all of them
+  share the host's memory on CPU), checked before anything is allocated."""
+  device = devices[0]
+  free, where = free_memory_bytes(device)
+  need = total_kv_bytes if device.platform == "cpu" else kv_bytes_per_device
+  if need > free:
+    raise ValueError(f"{source} needs {_size(need)} of KV memory"
+                     + ("" if device.platform == "cpu" else " per device")
+                     + f", more than the {_size(free)} of {where}")
+
+
+def _size(n: int) -> str:
+  for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+    if n >= scale:
+      return f"{n / scale:.3g} {unit}"
+  return f"{n} bytes"
+
+
+def check_implementation(implementation, cfg, block_size: int) -> None:
+  """An explicit --implementation must serve this model on this platform:
+  ask the attention dispatch (on shapes only, nothing runs)."""
+  if implementation in (None, "xla"):
+    return
+  import functools  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  from paged_jax import attention  # pylint: disable=import-outside-toplevel
+  q = jax.ShapeDtypeStruct((1, cfg.num_heads, cfg.head_dim), cfg.jnp_dtype)
+  pages = jax.ShapeDtypeStruct((cfg.num_kv_heads, 1, block_size, cfg.head_dim),
+                               cfg.jnp_dtype)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, "int32")  # noqa: E731
+  try:
+    jax.eval_shape(functools.partial(attention.paged_attention,
+                                     implementation=implementation),
+                   q, pages, pages, i32(1, 1), i32(1))
+    jax.eval_shape(functools.partial(attention.ragged_paged_attention,
+                                     implementation=implementation),
+                   q, pages, pages, i32(1, 1), i32(1), i32(2), i32(1))
+  except ValueError as e:
+    why = str(e).partition("cannot serve this call: ")[2] or str(e)
+    raise ValueError(f"--implementation {implementation} cannot serve this "
+                     f"model here: {why}") from None
 
 
 def build(args):
@@ -176,51 +446,42 @@ def build(args):
     model = model_lib.init_model(config, args.model_seed,
                                  implementation=args.implementation)
   cfg = model.config
-  for name in ("block_size", "max_batch", "max_tokens_per_step", "max_model_len",
-               "num_requests"):
-    if getattr(args, name) < 1:
-      raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
   if args.max_model_len > cfg.max_position_embeddings:
     raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's "
                      f"max_position_embeddings {cfg.max_position_embeddings}")
-  params = SamplingParams(
-      max_new_tokens=args.max_new_tokens or 32, temperature=args.temperature,
-      top_k=args.top_k, top_p=args.top_p, seed=args.seed, n=args.n,
-      beam_width=args.beam_width)
+  check_implementation(args.implementation, cfg, args.block_size)
+  default_new = args.max_new_tokens or 32
   if args.prompt_ids:
-    prompts = load_prompts(args.prompt_ids)
-    check_vocab(prompts, cfg.vocab_size)
-    requests = [Request(i, p, params) for i, p in enumerate(prompts)]
+    entries = load_prompts(args.prompt_ids)
+    check_vocab([ids for ids, _ in entries], cfg.vocab_size)
+    requests = [Request(i, ids, sampling_params(args, new or default_new))
+                for i, (ids, new) in enumerate(entries)]
   else:
+    params = sampling_params(args, default_new)
     requests = workload.synthetic_requests(
         args.num_requests, vocab_size=cfg.vocab_size,
         max_model_len=args.max_model_len, seed=args.workload_seed,
         params=params, exclude_ids=cfg.eos_token_ids)
-    if args.max_new_tokens:
+    if args.max_new_tokens is not None:
       requests = [Request(r.request_id, r.prompt, params) for r in requests]
   # Distinct seeds per request so that samples differ across requests.
-  requests = [Request(r.request_id, r.prompt, _reseed(r.params, args.seed + i * args.n))
+  requests = [Request(r.request_id, r.prompt, _reseed(r.params, request_seed(args, i)))
               for i, r in enumerate(requests)]
   per_token = cfg.kv_bytes_per_token()
-  if args.num_blocks is not None and args.kv_budget_mb is not None:
-    raise ValueError("give --num-blocks or --kv-budget-mb, not both")
-  if args.kv_budget_mb is not None:
-    if args.kv_budget_mb <= 0:
-      raise ValueError(f"--kv-budget-mb must be positive, got {args.kv_budget_mb}")
-    kv_tokens = int(args.kv_budget_mb * 2**20 // per_token)
-  else:
-    num_blocks = 64 if args.num_blocks is None else args.num_blocks
-    if num_blocks < 1:
-      raise ValueError(f"--num-blocks must be >= 1, got {num_blocks}")
-    kv_tokens = num_blocks * args.block_size
-  if kv_tokens < args.block_size:
-    raise ValueError(f"the KV budget holds {kv_tokens} tokens, less than one "
-                     f"block of {args.block_size}")
+  kv_tokens, source = kv_tokens_from_args(args, per_token)
   mesh = None
+  shards, tp = 1, 1
   if args.mesh:
     data, tp = _parse_mesh(args.mesh)
     mesh = sharding.make_mesh(data, tp)
     tensor_parallel.check_model_axis(cfg, tp)
+    shards = data
+  import jax  # pylint: disable=import-outside-toplevel
+  heads = sharding.cache_kv_heads(cfg.num_kv_heads, tp)
+  pool_bytes = (kv_tokens // args.block_size) * args.block_size * per_token
+  stored = pool_bytes * heads // cfg.num_kv_heads  # with replicated heads
+  devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()
+  check_kv_memory(stored // tp, stored * shards, source, devices)
   return model, requests, kv_tokens, mesh
 
 
@@ -259,9 +520,6 @@ def _start_distributed(args) -> bool:
   """Joins the other processes (`--coordinator`); True on process 0."""
   if not args.coordinator:
     return True
-  if not 0 <= args.process_id < args.num_processes:
-    raise ValueError(f"--process-id must be in [0, {args.num_processes}), "
-                     f"got {args.process_id}")
   import jax  # pylint: disable=import-outside-toplevel
   # Cross-process collectives of the CPU backend (ignored by GPU and TPU).
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -272,11 +530,17 @@ def _start_distributed(args) -> bool:
 
 
 def main(argv=None) -> int:
-  args = parse_args(argv)
+  """Runs the command line; 2 on a bad flag or input (before any work), 1
+  when every request was rejected (after the report), else 0."""
+  try:
+    args = parse_and_check(argv)
+  except SystemExit as e:
+    return e.code
   try:
     lead = _start_distributed(args)
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
+  except Exception as e:  # pylint: disable=broad-except  # JAX's own errors
+    print(f"error: --coordinator {args.coordinator}: cannot join the other "
+          f"processes ({_cli.one_line(e, 300)})", file=sys.stderr)
     return 2
   if not lead:  # every process runs the same schedule; process 0 reports
     args.no_progress, args.output = True, None
@@ -292,7 +556,7 @@ def main(argv=None) -> int:
     sizes = {n: v for n, v in common.items() if n not in ("progress", "mesh")}
     configs = {"paged": workload.engine_config("paged", **sizes)}
   except (ValueError, FileNotFoundError) as e:
-    print(f"error: {e}", file=sys.stderr)
+    print(f"error: {_cli.one_line(e)}", file=sys.stderr)
     return 2
   baseline_note = None
   if not args.no_baseline:
@@ -306,10 +570,13 @@ def main(argv=None) -> int:
   print(f"model: {'checkpoint ' + args.checkpoint if args.checkpoint else 'tiny random Llama'}"
         f" ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads /"
         f" {cfg.num_kv_heads} KV heads, vocab {cfg.vocab_size}, {cfg.dtype})")
+  paged = configs["paged"]
+  allocated = paged.num_blocks * paged.block_size * cfg.kv_bytes_per_token()
   print(f"workload: {len(requests)} requests, prompts "
         f"{min(len(r.prompt) for r in requests)}-{max(len(r.prompt) for r in requests)}"
-        f" tokens, KV memory {kv_tokens} tokens "
-        f"({kv_tokens * cfg.kv_bytes_per_token() / 2**20:.2f} MiB)"
+        f" tokens; KV memory allocated {allocated} bytes "
+        f"({allocated / 2**20:.2f} MiB: {paged.num_blocks} blocks x "
+        f"{paged.block_size} tokens)"
         + (" per data shard" if mesh is not None else ""))
   shards = 1
   if mesh is not None:
@@ -377,6 +644,9 @@ def main(argv=None) -> int:
     }
     pathlib.Path(args.output).write_text(json.dumps(doc, indent=1))
     print(f"wrote {args.output}")
+  if stats["served"] == 0:
+    print(f"error: all {len(requests)} requests were rejected", file=sys.stderr)
+    return 1
   return 0
 
 

@@ -37,6 +37,7 @@ import math
 import sys
 from typing import Sequence
 
+from paged_jax import _cli
 from paged_jax import sharding
 
 GIB = 2**30
@@ -264,58 +265,39 @@ def plan(*, kv_pool_bytes: int, num_layers: int, num_kv_heads: int,
 # Command line.
 
 
-class _OneLineParser(argparse.ArgumentParser):
-  """Argument errors are one line on stderr, exit status 2."""
-
-  def error(self, message):  # noqa: D102
-    self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _positive(kind, what: str):
-  """An argparse type: a positive `kind` ("an integer", "a number")."""
-  def parse(text: str):
-    try:
-      value = kind(text)
-    except (ValueError, ZeroDivisionError, OverflowError):
-      raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-    if value <= 0:
-      raise argparse.ArgumentTypeError(f"expected a positive value, got {text}")
-    return value
-  return parse
-
-
-def _non_negative_gib(text: str) -> fractions.Fraction:
-  try:
-    value = fractions.Fraction(text)
-  except (ValueError, ZeroDivisionError):
-    raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-  if value < 0:
-    raise argparse.ArgumentTypeError(f"expected a value >= 0, got {text}")
-  return value
+# Sane, finite ranges for every flag (checked while parsing, before any
+# arithmetic): sizes up to 1 PiB per device, counts up to int32.
+MAX_GIB = 2**20
+MAX_COUNT = 2**31 - 1
+MAX_DEVICES = 2**20
+MAX_PARAMS = 10**15
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = _OneLineParser(
+  p = _cli.OneLineParser(
       prog="python -m paged_jax.capacity",
+      error_prefix="python -m paged_jax.capacity: error: ",
       description="Plan KV-cache capacity: paged blocks vs contiguous "
       "max-length reservation.")
-  gib = _positive(fractions.Fraction, "a number")
-  count = _positive(int, "an integer")
+  gib = _cli.number_in(0, MAX_GIB, lo_open=True, exact=True)
+  gib_or_0 = _cli.number_in(0, MAX_GIB, exact=True)
+  count = _cli.int_in(1, MAX_COUNT)
+  devices = _cli.int_in(1, MAX_DEVICES)
   p.add_argument("--model", choices=sorted(PRESETS),
                  help="preset shape (layers, KV heads, head_dim, params); "
                  "explicit flags override it")
   mem = p.add_argument_group("memory")
   mem.add_argument("--mem-gib", type=gib, help="device memory, GiB")
-  mem.add_argument("--util", type=gib,
+  mem.add_argument("--util", type=_cli.number_in(0, 1, lo_open=True, exact=True),
                    help="fraction of memory to use (default 0.9; 1 when "
                    "--kv-pool-gib is given)")
-  mem.add_argument("--weights-gib", type=_non_negative_gib,
+  mem.add_argument("--weights-gib", type=gib_or_0,
                    help="weight bytes, GiB")
-  mem.add_argument("--params", type=_positive(float, "a number"),
+  mem.add_argument("--params", type=_cli.number_in(1, MAX_PARAMS, exact=True),
                    help="parameter count (e.g. 8.03e9), instead of --weights-gib")
   mem.add_argument("--weight-dtype", default="bfloat16",
                    help="dtype of the weights with --params (default bfloat16)")
-  mem.add_argument("--workspace-gib", type=_non_negative_gib, default=0,
+  mem.add_argument("--workspace-gib", type=gib_or_0, default=0,
                    help="activations/scratch, GiB (default 0)")
   mem.add_argument("--kv-pool-gib", type=gib,
                    help="KV pool size, GiB, instead of deriving it from memory")
@@ -337,15 +319,24 @@ def _parser() -> argparse.ArgumentParser:
                     "and the largest max_model_len at which they all fit")
   par = p.add_argument_group(
       "several devices (memory flags are per device)")
-  par.add_argument("--tp", type=count, default=1,
+  par.add_argument("--tp", type=devices, default=1,
                    help="tensor-parallel devices per replica (the model axis): "
                    "weights and KV heads split over them, KV heads replicated "
                    "when fewer than --tp (default 1)")
-  par.add_argument("--dp", type=count, default=1,
+  par.add_argument("--dp", type=devices, default=1,
                    help="data-parallel replicas (the data axis), each with its "
                    "own pool (default 1)")
   p.add_argument("--json", action="store_true", help="machine-readable output")
   return p
+
+
+def _gib_bytes(flag: str, gib: fractions.Fraction) -> int:
+  """Whole bytes of a positive GiB flag; ValueError naming the flag when that
+  is less than one byte."""
+  n = math.floor(gib * GIB)
+  if n < 1:
+    raise ValueError(f"{flag} {float(gib):g} is less than one byte")
+  return n
 
 
 def _resolve_pool(args, shape: ModelShape | None) -> int:
@@ -368,11 +359,11 @@ def _resolve_pool(args, shape: ModelShape | None) -> int:
   workspace = math.ceil(args.workspace_gib * GIB)
 
   if args.kv_pool_gib is not None:
-    pool = math.floor(args.kv_pool_gib * GIB)
+    pool = _gib_bytes("--kv-pool-gib", args.kv_pool_gib)
     if derive:  # Check that the given pool fits next to the weights.
       util = args.util if args.util is not None else 1
-      room = kv_pool_bytes(math.floor(args.mem_gib * GIB), util, weights,
-                           workspace)
+      room = kv_pool_bytes(_gib_bytes("--mem-gib", args.mem_gib), util,
+                           weights, workspace)
       if pool > room:
         raise ValueError(
             f"--kv-pool-gib {float(args.kv_pool_gib):g} does not fit: "
@@ -381,7 +372,8 @@ def _resolve_pool(args, shape: ModelShape | None) -> int:
   if not derive:
     raise ValueError("give --mem-gib (with weights) or --kv-pool-gib")
   util = args.util if args.util is not None else fractions.Fraction(9, 10)
-  return kv_pool_bytes(math.floor(args.mem_gib * GIB), util, weights, workspace)
+  return kv_pool_bytes(_gib_bytes("--mem-gib", args.mem_gib), util, weights,
+                       workspace)
 
 
 def plan_from_args(args: argparse.Namespace) -> dict:
@@ -410,7 +402,16 @@ def plan_from_args(args: argparse.Namespace) -> dict:
   except ValueError:
     raise ValueError(f"--kv-heads {kv_heads} and --tp {args.tp} must divide "
                      "one another") from None
+  if args.avg_tokens > args.max_model_len:
+    raise ValueError(f"--avg-tokens {args.avg_tokens} must be <= "
+                     f"--max-model-len {args.max_model_len}")
   pool = _resolve_pool(args, shape)
+  block = bytes_per_block(layers, stored_heads // args.tp, head_dim,
+                          args.block_size, args.kv_dtype)
+  if pool < block:
+    source = "--kv-pool-gib" if args.kv_pool_gib is not None else "--mem-gib"
+    raise ValueError(f"the KV pool from {source} ({_size(pool)}) holds no "
+                     f"block of {_size(block)} (--block-size {args.block_size})")
   p = plan(kv_pool_bytes=pool, num_layers=layers,
            num_kv_heads=stored_heads // args.tp, head_dim=head_dim,
            block_size=args.block_size, avg_tokens=args.avg_tokens,
@@ -484,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     out = plan_from_args(args)
   except ValueError as e:
-    print(f"python -m paged_jax.capacity: error: {e}", file=sys.stderr)
+    print(f"python -m paged_jax.capacity: error: {_cli.one_line(e)}", file=sys.stderr)
     return 2
   print(json.dumps(out, indent=2) if args.json else format_report(out))
   return 0

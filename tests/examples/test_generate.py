@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import pytest
 
 from examples import generate
@@ -17,7 +18,7 @@ SMALL = ["--block-size", "4", "--num-blocks", "32", "--max-batch", "4",
 
 
 def run(args, capsys):
-  rc = generate.main(args)
+  rc = generate.main(args)  # returns argparse's SystemExit code too
   out, err = capsys.readouterr()
   return rc, out, err
 
@@ -112,19 +113,54 @@ def bad_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("args,match", [
     (["--checkpoint", "/nonexistent/ckpt"], "error: checkpoint directory '/nonexistent/ckpt' does not exist"),
-    (["--num-blocks", "0"], "error: --num-blocks must be >= 1"),
-    (["--block-size", "0"], "error: --block-size must be >= 1"),
-    (["--max-batch", "8", "--max-tokens-per-step", "4"], "error: max_tokens_per_step=4 must be >= max_batch=8"),
+    (["--num-blocks", "0"], "error: argument --num-blocks: expected an integer in [1, 2147483647], got 0\n"),
+    (["--block-size", "0"], "error: argument --block-size: expected an integer in [1, 1048576], got 0\n"),
+    (["--max-batch", "8", "--max-tokens-per-step", "4"],
+     "error: --max-tokens-per-step 4 must be >= --max-batch 8 (every decode must fit one step)\n"),
+    # vLLM's names are aliases; a message names the flag that was typed.
+    (["--max-num-seqs", "8", "--max-num-batched-tokens", "4"],
+     "error: --max-num-batched-tokens 4 must be >= --max-num-seqs 8"),
     (["--max-model-len", "5000"], "error: --max-model-len 5000 exceeds the model's max_position_embeddings"),
     (["--num-blocks", "4", "--kv-budget-mb", "1"], "error: give --num-blocks or --kv-budget-mb"),
-    (["--kv-budget-mb", "0.00001"], "error: the KV budget holds 0 tokens"),
-    (["--temperature", "-1"], "error: temperature must be >= 0"),
+    (["--kv-budget-mb", "0.00001"],
+     "error: --kv-budget-mb 1e-05 holds 0 tokens, less than one block of --block-size 16\n"),
+    (["--temperature", "-1"], "error: argument --temperature: expected a number in [0, 1000000], got -1\n"),
     (["--prompt-ids", "/nonexistent.json"], "error: prompt file '/nonexistent.json' not found"),
-    (["--mesh", "data=2,modle=4"], "error: --mesh must look like data=2,model=4, got 'data=2,modle=4'"),
+    (["--mesh", "data=2,modle=4"],
+     "error: --mesh must look like data=2,model=4 (each from 1 to 4096), got 'data=2,modle=4'\n"),
     (["--mesh", "data=4,model=4"], "error: a data=4 x model=4 mesh needs 16 devices, 8 available"),
     (["--mesh", "model=8"], "error: num_heads=4 must be a multiple of the model axis (8)"),
     (["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "2"],
      "error: --process-id must be in [0, 2), got 2"),
+    # Each of these was a traceback, a hang or silently accepted (issue 12).
+    (["--implementation", "pallas_tpu"],
+     "error: --implementation pallas_tpu cannot serve this model here: it runs on tpu, "
+     "the default backend is cpu"),
+    (["--implementation", "pallas_gpu"],
+     "error: --implementation pallas_gpu cannot serve this model here: it runs on gpu"),
+    (["--output", "/nonexistent/dir/out.json"],
+     "error: --output '/nonexistent/dir/out.json': folder '/nonexistent/dir' does not exist\n"),
+    (["--output", "/"], "error: --output '/' is a folder; give a file name\n"),
+    (["--num-blocks", "100000000"], "error: --num-blocks 100000000 needs 763 GiB of KV memory, "
+     "more than the "),
+    (["--kv-budget-mb", "1e9"], "error: --kv-budget-mb 1e+09 needs 954 TiB of KV memory, more than the "),
+    (["--model-seed", str(2**64)],
+     "error: argument --model-seed: expected an integer in [0, 9223372036854775807], "
+     "got 18446744073709551616\n"),
+    (["--max-new-tokens", "0"], "error: argument --max-new-tokens: expected an integer in [1, 16777216], got 0\n"),
+    (["--max-new-tokens", "256"], "error: --max-new-tokens 256 must be < --max-model-len 256 (room for a prompt)\n"),
+    (["--block-size", "100000"], "error: --block-size 100000 must be <= --max-model-len 256\n"),
+    (["--max-model-len", "1"], "error: argument --max-model-len: expected an integer in [2, 16777216], got 1\n"),
+    (["--n", "2", "--seed", "2147483647"],
+     "error: --seed 2147483647 must be <= 2147483646 (sample i of a request uses its seed + i, an int32)\n"),
+    (["--n", "17"], "error: --n 17 must be <= --max-batch 16 (a request's sequences run in one batch)\n"),
+    (["--beam-width", "8", "--max-num-seqs", "4", "--max-tokens-per-step", "8"],
+     "error: --beam-width 8 must be <= --max-num-seqs 4"),
+    (["--n", "2", "--beam-width", "2"], "error: give --n or --beam-width, not both (got --n 2, --beam-width 2)\n"),
+    (["--top-k", str(2**40)], "error: argument --top-k: expected an integer in [0, 2147483647], got 1099511627776\n"),
+    (["--top-p", "nan"], "error: argument --top-p: expected a finite number, got 'nan'\n"),
+    (["--num-requests", "10000000000"], "error: argument --num-requests: expected an integer in [1, 100000]"),
+    (["--coordinator", "nocolon"], "error: --coordinator must look like HOST:PORT, got 'nocolon'\n"),
 ])
 def test_bad_input_is_one_error_line(args, match, capsys):
   rc, out, err = run(args + ["--no-progress"], capsys)
@@ -135,6 +171,15 @@ def test_bad_input_is_one_error_line(args, match, capsys):
 
 @pytest.mark.parametrize("content,match", [
     ("[[1, 2], [3, 99999]]", "error: prompt 1: token id 99999 is outside the vocabulary"),
+    ("[[1, 2.0]]", "prompt 0, token 1: expected an int token id, got 2.0 (float)"),
+    ("[[true, 2]]", "prompt 0, token 0: expected an int token id, got True (bool)"),
+    ("[[1e400]]", "prompt 0, token 0: expected an int token id, got inf (float)"),
+    ("[" * 100000 + "]" * 100000, "JSON nested too deeply"),
+    ("[[" + "1" * 5000 + "]]", "cannot read it (Exceeds the limit"),
+    ('[{"prompt_ids": [1, 2], "max_new_tokens": 0}]', "prompt 0: max_new_tokens must be an int >= 1, got 0"),
+    ('[{"prompt_ids": [1, 2], "max_new_token": 3}]',
+     "prompt 0: expected keys prompt_ids and optionally max_new_tokens, got ['max_new_token', 'prompt_ids']"),
+    ('[{"prompt_ids": [1, 2], "max_new_tokens": true}]', "max_new_tokens must be an int >= 1, got True"),
     ("{not json", "not valid JSON"),
     ('[[1, 2], "x"]', "prompt 1 must be a non-empty list of ints"),
     ("[]", "expected a non-empty JSON list"),
@@ -150,3 +195,81 @@ def test_malformed_checkpoint_config(bad_checkpoint, capsys):
   rc, _, err = run(["--checkpoint", str(bad_checkpoint), "--no-progress"], capsys)
   assert rc == 2
   assert err == "error: config.json: missing required field 'num_attention_heads'\n"
+
+
+def test_prompt_objects_ignore_eos_and_exact_kv_bytes(tmp_path, capsys):
+  """Objects give per-request budgets beside plain lists; --ignore-eos makes
+  each request generate exactly its budget even where the model stops."""
+  # The tiny model's greedy continuation of this prompt is its EOS (2) at
+  # the third token.
+  stops = [254, 431, 320, 36]
+  prompts = tmp_path / "prompts.json"
+  prompts.write_text(json.dumps([{"prompt_ids": [5, 6, 7], "max_new_tokens": 3},
+                                 [8, 9, 10], {"prompt_ids": stops}]))
+  out = tmp_path / "out.json"
+  got = {}
+  for extra in ([], ["--ignore-eos"]):
+    rc, text, _ = run(SMALL + ["--prompt-ids", str(prompts), "--max-new-tokens", "6",
+                               "--no-baseline", "--output", str(out)] + extra, capsys)
+    assert rc == 0
+    got[bool(extra)] = [(len(c["token_ids"]), c["finish_reason"], c["token_ids"][-1])
+                        for r in json.loads(out.read_text())["requests"]
+                        for c in r["completions"]]
+  # 32 blocks x 4 tokens x 512 bytes per token (2 layers, K and V, 2 heads x 16, f32).
+  assert "KV memory allocated 65536 bytes (0.06 MiB: 32 blocks x 4 tokens)" in text
+  assert [n for n, _, _ in got[True]] == [3, 6, 6]
+  assert {reason for _, reason, _ in got[True]} == {"length"}
+  assert got[False][2] == (3, "stop", 2)
+  assert got[False][:2] == got[True][:2]
+
+
+def test_block_size_keeps_the_kv_memory(capsys):
+  """Memory first: without --num-blocks, --block-size changes the number of
+  blocks, not the bytes; --num-blocks still sets the pool explicitly."""
+  per_token = model_lib.LlamaConfig.tiny().kv_bytes_per_token()
+  sizes = {}
+  for block in ("8", "16", "32"):
+    args = generate.parse_and_check(["--block-size", block])
+    tokens, source = generate.kv_tokens_from_args(args, per_token)
+    sizes[block] = tokens // int(block)
+    assert tokens == generate.DEFAULT_KV_TOKENS and source.startswith("the default")
+  assert sizes == {"8": 128, "16": 64, "32": 32}
+  args = generate.parse_and_check(["--block-size", "48", "--kv-budget-mb", "1"])
+  tokens, _ = generate.kv_tokens_from_args(args, per_token)
+  assert tokens == 2**20 // per_token == 2048  # 42 whole blocks of 48 are allocated
+  args = generate.parse_and_check(["--block-size", "8", "--num-blocks", "10"])
+  assert generate.kv_tokens_from_args(args, per_token) == (80, "--num-blocks 10")
+
+
+def test_vllm_aliases():
+  args = generate.parse_and_check(["--max-num-seqs", "8", "--max-num-batched-tokens", "64"])
+  assert (args.max_batch, args.max_tokens_per_step) == (8, 64)
+  args = generate.parse_and_check(["--max-batch", "8"])
+  assert args.max_batch == 8 and generate._flag(args, "max_batch") == "--max-batch"
+
+
+class _FakeDevice:
+  platform, id = "gpu", 3
+
+  def memory_stats(self):
+    return {"bytes_limit": 8 * 2**30, "bytes_in_use": 6 * 2**30}
+
+
+def test_kv_memory_is_checked_against_the_device():
+  generate.check_kv_memory(2**30, 4 * 2**30, "--num-blocks 10", [_FakeDevice()])
+  with pytest.raises(ValueError, match=r"^--num-blocks 99 needs 3 GiB of KV memory per "
+                     r"device, more than the 2 GiB of gpu device 3$"):
+    generate.check_kv_memory(3 * 2**30, 6 * 2**30, "--num-blocks 99", [_FakeDevice()])
+  free, where = generate.free_memory_bytes(jax.devices("cpu")[0])
+  assert free > 0 and where.startswith("host memory")
+
+
+def test_every_request_rejected_exits_1_after_the_report(tmp_path, capsys):
+  out = tmp_path / "out.json"
+  prompts = tmp_path / "p.json"
+  prompts.write_text(json.dumps([[5] * 70, [6] * 80]))
+  rc, text, err = run(SMALL + ["--prompt-ids", str(prompts), "--no-baseline",
+                               "--output", str(out)], capsys)
+  assert rc == 1
+  assert "requests served     0 of 2 (2 rejected)" in text and out.exists()
+  assert err.splitlines()[-1] == "error: all 2 requests were rejected"

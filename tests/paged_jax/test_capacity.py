@@ -174,14 +174,38 @@ def test_cli_text_report(capsys):
     ("--avg-tokens 512", "the following arguments are required: --max-model-len"),
     (EXAMPLE_80 + " --model gpt-9", "argument --model: invalid choice: 'gpt-9'"),
     (EXAMPLE_80 + " --layers x", "argument --layers: expected an integer, got 'x'"),
-    (EXAMPLE_80 + " --block-size 0", "argument --block-size: expected a positive value, got 0"),
-    (EXAMPLE_80 + " --mem-gib lots", "argument --mem-gib: expected a number, got 'lots'"),
-    (EXAMPLE_80 + " --workspace-gib -1", "argument --workspace-gib: expected a value >= 0"),
-    (EXAMPLE_80 + " --weights-gib 1/0", "argument --weights-gib: expected a number"),
+    (EXAMPLE_80 + " --block-size 0",
+     r"argument --block-size: expected an integer in \[1, 2147483647\], got 0$"),
+    (EXAMPLE_80 + " --mem-gib lots", "argument --mem-gib: expected a finite number, got 'lots'"),
+    (EXAMPLE_80 + " --workspace-gib -1",
+     r"argument --workspace-gib: expected a number in \[0, 1048576\], got -1$"),
+    (EXAMPLE_80 + " --weights-gib 1/0", "argument --weights-gib: expected a finite number, got '1/0'"),
+    # Overflowing, infinite and huge values (once tracebacks or a hang).
+    (EXAMPLE_80 + " --weights-gib 0 --params inf",
+     "argument --params: expected a finite number, got 'inf'$"),
+    (EXAMPLE_80 + " --params 1e400",
+     r"argument --params: expected a number in \[1, 1000000000000000\], got 1e400$"),
+    (EXAMPLE_80 + " --params nan", "argument --params: expected a finite number, got 'nan'$"),
+    (EXAMPLE_80 + " --mem-gib 1e999999",
+     r"argument --mem-gib: expected a number in \(0, 1048576\], got 1e999999$"),
+    (EXAMPLE_80 + " --mem-gib 1e99999999",
+     r"argument --mem-gib: expected a number in \(0, 1048576\], got 1e99999999$"),
+    (EXAMPLE_80 + " --kv-pool-gib 1e999999", r"argument --kv-pool-gib: expected a number in \(0, 1048576\]"),
+    (EXAMPLE_80 + " --weights-gib 1e999999", r"argument --weights-gib: expected a number in \[0, 1048576\]"),
+    (EXAMPLE_80 + " --workspace-gib 1e999999", r"argument --workspace-gib: expected a number in \[0, 1048576\]"),
+    (EXAMPLE_80 + " --workspace-gib 1e-99999999",
+     r"argument --workspace-gib: expected a number in \[0, 1048576\] with at most 30 decimal places"),
+    (EXAMPLE_80 + " --layers 1" + "0" * 5000, "argument --layers: expected an integer, got '1000"),
+    (EXAMPLE_80 + " --tp 99999999999999999999", r"argument --tp: expected an integer in \[1, 1048576\]"),
+    # Values that round to nothing name the flag, not a derived size.
+    ("--model llama-3.1-8b --kv-pool-gib 1e-20 --avg-tokens 1 --max-model-len 8",
+     "--kv-pool-gib 1e-20 is less than one byte"),
+    ("--model llama-3.1-8b --mem-gib 1e-20 --weights-gib 0 --avg-tokens 1 --max-model-len 8",
+     "--mem-gib 1e-20 is less than one byte"),
     # Planner rejections.
     ("--mem-gib 80 --weights-gib 16 --avg-tokens 512 --max-model-len 8192",
      "missing --layers, --kv-heads, --head-dim"),
-    (EXAMPLE_80 + " --util 1.2", r"--util 1.2 must be in \(0, 1\]"),
+    (EXAMPLE_80 + " --util 1.2", r"argument --util: expected a number in \(0, 1\], got 1.2"),
     (EXAMPLE_80 + " --kv-dtype float7", "unknown dtype 'float7'"),
     (EXAMPLE_80 + " --kv-dtype int4", "dtype 'int4' is sub-byte"),
     (EXAMPLE_80 + " --params 8e9", "give --weights-gib or --params, not both"),
@@ -194,9 +218,9 @@ def test_cli_text_report(capsys):
     ("--model llama-3.1-8b --mem-gib 16 --weights-gib 16 --avg-tokens 512 "
      "--max-model-len 8192", "no memory left for the KV cache"),
     (EXAMPLE_80.replace("--avg-tokens 512", "--avg-tokens 9000"),
-     "avg_tokens=9000 must be <= max_model_len=8192"),
+     "--avg-tokens 9000 must be <= --max-model-len 8192"),
     ("--model llama-3.1-8b --kv-pool-gib 0.001 --avg-tokens 1 --max-model-len 8",
-     "holds no block of 2097152 bytes"),
+     r"the KV pool from --kv-pool-gib \(1.024 MiB\) holds no block of 2 MiB \(--block-size 16\)"),
 ])
 def test_cli_errors_are_one_line(capsys, args, match):
   try:
@@ -217,11 +241,15 @@ def test_module_entry_point():
       [sys.executable, "-m", "paged_jax.capacity", *EXAMPLE_80.split(), "--json"],
       capture_output=True, text=True, check=True)
   assert json.loads(result.stdout)["concurrency_ratio"] == 16.0
-  result = subprocess.run(
-      [sys.executable, "-m", "paged_jax.capacity", "--avg-tokens", "0"],
-      capture_output=True, text=True)
-  assert result.returncode == 2
-  assert result.stderr.count("\n") == 1
+  # Bad values end to end: one line, exit 2, no traceback, no hang.
+  for bad in (["--avg-tokens", "0"], [*EXAMPLE_80.split(), "--mem-gib", "1e99999999", "--json"],
+              [*EXAMPLE_80.split(), "--params", "inf"]):
+    result = subprocess.run(
+        [sys.executable, "-m", "paged_jax.capacity", *bad],
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("python -m paged_jax.capacity: error: ")
 
 
 # Published Hugging Face config.json values of each preset: vocab, hidden,

@@ -1,0 +1,50 @@
+"""benchmarks/vllm_compare.py without vLLM: it skips cleanly, and its
+workloads and summaries are what it says (the benchmark itself is not a test)."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from benchmarks import vllm_compare
+
+
+def test_skips_with_exit_0_where_vllm_is_missing(capsys):
+  assert vllm_compare.main(["--vllm-python", "/nonexistent/python"]) == 0
+  out = capsys.readouterr().out
+  assert out == ("vllm_compare: skipped: vLLM is not installed (no Python at "
+                 "/nonexistent/python (set --vllm-python or $VLLM_PYTHON))\n")
+
+
+def test_workloads_fit_the_engine_sizes():
+  args = vllm_compare.parse_args(["--num-requests", "128"])
+  for name in vllm_compare.WORKLOADS:
+    lengths = vllm_compare._lengths(name, args)
+    assert len(lengths) == 128
+    assert all(p >= 1 and o >= 1 and p + o <= args.max_model_len for p, o in lengths)
+  # Azure: the trace's first rows, lengths scaled by 1/8 (374 and 44 tokens).
+  assert vllm_compare._lengths("azure", args)[0] == (47, 6)
+
+
+def test_summary_and_greedy_comparison():
+  a = [{"tokens_per_second": t, "generated_tokens": 10, "wall_seconds": 1.0,
+        "token_ids": [[1, 2, 3], [4, 5]], "engine": "paged-jax"} for t in (50.0, 70.0)]
+  b = [{"tokens_per_second": t, "generated_tokens": 10, "wall_seconds": 1.0,
+        "ttft_p50_s": 0.1, "tpot_p50_s": 0.01, "token_ids": [[1, 2, 3], [4, 6]],
+        "engine": "vllm"} for t in (100.0, 140.0)]
+  r = vllm_compare.summarise("sharegpt", a, b)
+  assert r["throughput_ratio_paged_jax_over_vllm"] == 60.0 / 120.0
+  assert r["greedy"] == {"identical_requests": 1, "requests": 2,
+                         "first_divergence_positions": [1]}
+  assert "ttft_ratio_paged_jax_over_vllm" not in r  # paged-jax reported none
+  (line,) = vllm_compare.summary_lines({"workloads": {"sharegpt": r}})
+  assert line == (" sharegpt: paged-jax 60.0 vs vLLM 120.0 output tokens/s = 0.50x; "
+                  "vLLM median TTFT 100.0 ms (paged-jax: n/a); vLLM median TPOT 10.0 ms "
+                  "(paged-jax: n/a); greedy identical 1/2")
+
+
+def test_latencies_are_read_from_generate_json_when_present():
+  stats = {"latency": {"ttft_ms": {"p50": 12.0}, "tpot_ms": {"p50": 3.0}}}
+  assert vllm_compare._latency_fields(stats) == pytest.approx(
+      {"ttft_p50_s": 0.012, "tpot_p50_s": 0.003})
+  assert vllm_compare._latency_fields({"tokens_per_second": 1.0}) == {}
