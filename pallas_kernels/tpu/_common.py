@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 from jax import lax
@@ -9,6 +10,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels import contract
 
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -91,13 +94,74 @@ def online_softmax_block(m_ref, l_ref, acc_ref, s, visible, load_v, *,
   acc_ref[...] = alpha * acc_ref[...] + pv
 
 
-def async_page_copy(hbm_ref, buf, sems, kv, head, block_id, slot, j,
-                    block_size):
-  """Async copy of page `hbm_ref[head, block_id]` into rows
-  `j * block_size ..` of `buf[slot]`, signalling `sems[kv, slot]`."""
-  return pltpu.make_async_copy(
-      hbm_ref.at[head, block_id],
-      buf.at[slot, pl.ds(j * block_size, block_size)], sems.at[kv, slot])
+class PageCopies:
+  """Async copies of a sequence's K/V pages, one compute block at a time,
+  into the two slots of a VMEM double buffer (both TPU kernels use it).
+
+  A run of pages is given by `row` (the offset of the sequence's row in the
+  flat SMEM block table), `page_lo` / `page_end` (the pages to walk) and the
+  KV `head`. Page `page_lo + block * pages_per_block + j` of compute `block`
+  lands in rows `j * block_size ..` of the slot. A page is copied only if it
+  is below `page_end` and its table entry is a block in `[0, num_blocks)`
+  (`pallas_kernels.contract.valid_block`): other entries are never read.
+  """
+
+  def __init__(self, tables_ref, k_hbm_ref, v_hbm_ref, k_buf, v_buf, sems, *,
+               block_size, max_blocks_per_seq):
+    self.tables_ref = tables_ref  # i32[rows * max_blocks_per_seq] (SMEM)
+    self.hbm = (k_hbm_ref, v_hbm_ref)  # [num_kv_heads, num_blocks, bs, d]
+    self.bufs = (k_buf, v_buf)  # [2, pages_per_block * block_size, d]
+    self.sems = sems  # DMA [2 (k, v), 2 (slot)]
+    self.block_size = block_size
+    self.max_blocks_per_seq = max_blocks_per_seq
+    self.pages_per_block = k_buf.shape[1] // block_size
+    self.num_blocks = k_hbm_ref.shape[1]
+
+  def block_id(self, row, page):
+    """The table entry of `page` (clamped into the sequence's row)."""
+    return self.tables_ref[row + jnp.minimum(page, self.max_blocks_per_seq - 1)]
+
+  def pages(self, row, page_lo, page_end, block):
+    """`[(page, copied)]` for the pages of compute `block`."""
+    out = []
+    for j in range(self.pages_per_block):
+      page = page_lo + block * self.pages_per_block + j
+      copied = (page < page_end) & contract.valid_block(
+          self.block_id(row, page), self.num_blocks)
+      out.append((page, copied))
+    return out
+
+  def pages_ok(self, row, page_lo, page_end, block):
+    """Per page of `block`, whether its tokens may be used (copied, or past
+    `page_end` where the caller's position mask hides them), and whether all
+    may: False marks a page inside the run whose entry is not a block."""
+    flags = [copied | (page >= page_end)
+             for page, copied in self.pages(row, page_lo, page_end, block)]
+    return flags, functools.reduce(lambda a, b: a & b, flags)
+
+  def _copy(self, kv, head, row, page, j, slot):
+    buf = self.bufs[kv]
+    return pltpu.make_async_copy(
+        self.hbm[kv].at[head, self.block_id(row, page)],
+        buf.at[slot, pl.ds(j * self.block_size, self.block_size)],
+        self.sems.at[kv, slot])
+
+  def start(self, head, row, page_lo, page_end, block, slot):
+    """Starts the K and V copies of compute `block` into `slot`."""
+    for j, (page, copied) in enumerate(self.pages(row, page_lo, page_end,
+                                                  block)):
+      @pl.when(copied)
+      def _(page=page, j=j):
+        self._copy(0, head, row, page, j, slot).start()
+        self._copy(1, head, row, page, j, slot).start()
+
+  def wait(self, kv, head, row, page_lo, page_end, block, slot):
+    """Waits for the K (kv=0) or V (kv=1) copies of compute `block`."""
+    for j, (page, copied) in enumerate(self.pages(row, page_lo, page_end,
+                                                  block)):
+      pl.when(copied)(functools.partial(
+          lambda page, j: self._copy(kv, head, row, page, j, slot).wait(),
+          page, j))
 
 
 def page_token_mask(shape, axis, block_size, pages_ok):

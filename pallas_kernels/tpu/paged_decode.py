@@ -135,45 +135,17 @@ def _paged_decode_kernel(
   num_blocks = jnp.maximum(pl.cdiv(num_pages - first_page, pages_per_block), 0)
   num_steps = num_kv_heads * num_blocks  # flat (kv head, block) pipeline
 
-  num_pool_blocks = k_pages_hbm_ref.shape[1]
-
-  def block_id(page):
-    """The table entry of `page` (clamped into this sequence's row)."""
-    page = jnp.minimum(page, max_blocks_per_seq - 1)
-    return block_tables_ref[b * max_blocks_per_seq + page]
-
-  def page_copy(kv, h, page, j, slot):
-    """Async copy of K (kv=0) or V (kv=1) `page` of head `h` to `[slot, j]`."""
-    hbm_ref, buf = ((k_pages_hbm_ref, k_buf) if kv == 0 else
-                    (v_pages_hbm_ref, v_buf))
-    return _common.async_page_copy(hbm_ref, buf, sems, kv, h, block_id(page),
-                                   slot, j, block_size)
-
-  def pages_of(block):
-    """Pages of compute `block` and whether each is copied."""
-    pages = [first_page + block * pages_per_block + j
-             for j in range(pages_per_block)]
-    copied = [(page < num_pages)
-              & contract.valid_block(block_id(page), num_pool_blocks)
-              for page in pages]
-    return pages, copied
-
-  def for_each_page(block, fn):
-    """Calls `fn(page, j)` for the pages `j` of compute `block` that are
-    copied: below num_pages, with a table entry that is a block."""
-    pages, copied = pages_of(block)
-    for j, (page, ok) in enumerate(zip(pages, copied)):
-      pl.when(ok)(functools.partial(fn, page, j))
+  copies = _common.PageCopies(
+      block_tables_ref, k_pages_hbm_ref, v_pages_hbm_ref, k_buf, v_buf, sems,
+      block_size=block_size, max_blocks_per_seq=max_blocks_per_seq)
+  row = b * max_blocks_per_seq
+  run = (row, first_page, num_pages)  # this sequence's pages to walk
 
   def start(h, block, slot):
-    def fn(page, j):
-      page_copy(0, h, page, j, slot).start()
-      page_copy(1, h, page, j, slot).start()
-    for_each_page(block, fn)
+    copies.start(h, *run, block, slot)
 
   def wait(kv, h, block, slot):
-    for_each_page(block,
-                  lambda page, j: page_copy(kv, h, page, j, slot).wait())
+    copies.wait(kv, h, *run, block, slot)
 
   # Heads are written as they finish; kv_len == 0 leaves these zeros.
   o_ref[...] = jnp.zeros_like(o_ref)
@@ -232,9 +204,7 @@ def _paged_decode_kernel(
 
     # A page inside kv_len whose entry is not a block contributes no tokens:
     # the common case pays one scalar test per page for it.
-    pages, copied = pages_of(i)
-    pages_ok = [ok | (page >= num_pages) for page, ok in zip(pages, copied)]
-    all_ok = functools.reduce(lambda a, b: a & b, pages_ok)
+    pages_ok, all_ok = copies.pages_ok(*run, i)
     pl.when(all_ok)(lambda: compute(h, i, slot, None))
     pl.when(~all_ok)(lambda: compute(h, i, slot, pages_ok))
 

@@ -143,45 +143,18 @@ def _ragged_attention_kernel(
                 pos_offset=pos_offset, page_lo=page_lo, page_end=page_end,
                 num_blocks=num_blocks, has_rows=has_rows)
 
-  num_pool_blocks = k_pages_hbm_ref.shape[1]
+  copies = _common.PageCopies(
+      block_tables_ref, k_pages_hbm_ref, v_pages_hbm_ref, k_buf, v_buf, sems,
+      block_size=block_size, max_blocks_per_seq=max_blocks_per_seq)
 
-  def block_id(info, page):
-    """The table entry of `page` (clamped into the sequence's row)."""
-    page = jnp.minimum(page, max_blocks_per_seq - 1)
-    return block_tables_ref[info["s"] * max_blocks_per_seq + page]
-
-  def page_copy(kv, info, page, j, slot):
-    """Async copy of K (kv=0) or V (kv=1) `page` of a sequence to `[slot, j]`."""
-    hbm_ref, buf = ((k_pages_hbm_ref, k_buf) if kv == 0 else
-                    (v_pages_hbm_ref, v_buf))
-    return _common.async_page_copy(hbm_ref, buf, sems, kv, h,
-                                   block_id(info, page), slot, j, block_size)
-
-  def pages_of(info, block):
-    """Pages of `block` and whether each is copied (below the sequence's
-    end, with a table entry that is a block)."""
-    pages = [info["page_lo"] + block * pages_per_block + j
-             for j in range(pages_per_block)]
-    copied = [(page < info["page_end"])
-              & contract.valid_block(block_id(info, page), num_pool_blocks)
-              for page in pages]
-    return pages, copied
-
-  def for_each_page(info, block, fn):
-    """Calls `fn(page, j)` for the copied pages `j` of `block`."""
-    pages, copied = pages_of(info, block)
-    for j, (page, ok) in enumerate(zip(pages, copied)):
-      pl.when(ok)(functools.partial(fn, page, j))
+  def run(info):  # the sequence's pages this block's rows can see
+    return info["s"] * max_blocks_per_seq, info["page_lo"], info["page_end"]
 
   def start(info, block, slot):
-    def fn(page, j):
-      page_copy(0, info, page, j, slot).start()
-      page_copy(1, info, page, j, slot).start()
-    for_each_page(info, block, fn)
+    copies.start(h, *run(info), block, slot)
 
   def wait(kv, info, block, slot):
-    for_each_page(
-        info, block, lambda page, j: page_copy(kv, info, page, j, slot).wait())
+    copies.wait(kv, h, *run(info), block, slot)
 
   m_ref[...] = jnp.full_like(m_ref, -jnp.inf)
   l_ref[...] = jnp.zeros_like(l_ref)
@@ -239,10 +212,7 @@ def _ragged_attention_kernel(
   def compute_checked(info, block, slot):
     # A page whose table entry is not a block contributes no tokens: the
     # common case pays one scalar test per page for it.
-    pages, copied = pages_of(info, block)
-    pages_ok = [ok | (page >= info["page_end"])
-                for page, ok in zip(pages, copied)]
-    all_ok = functools.reduce(lambda a, b: a & b, pages_ok)
+    pages_ok, all_ok = copies.pages_ok(*run(info), block)
     pl.when(all_ok)(lambda: compute(info, block, slot, None))
     pl.when(~all_ok)(lambda: compute(info, block, slot, pages_ok))
 
