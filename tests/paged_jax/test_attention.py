@@ -243,7 +243,12 @@ def test_wide_integer_indices_saturate_instead_of_wrapping():
 
 
 def _checked(fn):
-  return checkify.checkify(jax.jit(fn), errors=checkify.user_checks)
+  return jax.jit(checkify.checkify(fn, errors=checkify.user_checks))
+
+
+# Jitted once: the tests below share shapes, so they share one compilation.
+CHECKED_DECODE = _checked(attention.paged_attention)
+CHECKED_RAGGED = _checked(attention.ragged_paged_attention)
 
 
 def _valid_decode():
@@ -269,7 +274,7 @@ def test_checkify_decode_violations(change, match):
   if "table" in change:
     s, j, value = change["table"]
     tables[s, j] = value
-  err, out = _checked(attention.paged_attention)(
+  err, out = CHECKED_DECODE(
       c.q, c.k_pages, c.v_pages, tables, kv_lens)
   assert err.get() is not None and re.search(match, err.get()), err.get()
   assert np.isfinite(np.asarray(out)).all()  # the contract still holds
@@ -279,12 +284,12 @@ def test_checkify_decode_violations(change, match):
 
 def test_checkify_passes_valid_inputs_on_every_op():
   c = _valid_decode()
-  err, _ = _checked(attention.paged_attention)(
+  err, _ = CHECKED_DECODE(
       c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens)
   assert err.get() is None
   r, _ = contract.ragged_case(contract.RAGGED_ROWS[1], seed=0)  # NaN-free rows
   tables = jnp.where(r.block_tables >= 0, r.block_tables, 0)
-  err, _ = _checked(attention.ragged_paged_attention)(
+  err, _ = CHECKED_RAGGED(
       jnp.nan_to_num(r.q), r.k_pages, r.v_pages, tables, r.kv_lens,
       r.cu_q_lens, jnp.array([4], jnp.int32))
   assert err.get() is None, err.get()
@@ -301,7 +306,7 @@ def test_checkify_passes_valid_inputs_on_every_op():
 ])
 def test_checkify_ragged_violations(row, match):
   r, _ = contract.ragged_case(contract.RAGGED_ROWS[row], seed=0)
-  err, _ = _checked(attention.ragged_paged_attention)(
+  err, _ = CHECKED_RAGGED(
       r.q, r.k_pages, r.v_pages, r.block_tables, r.kv_lens, r.cu_q_lens,
       r.num_seqs)
   assert err.get() is not None and re.search(match, err.get()), err.get()
