@@ -312,6 +312,20 @@ def test_checkify_ragged_violations(row, match):
   assert err.get() is not None and re.search(match, err.get()), err.get()
 
 
+def test_checkify_composes_with_a_kernel():
+  """The checks live in the public API, before dispatch: a Pallas kernel
+  (interpret mode here) is checked the same way, and still follows the
+  contract."""
+  c = contract.decode_case(seed=0)
+  args = (c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens)
+  err, out = _checked(functools.partial(
+      attention.paged_attention, implementation="pallas_gpu",
+      interpret=True))(*args)
+  assert re.search("sequence 1 has kv_len 1000", err.get()), err.get()
+  cases.assert_rows_close(out, reference.paged_attention_reference(*args),
+                          jnp.float32)
+
+
 def test_checks_are_free_without_checkify():
   """Without checkify the debug checks leave nothing in the compiled step."""
   c = _valid_decode()
