@@ -78,6 +78,8 @@ def paged_decode_xla(
   Arguments as `paged_jax.attention.paged_attention`, with `sm_scale`
   resolved. Returns `[batch, num_q_heads, head_dim]` in `q.dtype`.
   """
+  if contract.is_empty(q, block_tables):
+    return jnp.zeros(q.shape, q.dtype)
   batch, num_q_heads, head_dim = q.shape
   num_kv_heads, num_blocks, block_size, _ = k_pages.shape
   width = block_tables.shape[1]
@@ -172,6 +174,8 @@ def ragged_paged_attention_xla(
   resolved. Returns `[num_tokens, num_q_heads, head_dim]` in `q.dtype`; rows
   no sequence owns are zeros.
   """
+  if contract.is_empty(q, block_tables):
+    return jnp.zeros(q.shape, q.dtype)
   num_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads, num_blocks, block_size, _ = k_pages.shape
   width = block_tables.shape[1]

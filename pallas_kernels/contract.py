@@ -6,7 +6,8 @@ kernel entry point and `paged_jax.attention` call. Traced values cannot raise,
 so malformed ones follow one rule on every backend:
 
 * `kv_lens` are clamped to `[0, max_blocks_per_seq * block_size]`
-  (`clamp_kv_lens`);
+  (`clamp_kv_lens`); empty shapes (no query, sequence or table column) give
+  zeros (`is_empty`);
 * a block-table entry inside a sequence's (clamped) `kv_len` that is
   `NULL_BLOCK` (-1) or otherwise outside `[0, num_blocks)` contributes no
   tokens and is never dereferenced (`valid_block`);
@@ -152,6 +153,15 @@ def saturate_to_int32(x):
 # Traced rules: one function per rule, used by every backend.
 
 
+def is_empty(q, block_tables) -> bool:
+  """Static: no query row, no sequence or no table column.
+
+  The output is then all zeros (every `kv_len` clamps to 0, or no sequence
+  exists) and every backend returns `zeros(q.shape, q.dtype)` without running.
+  """
+  return 0 in (q.shape[0], block_tables.shape[0], block_tables.shape[1])
+
+
 def valid_block(ids, num_blocks: int):
   """Whether block-table entries name a real block: `0 <= id < num_blocks`.
 
@@ -207,6 +217,8 @@ def _traced(*arrays) -> bool:
 
 def _debug_check_tables(block_tables, kv_lens, num_blocks, block_size, live):
   block_tables, kv_lens = jnp.asarray(block_tables), jnp.asarray(kv_lens)
+  if block_tables.size == 0:  # nothing to check (and argmax needs an element)
+    return
   max_blocks_per_seq = block_tables.shape[1]
   cap = max_blocks_per_seq * block_size
   bad_len = live & ((kv_lens < 0) | (kv_lens > cap))
@@ -244,6 +256,8 @@ def debug_check_ragged(q, k_pages, block_tables, kv_lens, cu_q_lens,
     return
   cu_q_lens = jnp.asarray(cu_q_lens)
   max_num_seqs = block_tables.shape[0]
+  if max_num_seqs == 0:
+    return
   n = jnp.asarray(num_seqs).reshape(-1)[0]
   checkify.debug_check(
       (n >= 0) & (n <= max_num_seqs),

@@ -171,6 +171,14 @@ class MalformedDecodeContract:
     assert not np.asarray(out[3]).any() and not np.asarray(out[7]).any()
 
 
+  @pytest.mark.parametrize("batch, width", [(0, WIDTH), (2, 0)])
+  def test_empty_decode_gives_zeros(self, batch, width):
+    k = jnp.zeros((NUM_KV_HEADS, 4, BLOCK_SIZE, HEAD_DIM))
+    q = jnp.ones((batch, NUM_Q_HEADS, HEAD_DIM))
+    out = self.decode(q, k, k, jnp.zeros((batch, width), jnp.int32),
+                      jnp.full((batch,), 5, jnp.int32))
+    assert out.shape == q.shape and not np.asarray(out).any()
+
 
 class MalformedInputContract(MalformedDecodeContract):
   """Malformed traced inputs, decode and ragged: every backend gives the
@@ -190,6 +198,17 @@ class MalformedInputContract(MalformedDecodeContract):
     ref = reference.ragged_paged_attention_reference(*args)
     assert not ref[~used].any()
     cases.assert_rows_close(out, ref, jnp.float32)
+
+  @pytest.mark.parametrize("num_tokens, max_num_seqs, width",
+                           [(0, 2, WIDTH), (5, 0, WIDTH), (5, 2, 0)])
+  def test_empty_ragged_gives_zeros(self, num_tokens, max_num_seqs, width):
+    k = jnp.zeros((NUM_KV_HEADS, 4, BLOCK_SIZE, HEAD_DIM))
+    q = jnp.ones((num_tokens, NUM_Q_HEADS, HEAD_DIM))
+    cu = jnp.minimum(jnp.arange(max_num_seqs + 1, dtype=jnp.int32), num_tokens)
+    out = self.ragged(q, k, k, jnp.zeros((max_num_seqs, width), jnp.int32),
+                      jnp.full((max_num_seqs,), 5, jnp.int32), cu,
+                      jnp.array([max_num_seqs], jnp.int32))
+    assert out.shape == q.shape and not np.asarray(out).any()
 
 
 # ----------------------------------------------------------------------------

@@ -363,6 +363,8 @@ def paged_decode(
   reason = _limitation(q, k_pages, block_tables, config)
   if reason is not None:
     raise ValueError(f"paged_decode (GPU) cannot serve these inputs: {reason}")
+  if contract.is_empty(q, block_tables):
+    return jnp.zeros(q.shape, q.dtype)
   if config is None:
     config = default_config(q, k_pages, block_tables)
   if sm_scale is None:

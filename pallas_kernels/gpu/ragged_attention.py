@@ -333,12 +333,12 @@ def ragged_paged_attention(
   if reason is not None:
     raise ValueError(
         f"ragged_paged_attention (GPU) cannot serve these inputs: {reason}")
+  if contract.is_empty(q, block_tables):
+    return jnp.zeros(q.shape, q.dtype)
   if config is None:
     config = default_config(q, k_pages, block_tables)
   if sm_scale is None:
     sm_scale = q.shape[-1] ** -0.5
-  if q.shape[0] == 0:
-    return jnp.zeros(q.shape, q.dtype)
   kv_lens = contract.clamp_kv_lens(kv_lens, block_tables.shape[1],
                                    k_pages.shape[2])
   cu_q_lens, num_seqs = contract.sanitize_ragged_metadata(

@@ -418,6 +418,8 @@ def paged_decode(
   reason = _limitation(q, k_pages, block_tables, config)
   if reason is not None:
     raise ValueError(f"paged_decode (TPU) cannot serve these inputs: {reason}")
+  if contract.is_empty(q, block_tables):
+    return jnp.zeros(q.shape, q.dtype)
   head_dim = q.shape[2]
   if sm_scale is None:
     sm_scale = head_dim**-0.5

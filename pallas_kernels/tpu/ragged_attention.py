@@ -486,6 +486,8 @@ def ragged_paged_attention(
   if reason is not None:
     raise ValueError(
         f"ragged_paged_attention (TPU) cannot serve these inputs: {reason}")
+  if contract.is_empty(q, block_tables):
+    return jnp.zeros(q.shape, q.dtype)
   num_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads = k_pages.shape[0]
   num_groups = num_q_heads // num_kv_heads

@@ -269,8 +269,6 @@ def _small_inputs(**overrides):
 # Kernel limitations and config errors; malformed inputs (the validator's
 # messages) are tested for every backend by tests/contract.py.
 _BAD_INPUTS = [
-    (dict(tables=((2, 0), jnp.int32)), {},
-     r"block_tables needs a row and a column"),
     (dict(q=((2, 8, 64), jnp.float8_e4m3fn)), {},
      r"q dtype float8_e4m3fn is not one of"),
     (dict(k=((2, 10, 16, 64), jnp.float8_e4m3fn),
