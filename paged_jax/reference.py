@@ -20,7 +20,8 @@ every backend follows; this file states it independently, in plain Python):
   * ragged: `num_seqs` is clamped to `[0, max_num_seqs]`; sequence `s` is
     served only if `cu_q_lens[0] == 0` and `cu_q_lens[0] <= ... <=
     cu_q_lens[s+1] <= num_tokens`; the first malformed sequence and all after
-    it are dropped, and every row no served sequence owns is zero.
+    it are dropped, and every row no served sequence owns is zero; a query
+    at a negative position (`q_len > kv_len`) sees no key and is zero.
 """
 
 from __future__ import annotations

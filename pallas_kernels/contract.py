@@ -16,7 +16,9 @@ so malformed ones follow one rule on every backend:
   is served if `cu_q_lens[0] == 0` and `cu_q_lens[0] <= ... <= cu_q_lens[s+1]
   <= num_tokens`. From the first violation on, sequences are dropped and their
   rows (like every row no served sequence owns) are zeros
-  (`sanitize_ragged_metadata`).
+  (`sanitize_ragged_metadata`). A served sequence with more new tokens than
+  `kv_len` puts its first rows at negative positions: they see no key and
+  are zeros.
 
 `debug_check_decode` / `debug_check_ragged` state the same contract as
 `jax.experimental.checkify.debug_check`s: free unless the caller runs under
@@ -282,3 +284,10 @@ def debug_check_ragged(q, k_pages, block_tables, kv_lens, cu_q_lens,
       c=cu_q_lens[n], t=jnp.int32(q.shape[0]))
   _, num_blocks, block_size, _ = k_pages.shape
   _debug_check_tables(block_tables, kv_lens, num_blocks, block_size, live)
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  short = live & (q_lens > jnp.asarray(kv_lens))
+  checkify.debug_check(
+      ~jnp.any(short),
+      "sequence {s} has q_len {q} > kv_len {n} (kv_len counts the new tokens)",
+      s=jnp.argmax(short), q=q_lens[jnp.argmax(short)],
+      n=jnp.asarray(kv_lens)[jnp.argmax(short)])

@@ -9,7 +9,7 @@ them and says how to call its decode and ragged functions:
   (lengths past the table's capacity or negative, table entries that are
   `NULL_BLOCK`, `num_blocks`, `2**30` or negative inside `kv_len`, ragged
   `num_seqs` out of range, `cu_q_lens` not starting at 0, decreasing, or past
-  `num_tokens`) against the float32 reference, with NaN in every block slot
+  `num_tokens`, more new tokens than `kv_len`) against the float32 reference, with NaN in every block slot
   and query row the contract says is not used.
 
 Shapes are small and shared by every backend (interpret mode is slow).
@@ -106,6 +106,8 @@ RAGGED_ROWS = [
               kv_lens=(9, 1000, -3, 20),
               tables=((B, NULL_BLOCK, B), (B, "num_blocks", B), (B, B, B),
                       (B, FAR, -2))),
+    RaggedRow("q_len > kv_len", (0, 5, 6, 7, 11), 4, 4,
+              kv_lens=(3, 17, 0, 2)),
     RaggedRow("num_seqs -1", (0, 5, 6, 7, 11), -1, 0),
     RaggedRow("num_seqs past max_num_seqs", (0, 5, 6, 7, 11), 7, 4),
     RaggedRow("cu_q_lens[0] != 0", (2, 5, 6, 7, 11), 4, 0),

@@ -287,7 +287,8 @@ def test_checkify_passes_valid_inputs_on_every_op():
   err, _ = CHECKED_DECODE(
       c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens)
   assert err.get() is None
-  r, _ = contract.ragged_case(contract.RAGGED_ROWS[1], seed=0)  # NaN-free rows
+  row, = [r for r in contract.RAGGED_ROWS if r.what == "num_seqs -1"]
+  r, _ = contract.ragged_case(row, seed=0)  # NaN-free tables
   tables = jnp.where(r.block_tables >= 0, r.block_tables, 0)
   err, _ = CHECKED_RAGGED(
       jnp.nan_to_num(r.q), r.k_pages, r.v_pages, tables, r.kv_lens,
@@ -295,17 +296,21 @@ def test_checkify_passes_valid_inputs_on_every_op():
   assert err.get() is None, err.get()
 
 
-@pytest.mark.parametrize("row, match", [
-    (1, r"num_seqs must be in \[0, max_num_seqs = 4\], got -1"),
-    (2, r"num_seqs must be in \[0, max_num_seqs = 4\], got 7"),
-    (3, r"cu_q_lens\[0\] must be 0, got 2"),
-    (4, r"cu_q_lens must be non-decreasing: cu_q_lens\[1\] = 5 > "
-     r"cu_q_lens\[2\] = 3"),
-    (5, r"cu_q_lens\[num_seqs\] = 27 must be at most num_tokens = 24"),
-    (0, r"sequence 1 has kv_len 1000"),
+@pytest.mark.parametrize("what, match", [
+    ("num_seqs -1", r"num_seqs must be in \[0, max_num_seqs = 4\], got -1"),
+    ("num_seqs past max_num_seqs",
+     r"num_seqs must be in \[0, max_num_seqs = 4\], got 7"),
+    ("cu_q_lens[0] != 0", r"cu_q_lens\[0\] must be 0, got 2"),
+    ("cu_q_lens decreasing", r"cu_q_lens must be non-decreasing: "
+     r"cu_q_lens\[1\] = 5 > cu_q_lens\[2\] = 3"),
+    ("cu_q_lens past num_tokens",
+     r"cu_q_lens\[num_seqs\] = 27 must be at most num_tokens = 24"),
+    ("lengths and table entries", r"sequence 1 has kv_len 1000"),
+    ("q_len > kv_len", r"sequence 0 has q_len 5 > kv_len 3"),
 ])
-def test_checkify_ragged_violations(row, match):
-  r, _ = contract.ragged_case(contract.RAGGED_ROWS[row], seed=0)
+def test_checkify_ragged_violations(what, match):
+  row, = [r for r in contract.RAGGED_ROWS if r.what == what]
+  r, _ = contract.ragged_case(row, seed=0)
   err, _ = CHECKED_RAGGED(
       r.q, r.k_pages, r.v_pages, r.block_tables, r.kv_lens, r.cu_q_lens,
       r.num_seqs)
