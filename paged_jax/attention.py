@@ -1,140 +1,170 @@
 """Paged attention: one API, one layout, every backend.
 
-`paged_attention` (decode: one query per sequence) dispatches to
+`paged_attention` (decode: one query per sequence) and
+`ragged_paged_attention` (chunked prefill and mixed batches) dispatch through
+an explicit registry of backends (`DECODE_BACKENDS`, `RAGGED_BACKENDS`), each
+a `Backend` with a name, the function it runs and `unsupported_reason(...)`:
 
-* `"pallas_tpu"`: the Mosaic TPU kernel (`pallas_kernels.tpu`);
-* `"pallas_gpu"`: the Pallas GPU kernel on the Triton lowering (`pallas_kernels.gpu`);
+* `"pallas_tpu"`: the Mosaic TPU kernels (`pallas_kernels.tpu`);
+* `"pallas_gpu"`: the Pallas GPU kernels on the Triton lowering (`pallas_kernels.gpu`);
 * `"xla"`: the XLA path (`paged_jax.xla_attention`), on any platform.
 
-`implementation=None` picks the kernel for the default backend's platform and
-falls back to XLA where that kernel cannot serve the call; an explicit
-`implementation` that cannot serve the call raises a `ValueError` that says
-why. With `interpret=True` either kernel runs in Pallas interpret mode on CPU
-(the TPU kernel with race detection and NaN-filled uninitialised memory).
+`implementation=None` picks the first backend, in registry order, that runs on
+the default backend's platform and can serve the call (XLA always can); an
+explicit `implementation` that cannot serve the call raises a `ValueError`
+that says why. With `interpret=True` either kernel runs in Pallas interpret
+mode on CPU (the TPU kernel with race detection and NaN-filled uninitialised
+memory).
+
+Every backend validates the same way (`pallas_kernels.contract`): static
+mistakes are `ValueError`s with one set of messages, and malformed traced
+values (lengths past a table's capacity, table entries that are not blocks,
+a bad `num_seqs` or `cu_q_lens`) follow one documented contract. To turn those
+traced violations into errors, run under `jax.experimental.checkify`:
+
+    from jax.experimental import checkify
+    checked = jax.jit(checkify.checkify(paged_attention,
+                                        errors=checkify.user_checks))
+    err, out = checked(q, k_pages, v_pages, block_tables, kv_lens)
+    err.throw()  # e.g. "block_tables[3, 1] = -1 is inside kv_len but not ..."
+
+Without `checkify` the checks cost nothing (they are dead code to XLA, and
+skipped outright in eager calls). `out` follows the contract either way.
 """
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from paged_jax import kv_cache
 from paged_jax import xla_attention
-
-IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_gpu")
-_KERNEL_MODULES = {
-    "pallas_tpu": "pallas_kernels.tpu.paged_decode",
-    "pallas_gpu": "pallas_kernels.gpu.paged_decode",
-}
-_KERNEL_PLATFORMS = {"pallas_tpu": ("tpu",), "pallas_gpu": ("gpu", "cuda", "rocm")}
+from pallas_kernels import contract
+from pallas_kernels.gpu import paged_decode as gpu_decode
+from pallas_kernels.gpu import ragged_attention as gpu_ragged
+from pallas_kernels.tpu import paged_decode as tpu_decode
+from pallas_kernels.tpu import ragged_attention as tpu_ragged
 
 
-def _load_kernel(module_name: str):
-  """The kernel module, or the reason it cannot be imported."""
-  try:
-    return importlib.import_module(module_name), None
-  except Exception as e:  # pylint: disable=broad-except
-    return None, f"{module_name} cannot be imported ({type(e).__name__}: {e})"
+def _always_serves(*args, **kwargs) -> None:
+  del args, kwargs
+  return None
 
 
-def check_paged_inputs(q, k_pages, v_pages, block_tables, kv_lens, *,
-                       q_rows="batch", sliding_window=None,
-                       soft_cap=None) -> None:
-  """Static (shape and dtype) checks shared by the attention entry points.
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  """One implementation of one attention operation.
+
+  Attributes:
+    name: what `implementation=` calls it.
+    fn: the implementation, called as `fn(*arrays, sm_scale=..., soft_cap=...,
+      sliding_window=..., interpret=...)`.
+    reason: `reason(q, k_pages, block_tables, *, soft_cap, sliding_window)`,
+      None if `fn` can serve those shapes, else why not (readable).
+    platforms: the JAX platforms it compiles for; empty: any.
+  """
+  name: str
+  fn: Callable
+  reason: Callable = _always_serves
+  platforms: tuple[str, ...] = ()
+
+  def unsupported_reason(self, q, k_pages, block_tables, *, soft_cap=None,
+                         sliding_window=None, interpret=False) -> str | None:
+    """None if this backend can serve the call, else why not.
+
+    A kernel compiled for another platform than the default backend's cannot
+    serve, unless `interpret` asks for Pallas interpret mode.
+    """
+    platform = jax.default_backend()
+    if self.platforms and platform not in self.platforms and not interpret:
+      return (f"it runs on {self.platforms[0]}, the default backend is "
+              f"{platform} (pass interpret=True to run it in Pallas interpret "
+              "mode)")
+    return self.reason(q, k_pages, block_tables, soft_cap=soft_cap,
+                       sliding_window=sliding_window)
+
+
+def _xla_decode(*args, interpret=False, **kwargs):
+  del interpret
+  return xla_attention.paged_decode_xla(*args, **kwargs)
+
+
+def _xla_ragged(*args, interpret=False, **kwargs):
+  del interpret
+  return xla_attention.ragged_paged_attention_xla(*args, **kwargs)
+
+
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+DECODE_BACKENDS = (
+    Backend("pallas_tpu", tpu_decode.paged_decode,
+            tpu_decode.unsupported_reason, ("tpu",)),
+    Backend("pallas_gpu", gpu_decode.paged_decode,
+            gpu_decode.unsupported_reason, _GPU_PLATFORMS),
+    Backend("xla", _xla_decode),
+)
+RAGGED_BACKENDS = (
+    Backend("pallas_tpu", tpu_ragged.ragged_paged_attention,
+            tpu_ragged.unsupported_reason, ("tpu",)),
+    Backend("pallas_gpu", gpu_ragged.ragged_paged_attention,
+            gpu_ragged.unsupported_reason, _GPU_PLATFORMS),
+    Backend("xla", _xla_ragged),
+)
+IMPLEMENTATIONS = tuple(b.name for b in DECODE_BACKENDS)
+
+
+def select_implementation(backends, implementation: str | None, q, k_pages,
+                          block_tables, *, soft_cap=None, sliding_window=None,
+                          interpret=False) -> Backend:
+  """The backend of `backends` that serves this call.
+
+  Args:
+    backends: a registry (`DECODE_BACKENDS`, `RAGGED_BACKENDS`, or any tuple
+      of `Backend`s), in order of preference.
+    implementation: a backend's name, or None for the first that can serve
+      on the default backend's platform.
+    q, k_pages, block_tables, soft_cap, sliding_window: the call (only shapes
+      and dtypes are read).
+    interpret: whether a kernel may run in Pallas interpret mode (for an
+      explicit `implementation` only).
 
   Raises:
-    ValueError: saying which argument is wrong, what was expected and what was
-      given.
+    ValueError: for an unknown name, for an explicit choice that cannot serve
+      (with its reason), or when no backend can serve (with every reason).
   """
-  if q.ndim != 3:
-    raise ValueError(f"q must be [{q_rows}, num_q_heads, head_dim], got shape "
-                     f"{q.shape}")
-  if k_pages.ndim != 4:
-    raise ValueError("k_pages must be [num_kv_heads, num_blocks, block_size, "
-                     f"head_dim], got shape {k_pages.shape}")
-  if v_pages.shape != k_pages.shape:
-    raise ValueError(f"v_pages.shape={v_pages.shape} must equal "
-                     f"k_pages.shape={k_pages.shape}")
-  num_q_heads, head_dim = q.shape[-2:]
-  num_kv_heads = k_pages.shape[0]
-  if k_pages.shape[3] != head_dim:
-    raise ValueError(f"head_dim of q ({head_dim}) must equal head_dim of "
-                     f"k_pages ({k_pages.shape[3]})")
-  if num_q_heads % num_kv_heads:
-    raise ValueError(f"{num_q_heads=} must be a multiple of {num_kv_heads=}")
-  if block_tables.ndim != 2 or not jnp.issubdtype(block_tables.dtype,
-                                                   jnp.integer):
-    raise ValueError("block_tables must be an integer [num_seqs, "
-                     "max_blocks_per_seq] array, got "
-                     f"{block_tables.dtype}{list(block_tables.shape)}")
-  if kv_lens.shape != block_tables.shape[:1] or not jnp.issubdtype(
-      kv_lens.dtype, jnp.integer):
-    raise ValueError(f"kv_lens must be i32[{block_tables.shape[0]}] (one length"
-                     f" per block-table row), got {kv_lens.dtype}"
-                     f"{list(kv_lens.shape)}")
-  if not jnp.issubdtype(q.dtype, jnp.floating) or not jnp.issubdtype(
-      k_pages.dtype, jnp.floating):
-    raise ValueError(f"q and k_pages must be floating, got {q.dtype} and "
-                     f"{k_pages.dtype}")
-  if sliding_window is not None and (not isinstance(sliding_window, int)
-                                     or sliding_window <= 0):
-    raise ValueError(f"sliding_window must be a positive int or None, got "
-                     f"{sliding_window=}")
-  if soft_cap is not None and not soft_cap > 0:
-    raise ValueError(f"soft_cap must be positive or None, got {soft_cap=}")
-
-
-def _platform() -> str:
-  return jax.default_backend()
-
-
-def select_implementation(
-    implementation: str | None, *, kernel_modules: dict[str, str],
-    reason_args: tuple, reason_kwargs: dict, interpret) -> tuple[str, object]:
-  """Resolves `implementation` to a backend that can serve the call.
-
-  Returns:
-    `(name, kernel_module or None for "xla")`.
-
-  Raises:
-    ValueError: for an unknown name, or an explicit choice that cannot serve
-      the call (with the reason).
-  """
-  if implementation is not None and implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None,"
-                     f" got {implementation!r}")
-
-  def reason(name):
-    if name == "xla":
-      return None
-    platform = _platform()
-    if not interpret and platform not in _KERNEL_PLATFORMS[name]:
-      return (f"it runs on {_KERNEL_PLATFORMS[name][0]}, the default backend "
-              f"is {platform} (pass interpret=True to run it in Pallas "
-              "interpret mode)")
-    module, why = _load_kernel(kernel_modules[name])
-    if module is None:
-      return why
-    return module.unsupported_reason(*reason_args, **reason_kwargs)
-
+  names = tuple(b.name for b in backends)
+  if implementation is not None and implementation not in names:
+    raise ValueError(f"implementation must be one of {names} or None, got "
+                     f"{implementation!r}")
+  call = dict(soft_cap=soft_cap, sliding_window=sliding_window)
   if implementation is not None:
-    why = reason(implementation)
+    backend = backends[names.index(implementation)]
+    why = backend.unsupported_reason(q, k_pages, block_tables,
+                                     interpret=interpret, **call)
     if why is not None:
       raise ValueError(f"implementation={implementation!r} cannot serve this "
                        f"call: {why}")
-    choice = implementation
-  else:
-    platform = _platform()
-    choice = "xla"
-    for name, platforms in _KERNEL_PLATFORMS.items():
-      if platform in platforms and reason(name) is None:
-        choice = name
-        break
-  module = None if choice == "xla" else _load_kernel(kernel_modules[choice])[0]
-  return choice, module
+    return backend
+  refusals = []
+  for backend in backends:
+    why = backend.unsupported_reason(q, k_pages, block_tables, **call)
+    if why is None:
+      return backend
+    refusals.append(f"{backend.name}: {why}")
+  raise ValueError("no implementation can serve this call: "
+                   + "; ".join(refusals))
+
+
+def _index_array(x):
+  """Host/Python integers as an array; other integer dtypes as int32
+  (saturating, see `contract.saturate_to_int32`); anything else unchanged for
+  the validator to judge."""
+  if not hasattr(x, "dtype"):
+    x = np.asarray(x)
+  return contract.saturate_to_int32(x)
 
 
 def paged_attention(
@@ -161,8 +191,11 @@ def paged_attention(
     k_pages: `[num_kv_heads, num_blocks, block_size, head_dim]`.
     v_pages: same shape as `k_pages`.
     block_tables: `i32[batch, max_blocks_per_seq]`; entries past a sequence's
-      last block are never read (`NULL_BLOCK` there is fine).
-    kv_lens: `i32[batch]` tokens in the cache per sequence; 0 gives zeros.
+      last block are never read (`NULL_BLOCK` there is fine). An entry inside
+      `kv_len` that is not a block in `[0, num_blocks)` contributes no tokens.
+      Other integer dtypes are converted to int32, saturating.
+    kv_lens: `i32[batch]` tokens in the cache per sequence; 0 gives zeros;
+      clamped to `[0, max_blocks_per_seq * block_size]`.
     sm_scale: score scale, default `head_dim ** -0.5`.
     soft_cap: if set, scores become `soft_cap * tanh(s / soft_cap)` (after
       `sm_scale`).
@@ -177,7 +210,9 @@ def paged_attention(
 
   Raises:
     ValueError: on inconsistent shapes/dtypes, or an `implementation` that
-      cannot serve the call (the message says why).
+      cannot serve the call (the message says why). Under
+      `checkify.checkify(..., errors=checkify.user_checks)`, malformed traced
+      lengths and table entries become checkify errors.
 
   Example:
     >>> from paged_jax import block_manager as bm
@@ -186,28 +221,18 @@ def paged_attention(
     >>> paged_attention(q, k, k, tables, lens, implementation="xla").shape
     (3, 8, 64)
   """
-  check_paged_inputs(q, k_pages, v_pages, block_tables, kv_lens,
-                     sliding_window=sliding_window, soft_cap=soft_cap)
+  block_tables, kv_lens = _index_array(block_tables), _index_array(kv_lens)
+  contract.check_attention_inputs(
+      q, k_pages, block_tables, v_pages=v_pages, kv_lens=kv_lens,
+      soft_cap=soft_cap, sliding_window=sliding_window)
+  contract.debug_check_decode(q, k_pages, block_tables, kv_lens)
   if sm_scale is None:
     sm_scale = q.shape[-1] ** -0.5
   kwargs = dict(soft_cap=soft_cap, sliding_window=sliding_window)
-  name, module = select_implementation(
-      implementation, kernel_modules=_KERNEL_MODULES,
-      reason_args=(q, k_pages, block_tables), reason_kwargs=kwargs,
-      interpret=interpret)
-  if name == "xla":
-    return xla_attention.paged_decode_xla(
-        q, k_pages, v_pages, block_tables, kv_lens, sm_scale=float(sm_scale),
-        **kwargs)
-  fn: Callable = module.paged_decode
-  return fn(q, k_pages, v_pages, block_tables, kv_lens, sm_scale=sm_scale,
-            interpret=interpret, **kwargs)
-
-
-_RAGGED_KERNEL_MODULES = {
-    "pallas_tpu": "pallas_kernels.tpu.ragged_attention",
-    "pallas_gpu": "pallas_kernels.gpu.ragged_attention",
-}
+  backend = select_implementation(DECODE_BACKENDS, implementation, q, k_pages,
+                                  block_tables, interpret=interpret, **kwargs)
+  return backend.fn(q, k_pages, v_pages, block_tables, kv_lens,
+                    sm_scale=float(sm_scale), interpret=interpret, **kwargs)
 
 
 def ragged_paged_attention(
@@ -240,10 +265,15 @@ def ragged_paged_attention(
     q: `[num_tokens, num_q_heads, head_dim]`.
     k_pages: `[num_kv_heads, num_blocks, block_size, head_dim]`.
     v_pages: same shape as `k_pages`.
-    block_tables: `i32[max_num_seqs, max_blocks_per_seq]`.
-    kv_lens: `i32[max_num_seqs]`.
-    cu_q_lens: `i32[max_num_seqs + 1]`, non-decreasing, `cu_q_lens[0] == 0`.
-    num_seqs: `i32[1]`, the live sequences (the first `num_seqs` rows).
+    block_tables: `i32[max_num_seqs, max_blocks_per_seq]` (as in
+      `paged_attention`).
+    kv_lens: `i32[max_num_seqs]` (clamped as in `paged_attention`).
+    cu_q_lens: `i32[max_num_seqs + 1]`, non-decreasing, `cu_q_lens[0] == 0`,
+      `cu_q_lens[num_seqs] <= num_tokens`. Sequences from the first one that
+      breaks this on are dropped (their rows are zeros); all of them when
+      `cu_q_lens[0] != 0`.
+    num_seqs: `i32[1]` (or a scalar), the live sequences (the first
+      `num_seqs` rows), clamped to `[0, max_num_seqs]`.
     sm_scale, soft_cap, sliding_window, implementation, interpret: as in
       `paged_attention`.
 
@@ -253,32 +283,28 @@ def ragged_paged_attention(
 
   Raises:
     ValueError: on inconsistent shapes/dtypes, or an `implementation` that
-      cannot serve the call.
+      cannot serve the call. Under `checkify.checkify(...,
+      errors=checkify.user_checks)`, malformed traced `num_seqs`,
+      `cu_q_lens`, lengths and table entries become checkify errors.
   """
-  check_paged_inputs(q, k_pages, v_pages, block_tables, kv_lens,
-                     q_rows="num_tokens", sliding_window=sliding_window,
-                     soft_cap=soft_cap)
-  max_num_seqs = block_tables.shape[0]
-  if cu_q_lens.shape != (max_num_seqs + 1,):
-    raise ValueError(f"cu_q_lens must be i32[max_num_seqs + 1] = "
-                     f"i32[{max_num_seqs + 1}], got {list(cu_q_lens.shape)}")
-  if jnp.size(num_seqs) != 1:
-    raise ValueError(f"num_seqs must be i32[1], got shape {jnp.shape(num_seqs)}")
-  num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(1)
+  block_tables, kv_lens = _index_array(block_tables), _index_array(kv_lens)
+  cu_q_lens, num_seqs = _index_array(cu_q_lens), _index_array(num_seqs)
+  if num_seqs.shape == ():
+    num_seqs = num_seqs.reshape(1)
+  contract.check_attention_inputs(
+      q, k_pages, block_tables, v_pages=v_pages, kv_lens=kv_lens,
+      cu_q_lens=cu_q_lens, num_seqs=num_seqs, ragged=True, soft_cap=soft_cap,
+      sliding_window=sliding_window)
+  contract.debug_check_ragged(q, k_pages, block_tables, kv_lens, cu_q_lens,
+                              num_seqs)
   if sm_scale is None:
     sm_scale = q.shape[-1] ** -0.5
   kwargs = dict(soft_cap=soft_cap, sliding_window=sliding_window)
-  name, module = select_implementation(
-      implementation, kernel_modules=_RAGGED_KERNEL_MODULES,
-      reason_args=(q, k_pages, block_tables), reason_kwargs=kwargs,
-      interpret=interpret)
-  if name == "xla":
-    return xla_attention.ragged_paged_attention_xla(
-        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
-        sm_scale=float(sm_scale), **kwargs)
-  return module.ragged_paged_attention(
-      q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
-      sm_scale=sm_scale, interpret=interpret, **kwargs)
+  backend = select_implementation(RAGGED_BACKENDS, implementation, q, k_pages,
+                                  block_tables, interpret=interpret, **kwargs)
+  return backend.fn(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
+                    num_seqs, sm_scale=float(sm_scale), interpret=interpret,
+                    **kwargs)
 
 
 def write_and_ragged_attention(

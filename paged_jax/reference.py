@@ -11,6 +11,17 @@ Conventions (the same as JAX's `ragged_paged_attention` reference):
   * a query at position `p` sees key positions `p - sliding_window + 1 .. p`
     (the window counts the query's own token), and never positions `> p`;
   * a sequence with no visible keys (for decode: `kv_len == 0`) gives zeros.
+
+Malformed traced inputs (the contract of `pallas_kernels.contract`, which
+every backend follows; this file states it independently, in plain Python):
+  * `kv_len` is clamped to `[0, max_blocks_per_seq * block_size]`;
+  * a table entry inside `kv_len` outside `[0, num_blocks)` (`NULL_BLOCK`
+    included) contributes no keys: its tokens are invisible, its block unread;
+  * ragged: `num_seqs` is clamped to `[0, max_num_seqs]`; sequence `s` is
+    served only if `cu_q_lens[0] == 0` and `cu_q_lens[0] <= ... <=
+    cu_q_lens[s+1] <= num_tokens`; the first malformed sequence and all after
+    it are dropped, and every row no served sequence owns is zero; a query
+    at a negative position (`q_len > kv_len`) sees no key and is zero.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ def dense_attention_reference(
     sm_scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    key_valid: np.ndarray | None = None,
 ) -> np.ndarray:
   """Causal attention of `q` over contiguous `k`/`v`, in float32 NumPy.
 
@@ -40,6 +52,8 @@ def dense_attention_reference(
     sm_scale: score scale, default `head_dim ** -0.5`.
     soft_cap: optional logit soft cap.
     sliding_window: optional window length in tokens (counts the query's own).
+    key_valid: optional `bool[kv_len]`; keys marked False are invisible to
+      every query (their K/V are never used, NaN or not).
 
   Returns:
     float32 `[q_len, num_q_heads, head_dim]`; rows with no visible key are 0.
@@ -62,6 +76,8 @@ def dense_attention_reference(
   visible = k_pos <= q_pos
   if sliding_window is not None:
     visible = visible & (k_pos > q_pos - sliding_window)
+  if key_valid is not None:
+    visible = visible & np.asarray(key_valid, bool)[None, None, :]
   s = np.where(visible, s, -np.inf)
   m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
   m = np.where(np.isfinite(m), m, 0.0)
@@ -78,13 +94,40 @@ def gather_sequence_reference(
     block_table: np.ndarray,  # i32[max_blocks_per_seq]
     kv_len: int,
 ) -> np.ndarray:
-  """Contiguous float32 `[kv_len, num_kv_heads, head_dim]` copy of one sequence."""
-  block_size = pages.shape[2]
+  """Contiguous float32 `[kv_len, num_kv_heads, head_dim]` copy of one sequence.
+
+  Tokens of entries outside `[0, num_blocks)` are zeros (see
+  `sequence_keys_reference` for which tokens are valid).
+  """
+  return sequence_keys_reference(pages, block_table, kv_len)[0]
+
+
+def sequence_keys_reference(
+    pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    block_table: np.ndarray,  # i32[max_blocks_per_seq]
+    kv_len: int,
+) -> tuple[np.ndarray, np.ndarray]:
+  """One sequence's keys (or values) and which of them are real.
+
+  Returns:
+    `(x, valid)`: float32 `[kv_len, num_kv_heads, head_dim]` (zeros where
+    invalid) and `bool[kv_len]`, False for tokens whose table entry is not a
+    block in `[0, num_blocks)`. Such blocks are never read. `kv_len` must
+    already be clamped to the table's capacity.
+  """
+  num_kv_heads, num_blocks, block_size, head_dim = pages.shape
   n = -(-int(kv_len) // block_size)
-  ids = np.asarray(block_table)[:n]
-  x = np.asarray(pages[:, ids], np.float32)  # [kvh, n, bs, hd]
-  x = x.reshape(pages.shape[0], n * block_size, pages.shape[3])[:, :kv_len]
-  return np.transpose(x, (1, 0, 2))
+  ids = np.asarray(block_table)[:n].astype(np.int64)
+  ok = (ids >= 0) & (ids < num_blocks)
+  x = np.zeros((num_kv_heads, n, block_size, head_dim), np.float32)
+  x[:, ok] = np.asarray(pages[:, ids[ok]], np.float32)
+  x = x.reshape(num_kv_heads, n * block_size, head_dim)[:, :kv_len]
+  valid = np.repeat(ok, block_size)[:kv_len]
+  return np.transpose(x, (1, 0, 2)), valid
+
+
+def _clamped_kv_len(kv_len, block_tables, block_size) -> int:
+  return min(max(int(kv_len), 0), block_tables.shape[1] * block_size)
 
 
 def paged_attention_reference(
@@ -100,7 +143,8 @@ def paged_attention_reference(
 ) -> jax.Array:
   """Float32 decode attention: one query per sequence at position `kv_len - 1`.
 
-  Not jittable (loops over the batch on the host); for tests only.
+  Not jittable (loops over the batch on the host); for tests only. Malformed
+  lengths and table entries follow the module's contract.
 
   Returns:
     float32 `[batch, num_q_heads, head_dim]` (NumPy); zeros where `kv_len == 0`.
@@ -109,16 +153,17 @@ def paged_attention_reference(
   kv_lens = np.asarray(kv_lens)
   q = np.asarray(q, np.float32)
   outs = []
+  block_size = k_pages.shape[2]
   for b in range(q.shape[0]):
-    kv_len = int(kv_lens[b])
+    kv_len = _clamped_kv_len(kv_lens[b], block_tables, block_size)
     if kv_len == 0:
       outs.append(np.zeros(q.shape[1:], np.float32))
       continue
-    k = gather_sequence_reference(k_pages, block_tables[b], kv_len)
-    v = gather_sequence_reference(v_pages, block_tables[b], kv_len)
+    k, ok = sequence_keys_reference(k_pages, block_tables[b], kv_len)
+    v, _ = sequence_keys_reference(v_pages, block_tables[b], kv_len)
     o = dense_attention_reference(
         q[b][None], k, v, np.array([kv_len - 1]), sm_scale=sm_scale,
-        soft_cap=soft_cap, sliding_window=sliding_window)
+        soft_cap=soft_cap, sliding_window=sliding_window, key_valid=ok)
     outs.append(o[0])
   return np.stack(outs)
 
@@ -139,7 +184,9 @@ def ragged_paged_attention_reference(
   """Float32 ragged attention: sequence `s` owns rows `cu_q_lens[s]:cu_q_lens[s+1]`.
 
   Query `i` of sequence `s` sits at position `kv_lens[s] - q_len[s] + i`. Rows
-  beyond `cu_q_lens[num_seqs]` (padding) come back as zeros. Not jittable.
+  beyond `cu_q_lens[num_seqs]` (padding) come back as zeros. Malformed
+  `num_seqs`, `cu_q_lens`, lengths and table entries follow the module's
+  contract. Not jittable.
 
   Returns:
     float32 `[num_tokens, num_q_heads, head_dim]`.
@@ -147,19 +194,25 @@ def ragged_paged_attention_reference(
   block_tables = np.asarray(block_tables)
   kv_lens = np.asarray(kv_lens)
   cu_q_lens = np.asarray(cu_q_lens)
-  n = int(np.asarray(num_seqs).reshape(-1)[0])
+  max_num_seqs = block_tables.shape[0]
+  n = min(max(int(np.asarray(num_seqs).reshape(-1)[0]), 0), max_num_seqs)
   q = np.asarray(q, np.float32)
   out = np.zeros(q.shape, np.float32)
+  block_size = k_pages.shape[2]
+  if int(cu_q_lens[0]) != 0:
+    n = 0  # no sequence's rows are known
   for s in range(n):
     start, end = int(cu_q_lens[s]), int(cu_q_lens[s + 1])
-    kv_len = int(kv_lens[s])
+    if end < start or end > q.shape[0]:
+      break  # this sequence and every later one are dropped
+    kv_len = _clamped_kv_len(kv_lens[s], block_tables, block_size)
     if end == start or kv_len == 0:
       continue
-    k = gather_sequence_reference(k_pages, block_tables[s], kv_len)
-    v = gather_sequence_reference(v_pages, block_tables[s], kv_len)
+    k, ok = sequence_keys_reference(k_pages, block_tables[s], kv_len)
+    v, _ = sequence_keys_reference(v_pages, block_tables[s], kv_len)
     pos = np.arange(kv_len - (end - start), kv_len)
     o = dense_attention_reference(
         q[start:end], k, v, pos, sm_scale=sm_scale, soft_cap=soft_cap,
-        sliding_window=sliding_window)
+        sliding_window=sliding_window, key_valid=ok)
     out[start:end] = o
   return out

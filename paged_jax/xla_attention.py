@@ -7,9 +7,13 @@ and folds them into a float32 online softmax. The loop stops after the
 longest sequence's last block (a `fori_loop` with a traced trip count), and
 starts at the first block inside the sliding window when there is one.
 
-Masking uses `where` throughout, so stale or NaN contents past `kv_len` (and
-`NULL_BLOCK` table entries, which are clamped, then masked) never reach the
-output.
+Masking uses `where` throughout, so stale or NaN contents past `kv_len`
+never reach the output. Malformed traced inputs follow the contract of
+`pallas_kernels.contract` (as every backend does): `kv_lens` are clamped to
+the table's capacity, a table entry outside `[0, num_blocks)` (`NULL_BLOCK`
+included) contributes no tokens (the gather reads block 0 in its place, and
+that read is masked out), and a ragged batch serves only its well-formed
+leading sequences.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import contract
 
 
 def _cdiv(a, b):
@@ -72,6 +78,8 @@ def paged_decode_xla(
   Arguments as `paged_jax.attention.paged_attention`, with `sm_scale`
   resolved. Returns `[batch, num_q_heads, head_dim]` in `q.dtype`.
   """
+  if contract.is_empty(q, block_tables):
+    return jnp.zeros(q.shape, q.dtype)
   batch, num_q_heads, head_dim = q.shape
   num_kv_heads, num_blocks, block_size, _ = k_pages.shape
   width = block_tables.shape[1]
@@ -79,23 +87,27 @@ def paged_decode_xla(
   pps = pages_per_step or default_pages_per_step(
       block_size, width, batch * num_kv_heads * head_dim * 4)
   steps = _cdiv(width, pps)
-  tables = jnp.pad(block_tables, ((0, 0), (0, steps * pps - width)))
-  tables = jnp.clip(tables, 0, num_blocks - 1)
+  tables = jnp.pad(block_tables, ((0, 0), (0, steps * pps - width)),
+                   constant_values=-1)
+  tables_ok = contract.valid_block(tables, num_blocks)  # [b, steps * pps]
+  tables = jnp.where(tables_ok, tables, 0)
   tokens = pps * block_size
   # KV-head-major throughout ([kv_heads, batch, ...], the pages' own order), so
   # the gathered pages feed the dots without a transpose.
   qg = jnp.swapaxes(q.reshape(batch, num_kv_heads, group, head_dim), 0, 1)
   qg = qg.astype(jnp.float32)
-  kv_lens = kv_lens.astype(jnp.int32)
+  kv_lens = contract.clamp_kv_lens(kv_lens.astype(jnp.int32), width, block_size)
   offs = jnp.arange(tokens, dtype=jnp.int32)
 
   def body(i, carry):
     ids = jax.lax.dynamic_slice_in_dim(tables, i * pps, pps, axis=1)  # [b, pps]
+    ids_ok = jax.lax.dynamic_slice_in_dim(tables_ok, i * pps, pps, axis=1)
     k = k_pages[:, ids].reshape(num_kv_heads, batch, tokens, head_dim)
     v = v_pages[:, ids].reshape(num_kv_heads, batch, tokens, head_dim)
     k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     pos = i * tokens + offs  # [tokens]
     valid = pos[None, :] < kv_lens[:, None]  # [b, tokens]
+    valid &= jnp.repeat(ids_ok, block_size, axis=1)
     if sliding_window is not None:
       valid &= pos[None, :] >= kv_lens[:, None] - sliding_window
     s = jnp.einsum("hbgd,hbtd->hbgt", qg, k) * sm_scale
@@ -162,6 +174,8 @@ def ragged_paged_attention_xla(
   resolved. Returns `[num_tokens, num_q_heads, head_dim]` in `q.dtype`; rows
   no sequence owns are zeros.
   """
+  if contract.is_empty(q, block_tables):
+    return jnp.zeros(q.shape, q.dtype)
   num_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads, num_blocks, block_size, _ = k_pages.shape
   width = block_tables.shape[1]
@@ -170,8 +184,13 @@ def ragged_paged_attention_xla(
   pps = pages_per_step or max(1, min(width, 128 // block_size))
   tq = q_tile or default_q_tile(num_tokens, block_tables.shape[0])
   steps = _cdiv(width, pps)
-  tables = jnp.pad(block_tables, ((0, 0), (0, steps * pps - width)))
-  tables = jnp.clip(tables, 0, num_blocks - 1)
+  tables = jnp.pad(block_tables, ((0, 0), (0, steps * pps - width)),
+                   constant_values=-1)
+  tables_ok = contract.valid_block(tables, num_blocks)
+  tables = jnp.where(tables_ok, tables, 0)
+  kv_lens = contract.clamp_kv_lens(kv_lens, width, block_size)
+  cu_q_lens, num_seqs = contract.sanitize_ragged_metadata(
+      cu_q_lens, num_seqs, num_tokens)
   tokens = pps * block_size
   offs = jnp.arange(tokens, dtype=jnp.int32)
   rows = jnp.arange(tq, dtype=jnp.int32)
@@ -181,23 +200,24 @@ def ragged_paged_attention_xla(
   qp = qp.reshape(num_tokens + tq, num_kv_heads, group, head_dim)
   qp = qp.astype(jnp.float32)
   out = jnp.zeros((num_tokens + tq, num_kv_heads, group, head_dim), q.dtype)
-  n = jnp.clip(num_seqs.reshape(-1)[0], 0, block_tables.shape[0])
+  n = num_seqs[0]
 
   def tile(s, start, q_end, kv_len, q_len, out):
     qt = jax.lax.dynamic_slice_in_dim(qp, start, tq, axis=0)  # [tq, h, g, d]
     row = start + rows
     live = row < q_end
     qpos = kv_len - q_len + (row - (q_end - q_len))  # [tq]
-    table = tables[s]
+    table, table_ok = tables[s], tables_ok[s]
 
     def body(i, carry):
       ids = jax.lax.dynamic_slice_in_dim(table, i * pps, pps)
+      ids_ok = jax.lax.dynamic_slice_in_dim(table_ok, i * pps, pps)
       k = k_pages[:, ids].reshape(num_kv_heads, tokens, head_dim)
       v = v_pages[:, ids].reshape(num_kv_heads, tokens, head_dim)
       k, v = k.astype(jnp.float32), v.astype(jnp.float32)
       pos = i * tokens + offs
       valid = (pos[None, :] <= qpos[:, None]) & live[:, None]
-      valid &= pos[None, :] < kv_len
+      valid &= (pos < kv_len)[None, :] & jnp.repeat(ids_ok, block_size)[None, :]
       if sliding_window is not None:
         valid &= pos[None, :] > qpos[:, None] - sliding_window
       vmask = valid[:, None, None, :]  # [tq, 1, 1, t]

@@ -12,8 +12,9 @@ are merged with a log-sum-exp outside the kernel.
 Paging: each token of a compute block finds its physical row through the block
 table (`page * block_size + token % block_size`) and K/V rows are gathered with
 masked loads. A token is loaded only if it is visible (`< kv_len`, and inside
-the sliding window): pages past `kv_len` and `-1` table entries are never
-dereferenced, and each split walks only the visible range of its own sequence,
+the sliding window) and its table entry names a block in `[0, num_blocks)`:
+pages past `kv_len` and table entries that are not blocks (`NULL_BLOCK` = -1
+included, see `pallas_kernels.contract`) are never dereferenced, and each split walks only the visible range of its own sequence,
 so short sequences and sliding windows cost what they read.
 
 The Triton backend is selected explicitly through `CompilerParams` (recent JAX
@@ -33,17 +34,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-# `TritonCompilerParams` became `CompilerParams` in jax.experimental.pallas.triton.
-_CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(
-    plgpu, "TritonCompilerParams")
+from pallas_kernels import contract
+from pallas_kernels.gpu import _common
 
-# Triton's `dot` needs every dimension to be at least this big.
-MIN_DOT_DIM = 16
 DEFAULT_NUM_SMS = 132  # an H100/H200, when no GPU is attached
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
-                    jnp.dtype(jnp.float16))
-MAX_HEAD_DIM = 256
-MAX_BLOCK_K = 512
+MIN_DOT_DIM = _common.MIN_DOT_DIM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,17 +60,9 @@ class PagedDecodeConfig:
   num_stages: int = 2
 
 
-def _is_pow2(n: int) -> bool:
-  return n > 0 and (n & (n - 1)) == 0
-
-
-def _next_pow2(n: int) -> int:
-  return 1 << max(int(n) - 1, 0).bit_length()
-
-
 def _block_h(num_q_heads: int, num_kv_heads: int) -> int:
   """Rows of the query tile: the GQA group padded to a Triton dot's minimum."""
-  return max(MIN_DOT_DIM, _next_pow2(num_q_heads // num_kv_heads))
+  return max(MIN_DOT_DIM, _common.next_pow2(num_q_heads // num_kv_heads))
 
 
 def _device_num_sms() -> int:
@@ -117,76 +104,16 @@ def default_config(q, k_pages, block_tables, *,
   max_blocks_per_seq = block_tables.shape[1]
   if num_sms is None:
     num_sms = _device_num_sms()
-  itemsize = max(jnp.dtype(q.dtype).itemsize, jnp.dtype(k_pages.dtype).itemsize)
-  block_k = _next_pow2(max(16 * 1024 // (head_dim * itemsize), 1))
-  block_k = min(max(block_k, MIN_DOT_DIM), 128)
-  block_k = min(block_k, max(_next_pow2(max_blocks_per_seq * block_size),
-                              MIN_DOT_DIM))
-  block_k = max(block_k, block_size)
+  block_k = _common.default_block_k(q, k_pages, max_blocks_per_seq)
   pages_per_compute_block = max(1, block_k // block_size)
   num_compute_blocks = pl.cdiv(max_blocks_per_seq, pages_per_compute_block)
   programs = max(batch * num_kv_heads, 1)
-  k_splits = _next_pow2(pl.cdiv(2 * num_sms, programs))
-  k_splits = max(1, min(k_splits, 64, _next_pow2(num_compute_blocks) // 2 or 1))
+  k_splits = _common.next_pow2(pl.cdiv(2 * num_sms, programs))
+  k_splits = max(1, min(k_splits, 64,
+                        _common.next_pow2(num_compute_blocks) // 2 or 1))
   return PagedDecodeConfig(
       k_splits=k_splits, pages_per_compute_block=pages_per_compute_block,
       num_warps=4, num_stages=2)
-
-
-def _inputs_reason(q, k_pages, block_tables, *, soft_cap, sliding_window,
-                   check_batch: bool = True) -> str | None:
-  """Shape/dtype problems shared by the GPU attention kernels, or None."""
-  if len(q.shape) != 3:
-    return f"q must be [batch, num_q_heads, head_dim], got {q.shape=}"
-  if len(k_pages.shape) != 4:
-    return ("k_pages must be [num_kv_heads, num_blocks, block_size, head_dim],"
-            f" got {k_pages.shape=}")
-  if len(block_tables.shape) != 2:
-    return ("block_tables must be [batch, max_blocks_per_seq], got"
-            f" {block_tables.shape=}")
-  batch, num_q_heads, head_dim = q.shape
-  num_kv_heads, _, block_size, kv_head_dim = k_pages.shape
-  if kv_head_dim != head_dim:
-    return f"q's {head_dim=} must equal k_pages' head_dim={kv_head_dim}"
-  if num_kv_heads < 1 or num_q_heads % num_kv_heads:
-    return f"{num_q_heads=} must be a multiple of {num_kv_heads=}"
-  if check_batch and block_tables.shape[0] != batch:
-    return (f"block_tables' batch {block_tables.shape[0]} must equal q's"
-            f" {batch=}")
-  if jnp.dtype(block_tables.dtype) != jnp.int32:
-    return f"block_tables must be int32, got {block_tables.dtype}"
-  if block_tables.shape[0] < 1 or block_tables.shape[1] < 1:
-    return f"block_tables needs a row and a column, got {block_tables.shape=}"
-  for name, dtype in (("q", q.dtype), ("k_pages", k_pages.dtype)):
-    if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-      return (f"{name} dtype {jnp.dtype(dtype)} is not one of"
-              f" {[str(d) for d in SUPPORTED_DTYPES]}")
-  if not (_is_pow2(head_dim) and MIN_DOT_DIM <= head_dim <= MAX_HEAD_DIM):
-    return (f"{head_dim=} must be a power of two in [{MIN_DOT_DIM},"
-            f" {MAX_HEAD_DIM}] (Triton tile rules)")
-  if not _is_pow2(block_size):
-    return f"{block_size=} must be a power of two (Triton tile rules)"
-  if soft_cap is not None and not soft_cap > 0:
-    return f"{soft_cap=} must be positive"
-  if sliding_window is not None and not sliding_window >= 1:
-    return f"{sliding_window=} must be at least 1"
-  return None
-
-
-def _tile_reason(block_size: int, config) -> str | None:
-  """Problems with a config's KV tile and launch knobs, or None."""
-  if config.pages_per_compute_block < 1:
-    return (f"config.pages_per_compute_block={config.pages_per_compute_block}"
-            " must be at least 1")
-  block_k = config.pages_per_compute_block * block_size
-  if not (_is_pow2(block_k) and MIN_DOT_DIM <= block_k <= MAX_BLOCK_K):
-    return (f"pages_per_compute_block * block_size = {block_k} must be a power"
-            f" of two in [{MIN_DOT_DIM}, {MAX_BLOCK_K}] (Triton tile rules)")
-  if not (_is_pow2(config.num_warps) and config.num_warps <= 32):
-    return f"config.num_warps={config.num_warps} must be a power of two <= 32"
-  if config.num_stages < 1:
-    return f"config.num_stages={config.num_stages} must be at least 1"
-  return None
 
 
 def unsupported_reason(q, k_pages, block_tables, *, soft_cap=None,
@@ -195,15 +122,24 @@ def unsupported_reason(q, k_pages, block_tables, *, soft_cap=None,
 
   Accepts arrays or `jax.ShapeDtypeStruct`s; looks only at shapes and dtypes.
   """
-  reason = _inputs_reason(q, k_pages, block_tables, soft_cap=soft_cap,
-                          sliding_window=sliding_window)
+  error = contract.attention_input_error(
+      q, k_pages, block_tables, soft_cap=soft_cap,
+      sliding_window=sliding_window)
+  if error is not None:
+    return f"invalid inputs: {error}"
+  return _limitation(q, k_pages, block_tables, config)
+
+
+def _limitation(q, k_pages, block_tables, config) -> str | None:
+  """Why this (well-formed) input cannot be served by the kernel, or None."""
+  reason = _common.limitation(q, k_pages, block_tables)
   if reason is not None:
     return reason
   if config is None:
     config = default_config(q, k_pages, block_tables, num_sms=DEFAULT_NUM_SMS)
   if config.k_splits < 1:
     return f"config.k_splits={config.k_splits} must be at least 1"
-  return _tile_reason(k_pages.shape[2], config)
+  return _common.tile_limitation(k_pages.shape[2], config)
 
 
 def _paged_decode_kernel(
@@ -223,11 +159,12 @@ def _paged_decode_kernel(
 ):
   block_h, head_dim = q_ref.shape
   max_blocks_per_seq = table_ref.shape[0]
+  num_blocks = k_ref.shape[0] // block_size
   block_k = pages_per_compute_block * block_size
   split = pl.program_id(2)
 
   # Visible tokens are [lo, hi); this split owns compute blocks [start, end).
-  hi = jnp.minimum(kv_len_ref[()], max_blocks_per_seq * block_size)
+  hi = kv_len_ref[()]  # clamped to the table's capacity by the caller
   lo = jnp.int32(0)
   if sliding_window is not None:
     lo = jnp.maximum(hi - sliding_window, 0)
@@ -246,10 +183,12 @@ def _paged_decode_kernel(
   def body(i, carry):
     o, m, l = carry
     tokens = i * block_k + lax.iota(jnp.int32, block_k)  # i32[block_k]
-    visible = (tokens >= lo) & (tokens < hi)  # bool[block_k]
+    in_range = (tokens >= lo) & (tokens < hi)  # bool[block_k]
     slots = jnp.minimum(lax.div(tokens, block_size), max_blocks_per_seq - 1)
-    pages = plgpu.load(table_ref.at[slots], mask=visible, other=0)
-    pages = jnp.where(visible, pages, 0)  # never a -1 in an address
+    pages = plgpu.load(table_ref.at[slots], mask=in_range, other=0)
+    # A table entry that is not a block contributes no tokens, unread.
+    visible = in_range & contract.valid_block(pages, num_blocks)
+    pages = jnp.where(visible, pages, 0)  # never a bad id in an address
     rows = pages * block_size + lax.rem(tokens, block_size)  # i32[block_k]
     # Gather [block_k, head_dim] with two broadcast integer indices (interpret
     # mode cannot mix an integer-array index with a slice).
@@ -262,15 +201,10 @@ def _paged_decode_kernel(
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(visible[None, :], s, -jnp.inf)
-
-    m_next = jnp.maximum(m, s.max(axis=-1))
-    alpha = jnp.exp(m - m_next)
-    p = jnp.exp(s - m_next[:, None])  # masked scores give exp(-inf) = 0
-    l_next = alpha * l + p.sum(axis=-1)
     v = plgpu.load(v_ref.at[idx], mask=row_mask, other=0)
-    pv = plgpu.dot(p.astype(compute_dtype), v.astype(compute_dtype),
-                   precision=precision)
-    return alpha[:, None] * o + pv, m_next, l_next
+    return _common.online_softmax_step(o, m, l, s, v,
+                                       compute_dtype=compute_dtype,
+                                       precision=precision)
 
   o = jnp.zeros((block_h, head_dim), jnp.float32)
   # A finite start keeps `exp(m - m_next)` a number when a row sees nothing.
@@ -284,8 +218,7 @@ def _paged_decode_kernel(
     m_ref[...] = m
     l_ref[...] = l
   else:
-    o = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
-    o_ref[...] = o.astype(o_ref.dtype)
+    o_ref[...] = _common.normalise(o, l).astype(o_ref.dtype)
 
 
 def _paged_decode_call(q, k_pages, v_pages, block_tables, kv_lens, *,
@@ -343,7 +276,7 @@ def _paged_decode_call(q, k_pages, v_pages, block_tables, kv_lens, *,
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
-      compiler_params=_CompilerParams(num_warps=config.num_warps,
+      compiler_params=_common.CompilerParams(num_warps=config.num_warps,
                                       num_stages=config.num_stages),
       interpret=interpret,
       name=(f"paged_decode_bh{block_h}_bk{config.pages_per_compute_block}"
@@ -395,8 +328,11 @@ def paged_decode(
     v_pages: values, same shape and dtype as `k_pages`.
     block_tables: `i32[batch, max_blocks_per_seq]`: logical block `i` of
       sequence `b` is physical block `block_tables[b, i]`; entries past the
-      sequence's last block are never read (may hold -1).
-    kv_lens: `i32[batch]` tokens per sequence (0 gives a zero output).
+      sequence's last block are never read (may hold -1); an entry inside it
+      that is not a block in `[0, num_blocks)` is never read and contributes
+      no tokens.
+    kv_lens: `i32[batch]` tokens per sequence (0 gives a zero output),
+      clamped to `[0, max_blocks_per_seq * block_size]`.
     sm_scale: score scale, default `head_dim ** -0.5`.
     soft_cap: if set, scores become `soft_cap * tanh(s / soft_cap)` (after
       `sm_scale`).
@@ -409,8 +345,8 @@ def paged_decode(
     `[batch, num_q_heads, head_dim]` in `q.dtype`.
 
   Raises:
-    ValueError: if shapes or dtypes disagree or the kernel cannot serve them
-      (the message is `unsupported_reason(...)`).
+    ValueError: if shapes or dtypes disagree (`pallas_kernels.contract`) or
+      the kernel cannot serve them (see `unsupported_reason`).
 
   Example:
     >>> q = jnp.ones((2, 8, 128), jnp.bfloat16)
@@ -421,22 +357,20 @@ def paged_decode(
     >>> out.shape
     (2, 8, 128)
   """
-  reason = unsupported_reason(q, k_pages, block_tables, soft_cap=soft_cap,
-                              sliding_window=sliding_window, config=config)
+  contract.check_attention_inputs(
+      q, k_pages, block_tables, v_pages=v_pages, kv_lens=kv_lens,
+      soft_cap=soft_cap, sliding_window=sliding_window)
+  reason = _limitation(q, k_pages, block_tables, config)
   if reason is not None:
-    raise ValueError(reason)
-  if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
-    raise ValueError(
-        f"v_pages must match k_pages: expected {k_pages.shape} {k_pages.dtype},"
-        f" got {v_pages.shape} {v_pages.dtype}")
-  if kv_lens.shape != (q.shape[0],) or kv_lens.dtype != jnp.int32:
-    raise ValueError(
-        f"kv_lens must be int32[{q.shape[0]}], got {kv_lens.dtype}"
-        f"{list(kv_lens.shape)}")
+    raise ValueError(f"paged_decode (GPU) cannot serve these inputs: {reason}")
+  if contract.is_empty(q, block_tables):
+    return jnp.zeros(q.shape, q.dtype)
   if config is None:
     config = default_config(q, k_pages, block_tables)
   if sm_scale is None:
     sm_scale = q.shape[-1] ** -0.5
+  kv_lens = contract.clamp_kv_lens(kv_lens, block_tables.shape[1],
+                                   k_pages.shape[2])
   return _paged_decode_call(
       q, k_pages, v_pages, block_tables, kv_lens, sm_scale=float(sm_scale),
       soft_cap=None if soft_cap is None else float(soft_cap),

@@ -16,7 +16,7 @@ vectorised comparison over `cu_q_lens` and idles if it has none. A tile packs
 `block_q * group` rows against one KV head, and walks only the KV compute
 blocks that some row of the tile can see: blocks wholly above the causal
 diagonal or wholly outside the sliding window are skipped, and pages past the
-visible range (or `-1` table entries) are never loaded.
+visible range (or table entries that are not blocks) are never loaded.
 """
 
 from __future__ import annotations
@@ -30,12 +30,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.gpu import paged_decode as _decode
+from pallas_kernels import contract
+from pallas_kernels.gpu import _common
 
-_CompilerParams = _decode._CompilerParams  # pylint: disable=protected-access
-_is_pow2 = _decode._is_pow2  # pylint: disable=protected-access
-_next_pow2 = _decode._next_pow2  # pylint: disable=protected-access
-MIN_DOT_DIM = _decode.MIN_DOT_DIM
+MIN_DOT_DIM = _common.MIN_DOT_DIM
 MAX_ROWS = 256
 
 
@@ -59,7 +57,7 @@ class RaggedAttentionConfig:
 
 
 def _group_pad(num_q_heads: int, num_kv_heads: int) -> int:
-  return _next_pow2(num_q_heads // num_kv_heads)
+  return _common.next_pow2(num_q_heads // num_kv_heads)
 
 
 def default_config(q, k_pages, block_tables, *,
@@ -73,16 +71,11 @@ def default_config(q, k_pages, block_tables, *,
   by the token count.
   """
   del num_sms
-  _, num_q_heads, head_dim = q.shape
+  _, num_q_heads, _ = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
   group_pad = _group_pad(num_q_heads, num_kv_heads)
   block_q = max(1, 64 // group_pad)
-  itemsize = max(jnp.dtype(q.dtype).itemsize, jnp.dtype(k_pages.dtype).itemsize)
-  block_k = _next_pow2(max(16 * 1024 // (head_dim * itemsize), 1))
-  block_k = min(max(block_k, MIN_DOT_DIM), 128)
-  block_k = min(block_k, max(_next_pow2(block_tables.shape[1] * block_size),
-                              MIN_DOT_DIM))
-  block_k = max(block_k, block_size)
+  block_k = _common.default_block_k(q, k_pages, block_tables.shape[1])
   return RaggedAttentionConfig(
       block_q=block_q, pages_per_compute_block=max(1, block_k // block_size),
       num_warps=4, num_stages=2)
@@ -94,11 +87,17 @@ def unsupported_reason(q, k_pages, block_tables, *, soft_cap=None,
 
   Accepts arrays or `jax.ShapeDtypeStruct`s; looks only at shapes and dtypes.
   """
-  if len(q.shape) != 3:
-    return f"q must be [num_tokens, num_q_heads, head_dim], got {q.shape=}"
-  reason = _decode._inputs_reason(  # pylint: disable=protected-access
-      q, k_pages, block_tables, soft_cap=soft_cap,
-      sliding_window=sliding_window, check_batch=False)
+  error = contract.attention_input_error(
+      q, k_pages, block_tables, ragged=True, soft_cap=soft_cap,
+      sliding_window=sliding_window)
+  if error is not None:
+    return f"invalid inputs: {error}"
+  return _limitation(q, k_pages, block_tables, config)
+
+
+def _limitation(q, k_pages, block_tables, config) -> str | None:
+  """Why this (well-formed) input cannot be served by the kernel, or None."""
+  reason = _common.limitation(q, k_pages, block_tables)
   if reason is not None:
     return reason
   if config is None:
@@ -106,12 +105,12 @@ def unsupported_reason(q, k_pages, block_tables, *, soft_cap=None,
   num_q_heads = q.shape[1]
   num_kv_heads, _, block_size, _ = k_pages.shape
   rows = config.block_q * _group_pad(num_q_heads, num_kv_heads)
-  if not _is_pow2(config.block_q):
+  if not _common.is_pow2(config.block_q):
     return f"config.block_q={config.block_q} must be a power of two"
   if not MIN_DOT_DIM <= rows <= MAX_ROWS:
     return (f"config.block_q * padded group = {rows} rows must be in"
             f" [{MIN_DOT_DIM}, {MAX_ROWS}] (Triton tile rules)")
-  return _decode._tile_reason(block_size, config)  # pylint: disable=protected-access
+  return _common.tile_limitation(block_size, config)
 
 
 def _ragged_kernel(
@@ -132,6 +131,7 @@ def _ragged_kernel(
     block_q: int,
 ):
   num_tokens, _, group, head_dim = q_ref.shape
+  num_blocks = k_ref.shape[0] // block_size
   group_pad = o_ref.shape[2]
   max_blocks_per_seq = table_ref.shape[1]
   seqs_pad = cu_ref.shape[0]
@@ -152,7 +152,7 @@ def _ragged_kernel(
 
   @pl.when(active)
   def _():
-    kv_len = jnp.minimum(kv_lens_ref[seq], max_blocks_per_seq * block_size)
+    kv_len = kv_lens_ref[seq]  # clamped to the table's capacity by the caller
     r = lax.iota(jnp.int32, rows)
     t = lax.div(r, group_pad)  # token within the tile
     h = lax.rem(r, group_pad)  # head within the group
@@ -183,7 +183,9 @@ def _ragged_kernel(
       in_range = (k_pos >= lo) & (k_pos < hi)
       slots = jnp.minimum(lax.div(k_pos, block_size), max_blocks_per_seq - 1)
       pages = plgpu.load(table_ref.at[seq, slots], mask=in_range, other=0)
-      pages = jnp.where(in_range, pages, 0)  # never a -1 in an address
+      # A table entry that is not a block contributes no tokens, unread.
+      in_range &= contract.valid_block(pages, num_blocks)
+      pages = jnp.where(in_range, pages, 0)  # never a bad id in an address
       kv_rows = pages * block_size + lax.rem(k_pos, block_size)
       kv_idx = (kv_rows[:, None], lax.iota(jnp.int32, head_dim)[None, :])
       kv_mask = jnp.broadcast_to(in_range[:, None], (block_k, head_dim))
@@ -197,22 +199,17 @@ def _ragged_kernel(
       if sliding_window is not None:
         visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
       s = jnp.where(visible, s, -jnp.inf)
-
-      m_next = jnp.maximum(m, s.max(axis=-1))
-      alpha = jnp.exp(m - m_next)
-      p = jnp.exp(s - m_next[:, None])
-      l_next = alpha * l + p.sum(axis=-1)
       v = plgpu.load(v_ref.at[kv_idx], mask=kv_mask, other=0)
-      pv = plgpu.dot(p.astype(compute_dtype), v.astype(compute_dtype),
-                     precision=precision)
-      return alpha[:, None] * o + pv, m_next, l_next
+      return _common.online_softmax_step(o, m, l, s, v,
+                                         compute_dtype=compute_dtype,
+                                         precision=precision)
 
     o = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
     o, m, l = lax.fori_loop(lax.div(lo, block_k), pl.cdiv(hi, block_k), body,
                             (o, m, l))
-    o = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+    o = _common.normalise(o, l)
     # Rows that are not ours go to the spare row `num_tokens` (never written:
     # the store is masked), so no valid row shares an address with them.
     o_idx = (jnp.where(row_ok, tok, num_tokens)[:, None], head, h[:, None],
@@ -234,7 +231,7 @@ def _ragged_call(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
   q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
   k_rows = k_pages.reshape(num_kv_heads, num_blocks * block_size, head_dim)
   v_rows = v_pages.reshape(num_kv_heads, num_blocks * block_size, head_dim)
-  seqs_pad = _next_pow2(max_num_seqs + 1)
+  seqs_pad = _common.next_pow2(max_num_seqs + 1)
   cu = jnp.pad(cu_q_lens, (0, seqs_pad - (max_num_seqs + 1)), mode="edge")
 
   def whole(x):
@@ -255,7 +252,7 @@ def _ragged_call(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
                 whole(kv_lens), whole(cu), whole(num_seqs)],
       out_specs=pl.BlockSpec(out_shape.shape, lambda i, h: (0, 0, 0, 0)),
       out_shape=out_shape,
-      compiler_params=_CompilerParams(num_warps=config.num_warps,
+      compiler_params=_common.CompilerParams(num_warps=config.num_warps,
                                       num_stages=config.num_stages),
       interpret=interpret,
       name=(f"ragged_attention_bq{block_q}xg{group_pad}"
@@ -296,10 +293,14 @@ def ragged_paged_attention(
       every sequence's tokens, the new ones included.
     v_pages: values, same shape and dtype as `k_pages`.
     block_tables: `i32[max_num_seqs, max_blocks_per_seq]`; entries past a
-      sequence's last block are never read (may hold -1).
-    kv_lens: `i32[max_num_seqs]` tokens per sequence, new ones included.
-    cu_q_lens: `i32[max_num_seqs + 1]` cumulative query lengths.
-    num_seqs: `i32[1]` live sequences (the rest are ignored).
+      sequence's last block are never read (may hold -1); an entry inside it
+      that is not a block in `[0, num_blocks)` contributes no tokens, unread.
+    kv_lens: `i32[max_num_seqs]` tokens per sequence, new ones included,
+      clamped to `[0, max_blocks_per_seq * block_size]`.
+    cu_q_lens: `i32[max_num_seqs + 1]` cumulative query lengths; sequences
+      from the first malformed one on are dropped (`pallas_kernels.contract`).
+    num_seqs: `i32[1]` live sequences (the rest are ignored), clamped to
+      `[0, max_num_seqs]`.
     sm_scale: score scale, default `head_dim ** -0.5`.
     soft_cap: if set, scores become `soft_cap * tanh(s / soft_cap)`.
     sliding_window: if set, a query at position `p` sees keys
@@ -324,27 +325,24 @@ def ragged_paged_attention(
     >>> out.shape
     (5, 8, 128)
   """
-  reason = unsupported_reason(q, k_pages, block_tables, soft_cap=soft_cap,
-                              sliding_window=sliding_window, config=config)
+  contract.check_attention_inputs(
+      q, k_pages, block_tables, v_pages=v_pages, kv_lens=kv_lens,
+      cu_q_lens=cu_q_lens, num_seqs=num_seqs, ragged=True, soft_cap=soft_cap,
+      sliding_window=sliding_window)
+  reason = _limitation(q, k_pages, block_tables, config)
   if reason is not None:
-    raise ValueError(reason)
-  max_num_seqs = block_tables.shape[0]
-  if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
     raise ValueError(
-        f"v_pages must match k_pages: expected {k_pages.shape} {k_pages.dtype},"
-        f" got {v_pages.shape} {v_pages.dtype}")
-  for name, x, n in (("kv_lens", kv_lens, max_num_seqs),
-                     ("cu_q_lens", cu_q_lens, max_num_seqs + 1),
-                     ("num_seqs", num_seqs, 1)):
-    if x.shape != (n,) or x.dtype != jnp.int32:
-      raise ValueError(f"{name} must be int32[{n}], got {x.dtype}"
-                       f"{list(x.shape)}")
+        f"ragged_paged_attention (GPU) cannot serve these inputs: {reason}")
+  if contract.is_empty(q, block_tables):
+    return jnp.zeros(q.shape, q.dtype)
   if config is None:
     config = default_config(q, k_pages, block_tables)
   if sm_scale is None:
     sm_scale = q.shape[-1] ** -0.5
-  if q.shape[0] == 0:
-    return jnp.zeros(q.shape, q.dtype)
+  kv_lens = contract.clamp_kv_lens(kv_lens, block_tables.shape[1],
+                                   k_pages.shape[2])
+  cu_q_lens, num_seqs = contract.sanitize_ragged_metadata(
+      cu_q_lens, num_seqs, q.shape[0])
   return _ragged_call(
       q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
       sm_scale=float(sm_scale),

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels import contract
 
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -45,48 +49,134 @@ def interpret_params(interpret):
   return interpret
 
 
-def check_attention_inputs(q, k_pages, block_tables, *, soft_cap,
-                           sliding_window, v_pages=None, num_seqs=None):
-  """Raises ValueError for malformed q/pages/tables (static checks only).
+def matmul_precision(compute_dtype):
+  """HIGHEST for float32 matmuls (Mosaic's default would round to bf16)."""
+  return (lax.Precision.HIGHEST
+          if jnp.dtype(compute_dtype) == jnp.float32 else None)
 
-  `num_seqs` is the expected `block_tables.shape[0]`, default `q.shape[0]`.
+
+def scores(q, k, *, sm_scale, soft_cap, precision):
+  """f32[rows, tokens] scores `q @ k.T * sm_scale`, soft-capped if asked."""
+  s = lax.dot_general(
+      q, k, (((1,), (1,)), ((), ())), precision=precision,
+      preferred_element_type=jnp.float32)
+  s = s * sm_scale
+  if soft_cap is not None:
+    s = soft_cap * jnp.tanh(s / soft_cap)
+  return s
+
+
+def online_softmax_block(m_ref, l_ref, acc_ref, s, visible, load_v, *,
+                         compute_dtype, precision):
+  """Folds one compute block into the running float32 online softmax.
+
+  Args:
+    m_ref, l_ref: f32[rows, 1] running max and denominator (VMEM).
+    acc_ref: f32[rows, head_dim] running numerator (VMEM).
+    s: f32[rows, tokens] scores; entries not `visible` may be garbage.
+    visible: bool[rows, tokens].
+    load_v: `() -> f32[tokens, head_dim]`, the block's values with every
+      row no query sees zeroed (0 * NaN is NaN); called after the running max
+      and denominator are updated, so the V copy overlaps that work.
   """
-  if len(q.shape) != 3:
-    raise ValueError(
-        f"q must be [tokens, num_q_heads, head_dim], got {q.shape=}")
-  if len(k_pages.shape) != 4:
-    raise ValueError(
-        "k_pages must be [num_kv_heads, num_blocks, block_size, head_dim],"
-        f" got {k_pages.shape=}")
-  _, num_q_heads, head_dim = q.shape
-  num_kv_heads, _, _, kv_head_dim = k_pages.shape
-  if v_pages is not None and (v_pages.shape != k_pages.shape
-                              or v_pages.dtype != k_pages.dtype):
-    raise ValueError(
-        f"v_pages must match k_pages: expected {k_pages.shape}"
-        f" {k_pages.dtype}, got {v_pages.shape} {v_pages.dtype}")
-  if kv_head_dim != head_dim:
-    raise ValueError(f"q {head_dim=} must equal k_pages head_dim={kv_head_dim}")
-  if num_kv_heads == 0 or num_q_heads % num_kv_heads:
-    raise ValueError(
-        f"{num_q_heads=} must be a multiple of {num_kv_heads=}")
-  num_seqs = q.shape[0] if num_seqs is None else num_seqs
-  if len(block_tables.shape) != 2 or block_tables.shape[0] != num_seqs:
-    raise ValueError(
-        f"block_tables must be i32[{num_seqs=}, max_blocks_per_seq], got"
-        f" {block_tables.shape=}")
-  if block_tables.dtype != jnp.int32:
-    raise ValueError(f"block_tables must be int32, got {block_tables.dtype=}")
-  if soft_cap is not None and not soft_cap > 0:
-    raise ValueError(f"{soft_cap=} must be positive")
-  if sliding_window is not None and not sliding_window >= 1:
-    raise ValueError(f"{sliding_window=} must be at least 1")
+  s = jnp.where(visible, s, DEFAULT_MASK_VALUE)
+  m_prev = m_ref[...]
+  m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+  p = jnp.where(visible, jnp.exp(s - m_next), 0.0)
+  alpha = jnp.exp(m_prev - m_next)
+  l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+  m_ref[...] = m_next
+  v = load_v()
+  pv = lax.dot_general(
+      p.astype(compute_dtype), v.astype(compute_dtype),
+      (((1,), (0,)), ((), ())), precision=precision,
+      preferred_element_type=jnp.float32)  # [rows, head_dim]
+  acc_ref[...] = alpha * acc_ref[...] + pv
 
 
-def check_i32_vector(name, x, length):
-  if x.shape != (length,) or x.dtype != jnp.int32:
-    raise ValueError(
-        f"{name} must be i32[{length}], got {x.dtype}{list(x.shape)}")
+class PageCopies:
+  """Async copies of a sequence's K/V pages, one compute block at a time,
+  into the two slots of a VMEM double buffer (both TPU kernels use it).
+
+  A run of pages is given by `row` (the offset of the sequence's row in the
+  flat SMEM block table), `page_lo` / `page_end` (the pages to walk) and the
+  KV `head`. Page `page_lo + block * pages_per_block + j` of compute `block`
+  lands in rows `j * block_size ..` of the slot. A page is copied only if it
+  is below `page_end` and its table entry is a block in `[0, num_blocks)`
+  (`pallas_kernels.contract.valid_block`): other entries are never read.
+  """
+
+  def __init__(self, tables_ref, k_hbm_ref, v_hbm_ref, k_buf, v_buf, sems, *,
+               block_size, max_blocks_per_seq):
+    self.tables_ref = tables_ref  # i32[rows * max_blocks_per_seq] (SMEM)
+    self.hbm = (k_hbm_ref, v_hbm_ref)  # [num_kv_heads, num_blocks, bs, d]
+    self.bufs = (k_buf, v_buf)  # [2, pages_per_block * block_size, d]
+    self.sems = sems  # DMA [2 (k, v), 2 (slot)]
+    self.block_size = block_size
+    self.max_blocks_per_seq = max_blocks_per_seq
+    self.pages_per_block = k_buf.shape[1] // block_size
+    self.num_blocks = k_hbm_ref.shape[1]
+
+  def block_id(self, row, page):
+    """The table entry of `page` (clamped into the sequence's row)."""
+    return self.tables_ref[row + jnp.minimum(page, self.max_blocks_per_seq - 1)]
+
+  def pages(self, row, page_lo, page_end, block):
+    """`[(page, copied)]` for the pages of compute `block`."""
+    out = []
+    for j in range(self.pages_per_block):
+      page = page_lo + block * self.pages_per_block + j
+      copied = (page < page_end) & contract.valid_block(
+          self.block_id(row, page), self.num_blocks)
+      out.append((page, copied))
+    return out
+
+  def pages_ok(self, row, page_lo, page_end, block):
+    """Per page of `block`, whether its tokens may be used (copied, or past
+    `page_end` where the caller's position mask hides them), and whether all
+    may: False marks a page inside the run whose entry is not a block."""
+    flags = [copied | (page >= page_end)
+             for page, copied in self.pages(row, page_lo, page_end, block)]
+    return flags, functools.reduce(lambda a, b: a & b, flags)
+
+  def _copy(self, kv, head, row, page, j, slot):
+    buf = self.bufs[kv]
+    return pltpu.make_async_copy(
+        self.hbm[kv].at[head, self.block_id(row, page)],
+        buf.at[slot, pl.ds(j * self.block_size, self.block_size)],
+        self.sems.at[kv, slot])
+
+  def start(self, head, row, page_lo, page_end, block, slot):
+    """Starts the K and V copies of compute `block` into `slot`."""
+    for j, (page, copied) in enumerate(self.pages(row, page_lo, page_end,
+                                                  block)):
+      @pl.when(copied)
+      def _(page=page, j=j):
+        self._copy(0, head, row, page, j, slot).start()
+        self._copy(1, head, row, page, j, slot).start()
+
+  def wait(self, kv, head, row, page_lo, page_end, block, slot):
+    """Waits for the K (kv=0) or V (kv=1) copies of compute `block`."""
+    for j, (page, copied) in enumerate(self.pages(row, page_lo, page_end,
+                                                  block)):
+      pl.when(copied)(functools.partial(
+          lambda page, j: self._copy(kv, head, row, page, j, slot).wait(),
+          page, j))
+
+
+def page_token_mask(shape, axis, block_size, pages_ok):
+  """bool[shape]: False for the tokens (along `axis`) of page `j` of a
+  compute block where the scalar `pages_ok[j]` is False.
+
+  Only built on the rare path where a compute block holds a table entry that
+  is not a block (see `pallas_kernels.contract`).
+  """
+  tok = lax.broadcasted_iota(jnp.int32, shape, axis)
+  ok = jnp.ones(shape, jnp.int32)
+  for j, flag in enumerate(pages_ok):
+    in_page = (tok >= j * block_size) & (tok < (j + 1) * block_size)
+    ok = jnp.where(in_page, flag.astype(jnp.int32), ok)
+  return ok == 1
 
 
 def dtype_and_tiling_limitation(q, k_pages) -> str | None:

@@ -16,8 +16,11 @@ together, so each page is read from HBM once. The (head, block) pairs form one
 flat pipeline: the next pair's pages are copied HBM -> VMEM (one async copy
 per page, into the other half of a double buffer) while the current pair is
 computed, so only the first copy of each sequence is exposed. Pages past
-`kv_len`, and pages wholly before the sliding window, are never copied; the
-softmax is an online softmax in float32.
+`kv_len`, pages wholly before the sliding window, and table entries that are
+not blocks (`pallas_kernels.contract`) are never copied; the softmax is an
+online softmax in float32. A compute block with such an entry takes a slower
+path that masks that page's tokens; a well-formed block pays one scalar test
+per page.
 
 Block tables and lengths are scalar-prefetched into SMEM.
 """
@@ -34,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
+from pallas_kernels import contract
 from pallas_kernels.tpu import _common
 
 # Tokens per compute block that `default_config` aims for.
@@ -131,30 +135,17 @@ def _paged_decode_kernel(
   num_blocks = jnp.maximum(pl.cdiv(num_pages - first_page, pages_per_block), 0)
   num_steps = num_kv_heads * num_blocks  # flat (kv head, block) pipeline
 
-  def page_copy(kv, h, page, j, slot):
-    """Async copy of K (kv=0) or V (kv=1) `page` of head `h` to `[slot, j]`."""
-    hbm_ref, buf = ((k_pages_hbm_ref, k_buf) if kv == 0 else
-                    (v_pages_hbm_ref, v_buf))
-    idx = block_tables_ref[b * max_blocks_per_seq + page]
-    return pltpu.make_async_copy(
-        hbm_ref.at[h, idx], buf.at[slot, pl.ds(j * block_size, block_size)],
-        sems.at[kv, slot])
-
-  def for_each_page(block, fn):
-    """Calls `fn(page, j)` for pages `j` of compute `block` below num_pages."""
-    for j in range(pages_per_block):
-      page = first_page + block * pages_per_block + j
-      pl.when(page < num_pages)(functools.partial(fn, page, j))
+  copies = _common.PageCopies(
+      block_tables_ref, k_pages_hbm_ref, v_pages_hbm_ref, k_buf, v_buf, sems,
+      block_size=block_size, max_blocks_per_seq=max_blocks_per_seq)
+  row = b * max_blocks_per_seq
+  run = (row, first_page, num_pages)  # this sequence's pages to walk
 
   def start(h, block, slot):
-    def fn(page, j):
-      page_copy(0, h, page, j, slot).start()
-      page_copy(1, h, page, j, slot).start()
-    for_each_page(block, fn)
+    copies.start(h, *run, block, slot)
 
   def wait(kv, h, block, slot):
-    for_each_page(block,
-                  lambda page, j: page_copy(kv, h, page, j, slot).wait())
+    copies.wait(kv, h, *run, block, slot)
 
   # Heads are written as they finish; kv_len == 0 leaves these zeros.
   o_ref[...] = jnp.zeros_like(o_ref)
@@ -163,8 +154,36 @@ def _paged_decode_kernel(
   def _():
     start(0, 0, 0)
 
-  precision = (lax.Precision.HIGHEST
-               if jnp.dtype(compute_dtype) == jnp.float32 else None)
+  precision = _common.matmul_precision(compute_dtype)
+
+  def compute(h, i, slot, pages_ok):
+    """Folds compute block `i` of head `h` into the running softmax.
+    `pages_ok` (scalars per page, or None when all are fine) masks the tokens
+    of pages whose table entry is not a block (never copied)."""
+    block_start = (first_page + i * pages_per_block) * block_size
+    wait(0, h, i, slot)
+    q = q_ref[h].astype(compute_dtype)  # [num_groups, head_dim]
+    k = k_buf[slot].astype(compute_dtype)  # [tokens_per_block, head_dim]
+    s = _common.scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap,
+                       precision=precision)  # [num_groups, tokens_per_block]
+    # Slots past kv_len (and of pages not copied) hold garbage: mask with where.
+    shape = (num_groups, tokens_per_block)
+    pos = block_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+    visible = (pos < kv_len) & (pos >= window_start)
+    if pages_ok is not None:
+      visible &= _common.page_token_mask(shape, 1, block_size, pages_ok)
+
+    def load_v():
+      wait(1, h, i, slot)
+      v_shape = (tokens_per_block, head_dim)
+      keep = block_start + lax.broadcasted_iota(jnp.int32, v_shape, 0) < kv_len
+      if pages_ok is not None:
+        keep &= _common.page_token_mask(v_shape, 0, block_size, pages_ok)
+      return jnp.where(keep, v_buf[slot].astype(jnp.float32), 0.0)
+
+    _common.online_softmax_block(m_ref, l_ref, acc_ref, s, visible, load_v,
+                                 compute_dtype=compute_dtype,
+                                 precision=precision)
 
   def body(t, carry):
     h, i = carry  # kv head, compute block of step t
@@ -183,44 +202,19 @@ def _paged_decode_kernel(
       l_ref[...] = jnp.zeros_like(l_ref)
       acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    block_start = (first_page + i * pages_per_block) * block_size
-    wait(0, h, i, slot)
-    q = q_ref[h].astype(compute_dtype)  # [num_groups, head_dim]
-    k = k_buf[slot].astype(compute_dtype)  # [tokens_per_block, head_dim]
-    s = lax.dot_general(
-        q, k, (((1,), (1,)), ((), ())), precision=precision,
-        preferred_element_type=jnp.float32)  # [num_groups, tokens_per_block]
-    s = s * sm_scale
-    if soft_cap is not None:
-      s = soft_cap * jnp.tanh(s / soft_cap)
-    # Slots past kv_len (and of pages not copied) hold garbage: mask with where.
-    pos = block_start + lax.broadcasted_iota(
-        jnp.int32, (num_groups, tokens_per_block), 1)
-    visible = (pos < kv_len) & (pos >= window_start)
-    s = jnp.where(visible, s, _common.DEFAULT_MASK_VALUE)
-
-    m_prev = m_ref[...]
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    p = jnp.where(visible, jnp.exp(s - m_next), 0.0)
-    alpha = jnp.exp(m_prev - m_next)
-    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-    m_ref[...] = m_next
-
-    wait(1, h, i, slot)
-    v_rows = block_start + lax.broadcasted_iota(
-        jnp.int32, (tokens_per_block, head_dim), 0)
-    # 0 * NaN is NaN: garbage rows of V must be zeroed, not just weighted by 0.
-    v = jnp.where(v_rows < kv_len, v_buf[slot].astype(jnp.float32), 0.0)
-    pv = lax.dot_general(
-        p.astype(compute_dtype), v.astype(compute_dtype),
-        (((1,), (0,)), ((), ())), precision=precision,
-        preferred_element_type=jnp.float32)  # [num_groups, head_dim]
-    acc_ref[...] = alpha * acc_ref[...] + pv
+    # A page inside kv_len whose entry is not a block contributes no tokens:
+    # the common case pays one scalar test per page for it.
+    pages_ok, all_ok = copies.pages_ok(*run, i)
+    pl.when(all_ok)(lambda: compute(h, i, slot, None))
+    pl.when(~all_ok)(lambda: compute(h, i, slot, pages_ok))
 
     @pl.when(last_block)
     def _():
-      # Every processed block holds a visible key, so l > 0 here.
-      o_ref[h] = (acc_ref[...] / l_ref[...]).astype(o_ref.dtype)
+      # Every processed block holds a visible key unless its pages are not
+      # blocks; then l == 0 and the head's output is zero.
+      l = l_ref[...]
+      o_ref[h] = jnp.where(l > 0.0, acc_ref[...] / jnp.where(l > 0.0, l, 1.0),
+                           0.0).astype(o_ref.dtype)
 
     return next_h, next_i
 
@@ -344,12 +338,11 @@ def unsupported_reason(q, k_pages, block_tables, *, soft_cap=None,
     sliding_window: optional window in tokens.
     config: a `PagedDecodeConfig`, default `default_config(...)`.
   """
-  try:
-    _common.check_attention_inputs(q, k_pages, block_tables,
-                                   soft_cap=soft_cap,
-                                   sliding_window=sliding_window)
-  except ValueError as e:
-    return f"invalid inputs: {e}"
+  error = contract.attention_input_error(
+      q, k_pages, block_tables, soft_cap=soft_cap,
+      sliding_window=sliding_window)
+  if error is not None:
+    return f"invalid inputs: {error}"
   config = config or default_config(q, k_pages, block_tables)
   return _limitation(q, k_pages, block_tables, config)
 
@@ -388,8 +381,10 @@ def paged_decode(
     v_pages: same shape and dtype as `k_pages`.
     block_tables: `i32[batch, max_blocks_per_seq]`; entry `i` is the physical
       block of tokens `i * block_size ..`. Entries past
-      `cdiv(kv_lens[b], block_size)` (e.g. -1) are never read.
-    kv_lens: `i32[batch]`, at most `max_blocks_per_seq * block_size`.
+      `cdiv(kv_lens[b], block_size)` (e.g. -1) are never read; an entry inside
+      it that is not a block in `[0, num_blocks)` is never read and
+      contributes no tokens.
+    kv_lens: `i32[batch]`, clamped to `[0, max_blocks_per_seq * block_size]`.
     sm_scale: score scale, default `head_dim ** -0.5`.
     soft_cap: optional `s -> soft_cap * tanh(s / soft_cap)` after `sm_scale`.
     sliding_window: optional window in tokens (counting the query's own).
@@ -416,14 +411,15 @@ def paged_decode(
     ...              interpret=True).shape
     (2, 8, 128)
   """
-  _common.check_attention_inputs(q, k_pages, block_tables, soft_cap=soft_cap,
-                                 sliding_window=sliding_window,
-                                 v_pages=v_pages)
-  _common.check_i32_vector("kv_lens", kv_lens, q.shape[0])
+  contract.check_attention_inputs(
+      q, k_pages, block_tables, v_pages=v_pages, kv_lens=kv_lens,
+      soft_cap=soft_cap, sliding_window=sliding_window)
   config = config or default_config(q, k_pages, block_tables)
   reason = _limitation(q, k_pages, block_tables, config)
   if reason is not None:
     raise ValueError(f"paged_decode (TPU) cannot serve these inputs: {reason}")
+  if contract.is_empty(q, block_tables):
+    return jnp.zeros(q.shape, q.dtype)
   head_dim = q.shape[2]
   if sm_scale is None:
     sm_scale = head_dim**-0.5
@@ -434,6 +430,8 @@ def paged_decode(
   q_shape_kernel, q_dtype_kernel = _q_kernel_layout(q.shape, q.dtype,
                                                     k_pages.shape[0])
   q_kernel = q.astype(q_dtype_kernel).reshape(q_shape_kernel)
+  kv_lens = contract.clamp_kv_lens(kv_lens, block_tables.shape[1],
+                                   k_pages.shape[2])
   out = _map_when_vmapped(call)(kv_lens, block_tables.reshape(-1), q_kernel,
                                 k_pages, v_pages)
   return out.reshape(q.shape).astype(q.dtype)

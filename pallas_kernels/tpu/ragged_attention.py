@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
+from pallas_kernels import contract
 from pallas_kernels.tpu import _common
 
 # Rows (query tokens x GQA group) and KV tokens per step `default_config`
@@ -142,30 +143,18 @@ def _ragged_attention_kernel(
                 pos_offset=pos_offset, page_lo=page_lo, page_end=page_end,
                 num_blocks=num_blocks, has_rows=has_rows)
 
-  def page_copy(kv, info, page, j, slot):
-    """Async copy of K (kv=0) or V (kv=1) `page` of a sequence to `[slot, j]`."""
-    hbm_ref, buf = ((k_pages_hbm_ref, k_buf) if kv == 0 else
-                    (v_pages_hbm_ref, v_buf))
-    idx = block_tables_ref[info["s"] * max_blocks_per_seq + page]
-    return pltpu.make_async_copy(
-        hbm_ref.at[h, idx], buf.at[slot, pl.ds(j * block_size, block_size)],
-        sems.at[kv, slot])
+  copies = _common.PageCopies(
+      block_tables_ref, k_pages_hbm_ref, v_pages_hbm_ref, k_buf, v_buf, sems,
+      block_size=block_size, max_blocks_per_seq=max_blocks_per_seq)
 
-  def for_each_page(info, block, fn):
-    """Calls `fn(page, j)` for pages `j` of `block` below the sequence's end."""
-    for j in range(pages_per_block):
-      page = info["page_lo"] + block * pages_per_block + j
-      pl.when(page < info["page_end"])(functools.partial(fn, page, j))
+  def run(info):  # the sequence's pages this block's rows can see
+    return info["s"] * max_blocks_per_seq, info["page_lo"], info["page_end"]
 
   def start(info, block, slot):
-    def fn(page, j):
-      page_copy(0, info, page, j, slot).start()
-      page_copy(1, info, page, j, slot).start()
-    for_each_page(info, block, fn)
+    copies.start(h, *run(info), block, slot)
 
   def wait(kv, info, block, slot):
-    for_each_page(
-        info, block, lambda page, j: page_copy(kv, info, page, j, slot).wait())
+    copies.wait(kv, h, *run(info), block, slot)
 
   m_ref[...] = jnp.full_like(m_ref, -jnp.inf)
   l_ref[...] = jnp.zeros_like(l_ref)
@@ -177,53 +166,55 @@ def _ragged_attention_kernel(
   def _():
     start(seq_info(first_seq), 0, 0)
 
-  precision = (lax.Precision.HIGHEST
-               if jnp.dtype(compute_dtype) == jnp.float32 else None)
+  precision = _common.matmul_precision(compute_dtype)
   # Row r of the stacked matrix is query head r // queries_per_block of the
   # group, token row_start + r % queries_per_block (a power of two).
   row_ids = row_start + lax.bitwise_and(
       lax.broadcasted_iota(jnp.int32, (rows, tokens_per_block), 0),
       queries_per_block - 1)
 
-  def compute(info, block, slot):
+  def compute(info, block, slot, pages_ok):
+    """Folds `block` of a sequence into the running softmax. `pages_ok`
+    (scalars per page, or None when all are fine) masks the tokens of pages
+    whose table entry is not a block (never copied)."""
     block_start = (info["page_lo"] + block * pages_per_block) * block_size
     wait(0, info, block, slot)
     q = q_ref[...].astype(compute_dtype).reshape(rows, head_dim)
     k = k_buf[slot].astype(compute_dtype)  # [tokens_per_block, head_dim]
-    s = lax.dot_general(
-        q, k, (((1,), (1,)), ((), ())), precision=precision,
-        preferred_element_type=jnp.float32)  # [rows, tokens_per_block]
-    s = s * sm_scale
-    if soft_cap is not None:
-      s = soft_cap * jnp.tanh(s / soft_cap)
+    s = _common.scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap,
+                       precision=precision)  # [rows, tokens_per_block]
     q_pos = row_ids + info["pos_offset"]
-    k_pos = block_start + lax.broadcasted_iota(
-        jnp.int32, (rows, tokens_per_block), 1)
+    shape = (rows, tokens_per_block)
+    k_pos = block_start + lax.broadcasted_iota(jnp.int32, shape, 1)
     # Other sequences' rows, future keys and garbage slots are all masked.
     visible = ((row_ids >= info["q_start"]) & (row_ids < info["q_end"])
                & (k_pos <= q_pos))
     if sliding_window is not None:
       visible &= k_pos > q_pos - sliding_window
-    s = jnp.where(visible, s, _common.DEFAULT_MASK_VALUE)
+    if pages_ok is not None:
+      visible &= _common.page_token_mask(shape, 1, block_size, pages_ok)
 
-    m_prev = m_ref[...]
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    p = jnp.where(visible, jnp.exp(s - m_next), 0.0)
-    alpha = jnp.exp(m_prev - m_next)
-    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-    m_ref[...] = m_next
+    def load_v():
+      wait(1, info, block, slot)
+      v_shape = (tokens_per_block, head_dim)
+      v_rows = block_start + lax.broadcasted_iota(jnp.int32, v_shape, 0)
+      copied_end = jnp.minimum(info["kv_len"], info["page_end"] * block_size)
+      # Rows of V not copied or past kv_len are zeroed.
+      keep = v_rows < copied_end
+      if pages_ok is not None:
+        keep &= _common.page_token_mask(v_shape, 0, block_size, pages_ok)
+      return jnp.where(keep, v_buf[slot].astype(jnp.float32), 0.0)
 
-    wait(1, info, block, slot)
-    v_rows = block_start + lax.broadcasted_iota(
-        jnp.int32, (tokens_per_block, head_dim), 0)
-    copied_end = jnp.minimum(info["kv_len"], info["page_end"] * block_size)
-    # 0 * NaN is NaN: rows of V not copied or past kv_len must be zeroed.
-    v = jnp.where(v_rows < copied_end, v_buf[slot].astype(jnp.float32), 0.0)
-    pv = lax.dot_general(
-        p.astype(compute_dtype), v.astype(compute_dtype),
-        (((1,), (0,)), ((), ())), precision=precision,
-        preferred_element_type=jnp.float32)  # [rows, head_dim]
-    acc_ref[...] = alpha * acc_ref[...] + pv
+    _common.online_softmax_block(m_ref, l_ref, acc_ref, s, visible, load_v,
+                                 compute_dtype=compute_dtype,
+                                 precision=precision)
+
+  def compute_checked(info, block, slot):
+    # A page whose table entry is not a block contributes no tokens: the
+    # common case pays one scalar test per page for it.
+    pages_ok, all_ok = copies.pages_ok(*run(info), block)
+    pl.when(all_ok)(lambda: compute(info, block, slot, None))
+    pl.when(~all_ok)(lambda: compute(info, block, slot, pages_ok))
 
   def body(carry):
     s, block, t = carry  # sequence, its KV compute block, pipeline step
@@ -237,7 +228,7 @@ def _ragged_attention_kernel(
     def _():
       start(seq_info(next_s), next_block, 1 - slot)
 
-    pl.when(info["has_rows"])(lambda: compute(info, block, slot))
+    pl.when(info["has_rows"])(lambda: compute_checked(info, block, slot))
     return next_s, next_block, t + 1
 
   lax.while_loop(lambda carry: carry[0] <= last_seq, body,
@@ -401,12 +392,11 @@ def unsupported_reason(q, k_pages, block_tables, *, soft_cap=None,
     sliding_window: optional window in tokens.
     config: a `RaggedAttentionConfig`, default `default_config(...)`.
   """
-  try:
-    _common.check_attention_inputs(
-        q, k_pages, block_tables, soft_cap=soft_cap,
-        sliding_window=sliding_window, num_seqs=block_tables.shape[0])
-  except ValueError as e:
-    return f"invalid inputs: {e}"
+  error = contract.attention_input_error(
+      q, k_pages, block_tables, ragged=True, soft_cap=soft_cap,
+      sliding_window=sliding_window)
+  if error is not None:
+    return f"invalid inputs: {error}"
   config = config or default_config(q, k_pages, block_tables)
   return _limitation(q, k_pages, block_tables, config)
 
@@ -448,12 +438,15 @@ def ragged_paged_attention(
       bfloat16; `num_q_heads` must be a multiple of `num_kv_heads`.
     v_pages: same shape and dtype as `k_pages`.
     block_tables: `i32[max_num_seqs, max_blocks_per_seq]`; only the entries
-      of pages some query can see are read (-1 elsewhere is fine).
-    kv_lens: `i32[max_num_seqs]`, with `q_len <= kv_len <= max_blocks_per_seq
-      * block_size` for live sequences.
+      of pages some query can see are read (-1 elsewhere is fine); an entry
+      there that is not a block in `[0, num_blocks)` contributes no tokens.
+    kv_lens: `i32[max_num_seqs]`, with `q_len <= kv_len` for live sequences;
+      clamped to `[0, max_blocks_per_seq * block_size]`.
     cu_q_lens: `i32[max_num_seqs + 1]`, non-decreasing from 0, with
-      `cu_q_lens[num_seqs] <= num_tokens`.
-    num_seqs: `i32[1]`, the number of live sequences.
+      `cu_q_lens[num_seqs] <= num_tokens`; sequences from the first that
+      breaks this on are dropped (zeros), see `pallas_kernels.contract`.
+    num_seqs: `i32[1]`, the number of live sequences, clamped to
+      `[0, max_num_seqs]`.
     sm_scale: score scale, default `head_dim ** -0.5`.
     soft_cap: optional `s -> soft_cap * tanh(s / soft_cap)` after `sm_scale`.
     sliding_window: optional window in tokens (counting the query's own).
@@ -484,19 +477,17 @@ def ragged_paged_attention(
     >>> out.shape, float(out[4:].max())
     ((8, 4, 128), 0.0)
   """
-  _common.check_attention_inputs(
-      q, k_pages, block_tables, soft_cap=soft_cap,
-      sliding_window=sliding_window, v_pages=v_pages,
-      num_seqs=block_tables.shape[0])
-  max_num_seqs = block_tables.shape[0]
-  _common.check_i32_vector("kv_lens", kv_lens, max_num_seqs)
-  _common.check_i32_vector("cu_q_lens", cu_q_lens, max_num_seqs + 1)
-  _common.check_i32_vector("num_seqs", num_seqs, 1)
+  contract.check_attention_inputs(
+      q, k_pages, block_tables, v_pages=v_pages, kv_lens=kv_lens,
+      cu_q_lens=cu_q_lens, num_seqs=num_seqs, ragged=True, soft_cap=soft_cap,
+      sliding_window=sliding_window)
   config = config or default_config(q, k_pages, block_tables)
   reason = _limitation(q, k_pages, block_tables, config)
   if reason is not None:
     raise ValueError(
         f"ragged_paged_attention (TPU) cannot serve these inputs: {reason}")
+  if contract.is_empty(q, block_tables):
+    return jnp.zeros(q.shape, q.dtype)
   num_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads = k_pages.shape[0]
   num_groups = num_q_heads // num_kv_heads
@@ -510,6 +501,10 @@ def ragged_paged_attention(
   q_kernel = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))
   q_kernel = q_kernel.reshape(padded_tokens, num_kv_heads, num_groups,
                               head_dim).transpose(1, 2, 0, 3)
+  kv_lens = contract.clamp_kv_lens(kv_lens, block_tables.shape[1],
+                                   k_pages.shape[2])
+  cu_q_lens, num_seqs = contract.sanitize_ragged_metadata(
+      cu_q_lens, num_seqs, num_tokens)
   first_seq, last_seq = _sequence_range_per_block(
       cu_q_lens, num_seqs, num_tokens, queries_per_block, num_query_blocks)
   call = _build_ragged_attention(

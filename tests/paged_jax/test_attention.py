@@ -9,42 +9,28 @@ by default, a seeded random sample of the full product behind `-m slow`).
 
 from __future__ import annotations
 
-import importlib
+import functools
 import itertools
 import random
+import re
 
 import chex
 import jax
+from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from paged_jax import attention
 from paged_jax import reference
+from paged_jax import xla_attention
 from tests import cases
+from tests import contract
 
-
-def _available(module):
-  try:
-    importlib.import_module(module)
-    return True
-  except ImportError:
-    return False
-
-
-# (implementation, interpret): every backend that exists runs the same tests.
-IMPLS = [pytest.param(("xla", False), id="xla")]
-for _name, _mod in (("pallas_gpu", "pallas_kernels.gpu.paged_decode"),
-                    ("pallas_tpu", "pallas_kernels.tpu.paged_decode")):
-  IMPLS.append(pytest.param(
-      (_name, True), id=_name,
-      marks=pytest.mark.skipif(not _available(_mod), reason=f"no {_mod}")))
-RAGGED_IMPLS = [pytest.param(("xla", False), id="xla")]
-for _name, _mod in (("pallas_gpu", "pallas_kernels.gpu.ragged_attention"),
-                    ("pallas_tpu", "pallas_kernels.tpu.ragged_attention")):
-  RAGGED_IMPLS.append(pytest.param(
-      (_name, True), id=_name,
-      marks=pytest.mark.skipif(not _available(_mod), reason=f"no {_mod}")))
+# (implementation, interpret): every registered backend runs the same tests.
+IMPLS = [pytest.param((name, name != "xla"), id=name)
+         for name in attention.IMPLEMENTATIONS]
+RAGGED_IMPLS = IMPLS
 
 # (num_q_heads, num_kv_heads, head_dim, block_size, dtype, soft_cap, window)
 DECODE_CONFIGS = [
@@ -209,14 +195,195 @@ def test_ragged_compiles_once_for_many_batch_mixes(impl):
 
 
 # ----------------------------------------------------------------------------
-# Dispatch and errors
+# The shared contract (tests/contract.py) through the public API
+
+
+class TestXlaContract(contract.MalformedInputContract,
+                      contract.StaticErrorContract):
+  decode = staticmethod(functools.partial(attention.paged_attention,
+                                          implementation="xla"))
+  ragged = staticmethod(functools.partial(attention.ragged_paged_attention,
+                                          implementation="xla"))
+
+
+class TestPallasGpuApiStaticErrors(contract.StaticErrorContract):
+  decode = staticmethod(functools.partial(
+      attention.paged_attention, implementation="pallas_gpu", interpret=True))
+  ragged = staticmethod(functools.partial(
+      attention.ragged_paged_attention, implementation="pallas_gpu",
+      interpret=True))
+
+
+class TestPallasTpuApiStaticErrors(contract.StaticErrorContract):
+  decode = staticmethod(functools.partial(
+      attention.paged_attention, implementation="pallas_tpu", interpret=True))
+  ragged = staticmethod(functools.partial(
+      attention.ragged_paged_attention, implementation="pallas_tpu",
+      interpret=True))
+
+
+def test_wide_integer_indices_saturate_instead_of_wrapping():
+  """An int64 table entry 2**32 + 1 must not wrap to block 1 (nor a length
+  2**32 + 3 to 3): it is out of range, and the contract applies."""
+  c = contract.decode_case(seed=9)
+  tables = np.asarray(c.block_tables).astype(np.int64)
+  kv_lens = np.asarray(c.kv_lens).astype(np.int64)
+  tables[0, 1] = 2**32 + int(tables[0, 0])  # would wrap onto a real block
+  kv_lens[1] = 2**32 + 3  # would wrap to 3
+  out = attention.paged_attention(c.q, c.k_pages, c.v_pages, tables, kv_lens,
+                                  implementation="xla")
+  ref = reference.paged_attention_reference(
+      c.q, c.k_pages, c.v_pages, np.where(tables > 2**31, -1, tables),
+      np.minimum(kv_lens, 2**31 - 1))
+  cases.assert_rows_close(out, ref, jnp.float32)
+
+
+# ----------------------------------------------------------------------------
+# Checked mode: checkify turns traced contract violations into errors
+
+
+def _checked(fn):
+  return jax.jit(checkify.checkify(fn, errors=checkify.user_checks))
+
+
+# Jitted once: the tests below share shapes, so they share one compilation.
+CHECKED_DECODE = _checked(attention.paged_attention)
+CHECKED_RAGGED = _checked(attention.ragged_paged_attention)
+
+
+def _valid_decode():
+  rng = np.random.default_rng(12)
+  return cases.make_decode_case(rng, batch=3, num_q_heads=4, num_kv_heads=2,
+                                head_dim=64, block_size=8,
+                                max_blocks_per_seq=3, kv_lens=[5, 24, 0])
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(kv_lens=[5, 25, 0]), r"kv_lens must be in \[0, max_blocks_per_seq "
+     r"\* block_size = 24\]: sequence 1 has kv_len 25"),
+    (dict(kv_lens=[5, 24, -1]), "sequence 2 has kv_len -1"),
+    (dict(table=(0, 0, -1)), r"block_tables\[0, 0\] = -1 is inside kv_len but "
+     r"not a block in \[0, num_blocks = \d+\)"),
+    (dict(table=(1, 2, 2**30)), r"block_tables\[1, 2\] = 1073741824 is inside"),
+])
+def test_checkify_decode_violations(change, match):
+  c = _valid_decode()
+  tables, kv_lens = np.array(c.block_tables), np.array(c.kv_lens)
+  if "kv_lens" in change:
+    kv_lens = np.array(change["kv_lens"], np.int32)
+  if "table" in change:
+    s, j, value = change["table"]
+    tables[s, j] = value
+  err, out = CHECKED_DECODE(
+      c.q, c.k_pages, c.v_pages, tables, kv_lens)
+  assert err.get() is not None and re.search(match, err.get()), err.get()
+  assert np.isfinite(np.asarray(out)).all()  # the contract still holds
+  with pytest.raises(checkify.JaxRuntimeError, match=match):
+    err.throw()
+
+
+def test_checkify_passes_valid_inputs_on_every_op():
+  c = _valid_decode()
+  err, _ = CHECKED_DECODE(
+      c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens)
+  assert err.get() is None
+  row, = [r for r in contract.RAGGED_ROWS if r.what == "num_seqs -1"]
+  r, _ = contract.ragged_case(row, seed=0)  # NaN-free tables
+  tables = jnp.where(r.block_tables >= 0, r.block_tables, 0)
+  err, _ = CHECKED_RAGGED(
+      jnp.nan_to_num(r.q), r.k_pages, r.v_pages, tables, r.kv_lens,
+      r.cu_q_lens, jnp.array([4], jnp.int32))
+  assert err.get() is None, err.get()
+
+
+@pytest.mark.parametrize("what, match", [
+    ("num_seqs -1", r"num_seqs must be in \[0, max_num_seqs = 4\], got -1"),
+    ("num_seqs past max_num_seqs",
+     r"num_seqs must be in \[0, max_num_seqs = 4\], got 7"),
+    ("cu_q_lens[0] != 0", r"cu_q_lens\[0\] must be 0, got 2"),
+    ("cu_q_lens decreasing", r"cu_q_lens must be non-decreasing: "
+     r"cu_q_lens\[1\] = 5 > cu_q_lens\[2\] = 3"),
+    ("cu_q_lens past num_tokens",
+     r"cu_q_lens\[num_seqs\] = 27 must be at most num_tokens = 24"),
+    ("lengths and table entries", r"sequence 1 has kv_len 1000"),
+    ("q_len > kv_len", r"sequence 0 has q_len 5 > kv_len 3"),
+])
+def test_checkify_ragged_violations(what, match):
+  row, = [r for r in contract.RAGGED_ROWS if r.what == what]
+  r, _ = contract.ragged_case(row, seed=0)
+  err, _ = CHECKED_RAGGED(
+      r.q, r.k_pages, r.v_pages, r.block_tables, r.kv_lens, r.cu_q_lens,
+      r.num_seqs)
+  assert err.get() is not None and re.search(match, err.get()), err.get()
+
+
+def test_checkify_composes_with_a_kernel():
+  """The checks live in the public API, before dispatch: a Pallas kernel
+  (interpret mode here) is checked the same way, and still follows the
+  contract."""
+  c = contract.decode_case(seed=0)
+  args = (c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens)
+  err, out = _checked(functools.partial(
+      attention.paged_attention, implementation="pallas_gpu",
+      interpret=True))(*args)
+  assert re.search("sequence 1 has kv_len 1000", err.get()), err.get()
+  cases.assert_rows_close(out, reference.paged_attention_reference(*args),
+                          jnp.float32)
+
+
+def test_checks_are_free_without_checkify():
+  """Without checkify the debug checks leave nothing in the compiled step."""
+  c = _valid_decode()
+  args = (c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens)
+  hlo = jax.jit(attention.paged_attention).lower(*args).compile().as_text()
+  direct = jax.jit(functools.partial(
+      xla_attention.paged_decode_xla, sm_scale=64**-0.5)).lower(
+          *args).compile().as_text()
+  count = lambda text: len(re.findall(r"^\s+\S+ = ", text, re.M))
+  assert count(hlo) == count(direct)
+
+
+# ----------------------------------------------------------------------------
+# Dispatch: the registry
 
 
 def test_default_implementation_on_cpu_is_xla():
-  name, module = attention.select_implementation(
-      None, kernel_modules={}, reason_args=(), reason_kwargs={},
-      interpret=False)
-  assert (name, module) == ("xla", None)
+  q, k, _, tables, _ = _small()
+  for backends in (attention.DECODE_BACKENDS, attention.RAGGED_BACKENDS):
+    assert attention.select_implementation(
+        backends, None, q, k, tables).name == "xla"
+  assert attention.IMPLEMENTATIONS == ("pallas_tpu", "pallas_gpu", "xla")
+
+
+def test_explicit_kernel_in_interpret_mode_is_selected():
+  q, k, _, tables, _ = _small()
+  backend = attention.select_implementation(
+      attention.DECODE_BACKENDS, "pallas_gpu", q, k, tables, interpret=True)
+  assert backend.fn is attention.gpu_decode.paged_decode
+
+
+def test_no_backend_can_serve_lists_every_reason():
+  q, k, _, tables, _ = _small()
+  registry = (
+      attention.Backend("a", None, lambda *a, **k: "too big"),
+      attention.Backend("b", None, platforms=("tpu",)),
+  )
+  with pytest.raises(ValueError, match=r"no implementation can serve this "
+                     r"call: a: too big; b: it runs on tpu, the default "
+                     r"backend is cpu"):
+    attention.select_implementation(registry, None, q, k, tables)
+
+
+def test_kernel_refusal_is_a_value_error_with_its_reason():
+  q, k, v, tables, lens = _small()
+  k = v = jnp.zeros((2, 4, 12, 64))  # block_size 12: not a power of two
+  with pytest.raises(ValueError, match=r"implementation='pallas_gpu' cannot "
+                     r"serve this call: block_size=12 must be a power of two"):
+    attention.paged_attention(q, k, v, tables, lens,
+                              implementation="pallas_gpu", interpret=True)
+  # implementation=None on CPU never tries a kernel.
+  out = attention.paged_attention(q, k, v, tables, lens)
+  assert out.shape == q.shape
 
 
 def _small():
@@ -225,48 +392,21 @@ def _small():
   return q, pages, pages, jnp.zeros((2, 3), jnp.int32), jnp.zeros((2,), jnp.int32)
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(q=jnp.zeros((8, 64))), r"q must be \[batch, num_q_heads, head_dim\]"),
-    (dict(k_pages=jnp.zeros((4, 16, 64))), r"k_pages must be \[num_kv_heads"),
-    (dict(v_pages=jnp.zeros((2, 4, 16, 32))), r"v_pages.shape=\(2, 4, 16, 32\) "
-     r"must equal k_pages.shape=\(2, 4, 16, 64\)"),
-    (dict(q=jnp.zeros((2, 8, 32))), r"head_dim of q \(32\) must equal head_dim"),
-    (dict(q=jnp.zeros((2, 7, 64))), "num_q_heads=7 must be a multiple of "
-     "num_kv_heads=2"),
-    (dict(block_tables=jnp.zeros((2, 3))), "block_tables must be an integer"),
-    (dict(kv_lens=jnp.zeros((3,), jnp.int32)), r"kv_lens must be i32\[2\]"),
-    (dict(q=jnp.zeros((2, 8, 64), jnp.int32)), "q and k_pages must be floating"),
-])
-def test_input_errors(change, match):
-  names = ["q", "k_pages", "v_pages", "block_tables", "kv_lens"]
-  args = dict(zip(names, _small()))
-  args.update(change)
-  with pytest.raises(ValueError, match=match):
-    attention.paged_attention(**args)
-
-
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(sliding_window=0), "sliding_window must be a positive int or None"),
-    (dict(soft_cap=-1.0), "soft_cap must be positive or None"),
-    (dict(implementation="cuda"), "implementation must be one of"),
+    (dict(implementation="cuda"), r"implementation must be one of "
+     r"\('pallas_tpu', 'pallas_gpu', 'xla'\) or None, got 'cuda'"),
     (dict(implementation="pallas_tpu"), "implementation='pallas_tpu' cannot "
      "serve this call: it runs on tpu, the default backend is cpu"),
+    (dict(implementation="pallas_gpu"), "implementation='pallas_gpu' cannot "
+     "serve this call: it runs on gpu, the default backend is cpu"),
 ])
 def test_option_errors(kwargs, match):
   with pytest.raises(ValueError, match=match):
     attention.paged_attention(*_small(), **kwargs)
-
-
-def test_ragged_argument_errors():
   q, k, v, tables, lens = _small()
-  with pytest.raises(ValueError, match=r"cu_q_lens must be i32\[max_num_seqs "
-                     r"\+ 1\] = i32\[3\], got \[2\]"):
-    attention.ragged_paged_attention(q, k, v, tables, lens,
-                                     jnp.zeros((2,), jnp.int32), jnp.array([1]))
-  with pytest.raises(ValueError, match="num_seqs must be i32"):
-    attention.ragged_paged_attention(q, k, v, tables, lens,
-                                     jnp.zeros((3,), jnp.int32),
-                                     jnp.array([1, 2]))
+  with pytest.raises(ValueError, match=match):
+    attention.ragged_paged_attention(
+        q, k, v, tables, lens, jnp.zeros((3,), jnp.int32), 1, **kwargs)
 
 
 def test_write_and_ragged_attention_writes_in_place_then_attends():
@@ -303,11 +443,3 @@ def test_write_and_ragged_attention_writes_in_place_then_attends():
   state, _ = bm.fork(state, jnp.array([1]), jnp.array([2]))
   shared = bm.slot_mapping(state, jnp.array([1, 2]), jnp.array([5, 19]))
   assert shared.tolist() == [-1, -1]
-
-
-def test_ragged_q_shape_error_names_num_tokens():
-  _, k, v, tables, lens = _small()
-  with pytest.raises(ValueError, match=r"q must be \[num_tokens, num_q_heads, "
-                     r"head_dim\], got shape \(8, 64\)"):
-    attention.ragged_paged_attention(jnp.zeros((8, 64)), k, v, tables, lens,
-                                     jnp.zeros((3,), jnp.int32), jnp.array([1]))

@@ -1,0 +1,33 @@
+"""The shared attention contract (tests/contract.py) on the TPU kernels,
+called directly, in TPU interpret mode with race detection on and
+uninitialised memory NaN. A table entry of 2**30 would make the interpreter
+raise on the copy, so passing proves such entries are never dereferenced."""
+
+from __future__ import annotations
+
+import functools
+
+from jax.experimental.pallas import tpu as pltpu
+import pytest
+
+from pallas_kernels.tpu import paged_decode as pd
+from pallas_kernels.tpu import ragged_attention as ra
+from tests import contract
+from tests.pallas_kernels.tpu_testing import races_found
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+  # A kernel that raised leaves the interpreter's shared state behind.
+  pltpu.reset_tpu_interpret_mode_state()
+  yield
+
+
+class TestTpuContract(contract.MalformedInputContract,
+                      contract.StaticErrorContract):
+  decode = staticmethod(functools.partial(pd.paged_decode, interpret=True))
+  ragged = staticmethod(functools.partial(ra.ragged_paged_attention,
+                                          interpret=True))
+
+  def check_after_call(self):
+    assert races_found() in (False, None), "race detected in interpret mode"
