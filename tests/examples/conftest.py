@@ -13,11 +13,12 @@ import pytest
 from flax import nnx
 
 from examples.llama import model as model_lib
-from examples.serving.engine import Engine, EngineConfig
-from examples.serving.requests import Request
-from examples.serving.sampling import SamplingParams
+from paged_jax.serving.engine import Engine, EngineConfig
+from paged_jax.serving.requests import Request
+from paged_jax.serving.sampling import SamplingParams
 
-SIZES = dict(block_size=4, max_batch=4, max_tokens_per_step=16, max_model_len=64)
+SIZES = dict(block_size=4, max_batch=4, max_tokens_per_step=16, max_model_len=64,
+             min_bucket=2)  # buckets: decode 2, 4; mixed 2, 4, 8, 16
 BIG_POOL = 64
 SMALL_POOL = 12
 ORACLE_LEN = 64  # dense oracle pads every sequence to this length

@@ -7,10 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from examples.serving import sampling
-from examples.serving.engine import Engine, EngineConfig
-from examples.serving.requests import Request
-from examples.serving.sampling import SamplingParams
+from paged_jax.serving import beam as beam_lib
+from paged_jax.serving.engine import Engine, EngineConfig
+from paged_jax.serving.requests import Request
+from paged_jax.serving.sampling import SamplingParams
 from paged_jax import block_manager as bm
 from tests.examples.conftest import (BIG_POOL, SIZES, SMALL_POOL, make_engine,
                                      random_requests, serve)
@@ -103,7 +103,7 @@ def test_fork_shares_prompt_blocks_and_copies_the_partial_one(model):
 def dense_beam_search(oracle, prompt, width, max_new_tokens):
   """Beam search on the dense oracle with the engine's rules."""
   k = max(8, 2 * width)
-  beams, finished = [sampling.Beam([], 0.0)], []
+  beams, finished = [beam_lib.Beam([], 0.0)], []
   while True:
     cands = []
     for b in beams:
@@ -111,7 +111,7 @@ def dense_beam_search(oracle, prompt, width, max_new_tokens):
       lp = np.asarray(jax.nn.log_softmax(lg))
       ids = np.argsort(-lp, kind="stable")[:k]
       cands.append((lp[ids], ids))
-    live, done = sampling.beam_search_step(beams, cands, width=width,
+    live, done = beam_lib.beam_search_step(beams, cands, width=width,
                                            eos_token_ids=tuple(oracle.eos))
     finished += [(lp, beams[p].tokens + [t], "stop") for p, t, lp in done]
     complete = len(finished) >= width
@@ -119,7 +119,7 @@ def dense_beam_search(oracle, prompt, width, max_new_tokens):
       if not complete:
         finished += [(lp, beams[p].tokens + [t], "length") for p, t, lp in live]
       break
-    beams = [sampling.Beam(beams[p].tokens + [t], lp) for p, t, lp in live]
+    beams = [beam_lib.Beam(beams[p].tokens + [t], lp) for p, t, lp in live]
   finished.sort(key=lambda f: -f[0] / max(len(f[1]), 1))
   return [(t, r) for _, t, r in finished[:width]]
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from examples.serving.requests import Request
-from examples.serving.sampling import SamplingParams
+from paged_jax.serving.requests import Request
+from paged_jax.serving.sampling import SamplingParams
 from paged_jax import block_manager as bm
 from tests.examples.conftest import SMALL_POOL, DenseOracle, make_engine
 from examples.llama import model as model_lib

@@ -20,10 +20,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from examples.llama import model as model_lib
 from examples.llama import tensor_parallel
-from examples.serving import step as step_lib
-from examples.serving.engine import Engine, EngineConfig
-from examples.serving.requests import Request
-from examples.serving.sampling import SamplingParams
+from paged_jax.serving import step as step_lib
+from paged_jax.serving.engine import Engine, EngineConfig
+from paged_jax.serving.requests import Request
+from paged_jax.serving.sampling import SamplingParams
 from paged_jax import block_manager as bm
 from paged_jax import flax_attention
 from paged_jax import sharding as ps

@@ -5,7 +5,7 @@ nothing else changes. Its order is
 
   release (finished, preempted) -> fork (new samples / beams) -> release
   (finished fork parents) -> reserve (this step's tokens) -> copy-on-write ->
-  `step_metadata` (once for every layer) -> `Llama.paged_forward` -> logits of
+  `step_metadata` (once for every layer) -> `model.paged_forward` -> logits of
   the rows to sample -> sampling and top log-probs.
 
 A refused reservation leaves that sequence's state as it was, its rows write
@@ -26,11 +26,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from examples.serving import sampling
 from paged_jax import block_manager as bm
-from paged_jax import flax_attention
 from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import sharding
+from paged_jax import step_metadata as step_metadata_lib
+from paged_jax.serving import sampling
 
 
 class ModelDef:
@@ -113,7 +113,7 @@ def device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
   model = model_def.merge(params)
   state, fork_ok, res = _bookkeeping(state, x)
   cache = kv_cache_lib.copy_blocks(cache, res.copy_src, res.copy_dst)
-  meta = flax_attention.step_metadata(
+  meta = step_metadata_lib.step_metadata(
       state, x.seq_ids, x.q_lens, num_tokens=x.tokens.shape[0], active=res.ok,
       decode_only=decode_only)
   hidden, cache = model.paged_forward(x.tokens, meta, cache)
@@ -149,7 +149,7 @@ def mesh_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
   states, fork_ok, res = jax.vmap(_bookkeeping)(states, x)
   cache = sharding.copy_blocks_sharded(mesh, cache, res.copy_src, res.copy_dst)
   num_tokens = x.tokens.shape[1]
-  meta = flax_attention.sharded_step_metadata(
+  meta = step_metadata_lib.sharded_step_metadata(
       mesh, states, x.seq_ids, x.q_lens, num_tokens=num_tokens, active=res.ok,
       decode_only=decode_only)
   hidden, cache = model.paged_forward(x.tokens.reshape(-1), meta, cache)
