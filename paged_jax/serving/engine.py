@@ -15,12 +15,18 @@ Each `Engine.step()`:
 Each bucket compiles once (`warmup()` compiles them all up front); shapes
 never depend on the requests in flight beyond the bucket chosen.
 
-The block state on the device is the truth. The host keeps a conservative
-estimate of free blocks (it assumes copy-on-write wherever it may happen and
-counts shared blocks as not freed) to plan admissions and preemptions, and
-re-reads the exact count after every step. A reservation the device refuses
-is not an error: that sequence simply does not advance this step, and the
-next step preempts to make room.
+One source of truth for blocks: the block manager's pure functions. The
+step's bookkeeping (`step.bookkeeping`: release -> fork -> release ->
+reserve) is one function; the device runs it inside the step, and each
+`Scheduler` runs it first on its host mirror of the pool's `BlockState` (on
+the host CPU) with the very same inputs. The block manager is deterministic,
+so the mirror and the device state stay identical, and the scheduler plans
+admissions and preemptions from the mirror's exact answers (`Scheduler._fit`:
+a refused entry makes it take back admissions or preempt, then it runs the
+bookkeeping again). No block count, sharing or copy-on-write rule is
+re-derived on the host; the device's `ok` is only checked to be all true.
+Releases of finished sequences travel to the device with the next step
+(after its forks when a finished parent's children fork in it).
 
 On a `(data, model)` device mesh (`Engine(..., mesh=...)`) the model is
 tensor-parallel and each data shard is a replica with its own pool and its
@@ -42,6 +48,7 @@ from typing import Callable
 
 from jax.sharding import Mesh
 
+from paged_jax import block_manager as bm
 from paged_jax import sharding
 from paged_jax.serving import buckets as buckets_lib
 from paged_jax.serving.buckets import Bucket
@@ -68,9 +75,13 @@ class EngineConfig:
     static_batching: admit only when nothing runs (the contiguous baseline).
     cache_dtype: KV dtype name, default the model's.
     min_bucket: smallest step shape (`buckets.py`): steps are padded to the
-      powers of two from `min_bucket` up to `max_batch` (decode) or
-      `max_tokens_per_step` (mixed). Set it to `max_tokens_per_step` for the
-      two fixed shapes of old (every step padded to the largest).
+      powers of two (and midpoints) from `min_bucket` up to `max_batch`
+      (decode), from `max(min_bucket, max_batch)` up to
+      `max_tokens_per_step` (mixed). Set it to
+      `max_tokens_per_step` for the two fixed shapes of old (every step
+      padded to the largest).
+    bucket_midpoints: also the 1.5x midpoints between powers of two (less
+      padding, about twice the shapes to compile).
     check_traces: compile this engine's own step functions wrapped in
       `chex.assert_max_traces(n=1)` (tests; call `chex.clear_trace_counter()`
       before building a second such engine). Otherwise engines share one
@@ -85,7 +96,8 @@ class EngineConfig:
   max_beam_width: int = 1
   static_batching: bool = False
   cache_dtype: str | None = None
-  min_bucket: int = 8
+  min_bucket: int = 1
+  bucket_midpoints: bool = True
   check_traces: bool = False
 
   def __post_init__(self):
@@ -107,7 +119,7 @@ class EngineConfig:
   def buckets(self) -> tuple[Bucket, ...]:
     """Every step shape this engine may compile (`buckets.bucket_set`)."""
     return buckets_lib.bucket_set(self.max_batch, self.max_tokens_per_step,
-                                  self.min_bucket)
+                                  self.min_bucket, self.bucket_midpoints)
 
 
 class Engine:
@@ -152,9 +164,11 @@ class Engine:
     self.stats = EngineStats()
     self.buckets = config.buckets
     data = 1 if mesh is None else mesh.shape[sharding.DATA]
-    self._pools = [Scheduler(config, model.config, max_len, self.stats)
+    blocks_per_seq = -(-max_len // bs)
+    initial = bm.init(config.num_blocks, bs, self.max_seqs, blocks_per_seq)
+    self._pools = [Scheduler(config, model.config, max_len, self.stats, initial)
                    for _ in range(data)]
-    self._runner = Runner(model, config, max_model_len=max_len,
+    self._runner = Runner(model, config, blocks_per_seq=blocks_per_seq,
                           max_seqs=self.max_seqs, num_logprobs=self.num_logprobs,
                           mesh=mesh)
 
@@ -281,9 +295,7 @@ class Engine:
       raise RuntimeError("warmup() needs an idle engine")
     for bucket in buckets or self.buckets:
       xs = [p.build_step([], bucket)[0] for p in self._pools]
-      pending = self._runner.dispatch(bucket, xs)
-      for p, out in zip(self._pools, self._runner.fetch(pending, len(self._pools))):
-        p.sync_free(out)
+      self._runner.fetch(self._runner.dispatch(bucket, xs), len(self._pools))
 
   def _take_outputs(self):
     outs = []

@@ -135,8 +135,7 @@ class Seq:
   """One sequence: prompt plus generated tokens, and where its K/V lives."""
 
   __slots__ = ("group", "index", "tokens", "num_cached", "slot", "fork_from",
-               "exclusive_blocks", "maybe_shared_tail", "logprob",
-               "last_token_time")
+               "logprob", "last_token_time")
 
   def __init__(self, group: Group, index: int, tokens: list[int]):
     self.group = group
@@ -145,8 +144,6 @@ class Seq:
     self.num_cached = 0  # tokens whose K/V are in the cache
     self.slot = -1  # block-state sequence slot, -1 when not resident
     self.fork_from = -1  # slot to fork from at the next step, -1 = none
-    self.exclusive_blocks = 0  # blocks only it holds (from the last step)
-    self.maybe_shared_tail = False  # next write may copy-on-write
     self.logprob = 0.0  # beam score
     self.last_token_time = None  # perf_counter() of its last sampled token
 

@@ -27,23 +27,19 @@ from paged_jax.serving.step import (ModelDef, StepInputs, StepOutputs,
                                     shared_mesh_step, shared_step)
 
 
-def _cdiv(a: int, b: int) -> int:
-  return -(-a // b)
-
-
 class Runner:
   """Device arrays and compiled steps of one engine.
 
   Args:
     model: a `ServingModel` (already laid out over `mesh` when one is given).
     config: the `EngineConfig`.
-    max_model_len: longest sequence (sets the block-table width).
+    blocks_per_seq: block-table width.
     max_seqs: sequence slots per pool.
     num_logprobs: top log-probs returned per sample row (static).
     mesh: optional `(data, model)` mesh.
   """
 
-  def __init__(self, model, config, *, max_model_len: int, max_seqs: int,
+  def __init__(self, model, config, *, blocks_per_seq: int, max_seqs: int,
                num_logprobs: int, mesh: Mesh | None = None):
     self.config = config
     self.mesh = mesh
@@ -53,7 +49,6 @@ class Runner:
     self._model_def = ModelDef(graphdef, params)
     self._params = jax.tree.leaves(params)  # flat: cheap to pass every step
     mc = model.config
-    blocks_per_seq = _cdiv(max_model_len, bs)
     if mesh is None:
       self.state = bm.init(config.num_blocks, bs, max_seqs, blocks_per_seq)
       self.cache = model.make_cache(config.num_blocks, bs, config.cache_dtype)

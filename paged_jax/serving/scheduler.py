@@ -10,6 +10,23 @@ The oldest running sequence (or beam group) is never preempted, and admission
 guarantees that any single request fits the pool alone, so every accepted
 request completes.
 
+Blocks have one source of truth, the block manager's pure functions. Each
+`Scheduler` holds a host mirror of its pool's `BlockState` (on the host CPU)
+and, before a step is dispatched, runs on it `step.bookkeeping` -- the very
+function the device step runs (release -> fork -> release -> reserve) -- with
+the very inputs the device will get (`_fit`). So the scheduler plans from
+exact answers: which reservations fit, how many blocks a release returns,
+where copy-on-write happens are all decided by `block_manager.reserve` /
+`release` / `fork`, never re-derived here. When the mirror refuses an entry,
+the scheduler takes back this step's admissions from that entry on, or
+preempts the newest running sequence (the entry itself when nothing newer is
+left), and runs the bookkeeping again; the device then grants exactly what
+the mirror granted (checked: a difference raises). Why a mirror rather than
+reading the device's state: the host must decide before it dispatches, and
+reading the device every step would stall the pipeline; the bookkeeping is
+deterministic and small (O(batch x blocks per sequence)), so running it twice
+is cheap and the two copies cannot drift.
+
 `Engine` drives one `Scheduler` per pool (one per data shard on a mesh); the
 device arrays live in the `Runner`.
 """
@@ -19,14 +36,20 @@ from __future__ import annotations
 import bisect
 import time
 
+import jax
 import numpy as np
 
+from paged_jax import block_manager as bm
 from paged_jax.serving import beam as beam_lib
+from paged_jax.serving import step as step_lib
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.requests import (Completion, Group, Request, RequestDelta,
                                         RequestOutput, Seq)
 from paged_jax.serving.stats import EngineStats
 from paged_jax.serving.step import StepInputs, StepOutputs
+
+# The bookkeeping on the host mirror: the device step's own function.
+_trial = jax.jit(step_lib.bookkeeping)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -39,20 +62,21 @@ class Scheduler:
   per data shard on a mesh); the device arrays live in the `Engine`."""
 
   def __init__(self, config, model_config, max_model_len: int,
-               stats: EngineStats):
+               stats: EngineStats, initial_state: bm.BlockState):
     self.config = config
     self.model_config = model_config
     self.max_model_len = max_model_len
     self.max_seqs = 2 * config.max_batch
     self.stats = stats
-    self._num_free = config.num_blocks
+    # The host mirror of this pool's block state (on the host CPU): the same
+    # pure bookkeeping the device runs, on the same inputs (see `_fit`).
+    self._mirror = jax.device_put(initial_state, jax.devices("cpu")[0])
     self._waiting: list[Seq] = []  # sorted by order
     self._running: list[Seq] = []  # sorted by order
     self._free_slots = list(range(self.max_seqs - 1, -1, -1))
     self._release_next: list[int] = []
     self._release_late_next: list[int] = []
     self._release_late_pending: list[int] = []  # slots free after next step
-    self._pending_freed = 0  # blocks the queued releases return (estimate)
     self._orders = 0
     self._step = 0
     self._outputs: list[RequestOutput] = []
@@ -120,7 +144,7 @@ class Scheduler:
 
   def usage(self) -> dict:
     """Blocks used / total, running and waiting sequences (from the last step)."""
-    used = self.config.num_blocks - self._num_free
+    used = self.config.num_blocks - int(self._mirror.num_free)
     return {"blocks_used": used, "blocks_total": self.config.num_blocks,
             "running": len(self._running), "waiting": len(self._waiting)}
 
@@ -139,21 +163,12 @@ class Scheduler:
     keys = [s.order for s in queue]
     queue.insert(bisect.bisect(keys, seq.order), seq)
 
-  def _blocks_needed(self, seq: Seq, n: int) -> int:
-    bs = self.config.block_size
-    cow = int(seq.maybe_shared_tail and n > 0 and seq.num_cached % bs != 0)
-    return _cdiv(seq.num_cached + n, bs) - _cdiv(seq.num_cached, bs) + cow
-
-  def _freed_by(self, seq: Seq) -> int:
-    if seq.slot < 0 or seq.fork_from >= 0:
-      return 0
-    return seq.exclusive_blocks
-
   def _release(self, seq: Seq, late: bool = False):
+    """Queues `seq`'s slot for release by the next step's bookkeeping (after
+    that step's forks when `late`: a finished parent whose children fork)."""
     if seq.slot >= 0:
       if seq.fork_from < 0:  # a pending child holds no device state
-        self._pending_freed += self._freed_by(seq)
-        if late:  # after this step's forks; the slot is free after next step
+        if late:  # the slot is free after the next step
           self._release_late_next.append(seq.slot)
           self._release_late_pending.append(seq.slot)
         else:
@@ -164,96 +179,116 @@ class Scheduler:
     seq.slot = -1
     seq.fork_from = -1
 
-  def _preempt(self, victim: Seq, plan: list) -> int:
-    """Preempts `victim` (its whole group for beam search); returns blocks freed."""
+  def _preempt(self, victim: Seq, plan: list):
+    """Preempts `victim` (its whole group for beam search): its blocks are
+    released, its tokens recomputed when it is admitted again."""
     group = victim.group
     victims = list(group.live) if group.is_beam else [victim]
-    before = self._pending_freed
-    freed = 0
     for seq in victims:
-      for i, (s, n) in enumerate(plan):
-        if s is seq:
-          freed += self._blocks_needed(s, n)
-          del plan[i]
-          break
+      plan[:] = [(s, n) for s, n in plan if s is not seq]
       if seq in self._running:
         self._running.remove(seq)
       if seq in self._waiting:
         self._waiting.remove(seq)
       self._release(seq)
       seq.num_cached = 0
-      seq.exclusive_blocks = 0
-      seq.maybe_shared_tail = False
     group.output.preemptions += 1
     self.stats.preemptions += 1
     if group.is_beam:
       self._insert(self._waiting, group.restart())
     else:
       self._insert(self._waiting, victim)
-    return freed + self._pending_freed - before
 
-  def _schedule(self) -> list[tuple[Seq, int]]:
-    """Picks this step's (sequence, new tokens) entries, oldest first."""
+  def _unadmit(self, seq: Seq, plan: list):
+    """Takes back an admission of this step (it holds no blocks yet)."""
+    plan[:] = [(s, n) for s, n in plan if s is not seq]
+    self._running.remove(seq)
+    self._free_slots.append(seq.slot)
+    seq.slot = -1
+    self._insert(self._waiting, seq)
+
+  def _schedule(self) -> tuple[list[tuple[Seq, int]], list[Seq], Seq | None]:
+    """Proposes this step's (sequence, new tokens) entries, oldest first,
+    within the token budget and batch rows; `_fit` then makes them fit the
+    pool. Returns `(plan, admitted, first)`: the entries, this step's
+    admissions, and the oldest running sequence (never preempted)."""
     c = self.config
-    free = self._num_free + self._pending_freed
     budget = c.max_tokens_per_step
     plan: list[tuple[Seq, int]] = []
-    queue = list(self._running)
-    # Never preempted: the oldest sequence, or the oldest group for beam
-    # search (a beam group goes whole). Admission guarantees it fits alone.
-    first = queue[0] if queue else None
-    while queue:
-      seq = queue.pop(0)
-      if seq not in self._running:  # preempted with its beam group
-        continue
+    running = list(self._running)
+    first = running[0] if running else None
+    for i, seq in enumerate(running):
       # Leave one token of budget for each running sequence after this one.
-      room = budget - len(queue)
+      room = budget - (len(running) - 1 - i)
       n = min(len(seq.tokens) - seq.num_cached, room)
-      if n <= 0:
-        continue
-      need = self._blocks_needed(seq, n)
-      protected = seq is first or (seq.group is first.group and seq.group.is_beam)
-      while need > free:  # preempt the newest (not seq's own beam group)
-        queue = [v for v in queue if v in self._running]  # drop preempted beams
-        victims = [v for v in queue
-                   if not (seq.group.is_beam and v.group is seq.group)]
-        if not victims:
-          break
-        queue.remove(victims[-1])
-        free += self._preempt(victims[-1], plan)
-      if need > free and not protected:
-        free += self._preempt(seq, plan)
-        continue
-      plan.append((seq, n))
-      free -= need
-      budget -= n
-
+      if n > 0:
+        plan.append((seq, n))
+        budget -= n
+    admitted: list[Seq] = []
     rows = len(self._running) + sum(g.unborn for g in {s.group for s in self._running})
     if c.static_batching and self._running:
-      return plan
+      return plan, admitted, first
     while self._waiting and self._free_slots:
       seq = self._waiting[0]
       new_rows = 1 + (seq.group.unborn if seq.index == 0 else 0)
       if rows + new_rows > c.max_batch:
         break
       n = min(len(seq.tokens), budget)
-      if c.static_batching:
-        need = _cdiv(len(seq.tokens), c.block_size)
-      else:
-        need = self._blocks_needed(seq, n)
-        if n <= 0:
-          break
-      if need > free:
+      if n <= 0 and not c.static_batching:
         break
       self._waiting.pop(0)
       seq.slot = self._free_slots.pop()
       self._insert(self._running, seq)
+      admitted.append(seq)
       rows += new_rows
-      free -= need
       if n > 0:
         plan.append((seq, n))
         budget -= n
-    return plan
+    return plan, admitted, first
+
+  def _fit(self, plan, admitted: list[Seq], first: Seq | None):
+    """Makes `plan` fit the pool exactly: runs the step's bookkeeping (the
+    same pure function the device runs, on the host mirror) and, while it
+    refuses an entry, takes back the admissions from that entry on, or
+    preempts the newest running sequence (the entry itself when nothing newer
+    is left and it is not the oldest). Commits the mirror to the result.
+
+    Raises:
+      RuntimeError: if a fork is refused or the oldest sequence cannot grow
+        alone (admission guarantees neither happens).
+    """
+    while True:
+      x = self._bookkeeping_inputs(plan, self.config.max_batch)
+      state, fork_ok, res = _trial(self._mirror, *x)
+      ok, fork_ok = jax.device_get((res.ok, fork_ok))
+      forks = int(np.sum(x[1] >= 0))
+      if not fork_ok[:forks].all():
+        raise RuntimeError(f"a fork was refused: engine bookkeeping bug ({self.usage()})")
+      refused = np.flatnonzero(~ok[:len(plan)])
+      if not refused.size:
+        self._mirror = state
+        return plan
+      self.stats.refused_reservations += 1
+      seq = plan[refused[0]][0]
+      if seq in admitted:  # it and every later admission wait
+        for s in admitted[admitted.index(seq):]:
+          self._unadmit(s, plan)
+        del admitted[admitted.index(seq):]
+        continue
+      newer = [v for v in self._running if v.order > seq.order
+               and not (seq.group.is_beam and v.group is seq.group)]
+      if newer:
+        victim = newer[-1]
+        if victim in admitted:
+          admitted.remove(victim)
+          self._unadmit(victim, plan)
+        else:
+          self._preempt(victim, plan)
+        continue
+      protected = seq is first or (seq.group is first.group and seq.group.is_beam)
+      if protected:
+        raise RuntimeError(f"the oldest sequence cannot grow alone: {self.usage()}")
+      self._preempt(seq, plan)
 
   # ------------------------------------------------------------------- a step
 
@@ -274,34 +309,51 @@ class Scheduler:
     samples = sum(len(cls._sample_lanes(s, n)) for s, n in plan)
     return tokens, max(len(plan), samples)
 
-  def _build(self, plan, bucket: Bucket):
+  def _forks(self) -> list[Seq]:
+    """Every pending child forks at the next step, planned or not (its parent
+    may write its next token in that step)."""
+    return [s for s in self._running if s.fork_from >= 0]
+
+  def _bookkeeping_inputs(self, plan, num_seqs: int) -> tuple[np.ndarray, ...]:
+    """The arguments of `step.bookkeeping` for `plan` with `num_seqs` entry
+    rows: `(release_early, fork_parents, fork_children, release_late, seq_ids,
+    q_lens)`. Padding entries (-1, 0 tokens) change nothing, so every row
+    count gives the same state."""
     c = self.config
+    release_early = np.full(self.max_seqs, -1, np.int32)
+    release_late = np.full(self.max_seqs, -1, np.int32)
+    release_early[:len(self._release_next)] = self._release_next
+    release_late[:len(self._release_late_next)] = self._release_late_next
+    fork_parents = np.full(c.max_batch, -1, np.int32)
+    fork_children = np.full(c.max_batch, -1, np.int32)
+    for i, s in enumerate(self._forks()):
+      fork_parents[i] = s.fork_from
+      fork_children[i] = s.slot
+    seq_ids = np.full(num_seqs, -1, np.int32)
+    q_lens = np.zeros(num_seqs, np.int32)
+    for j, (s, n) in enumerate(plan):
+      seq_ids[j] = s.slot
+      q_lens[j] = n
+    return release_early, fork_parents, fork_children, release_late, seq_ids, q_lens
+
+  def _build(self, plan, bucket: Bucket):
     num_tokens, S = bucket.num_tokens, bucket.num_seqs
-    F = c.max_batch
-    a = dict(
-        release_early=np.full(self.max_seqs, -1, np.int32),
-        release_late=np.full(self.max_seqs, -1, np.int32),
-        fork_parents=np.full(F, -1, np.int32),
-        fork_children=np.full(F, -1, np.int32),
-        seq_ids=np.full(S, -1, np.int32), q_lens=np.zeros(S, np.int32),
+    book = self._bookkeeping_inputs(plan, S)
+    a = dict(zip(("release_early", "fork_parents", "fork_children", "release_late",
+                  "seq_ids", "q_lens"), book))
+    a.update(
         tokens=np.zeros(num_tokens, np.int32),
         sample_rows=np.zeros(S, np.int32), temperature=np.zeros(S, np.float32),
         top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32),
         seeds=np.zeros(S, np.int32), positions=np.zeros(S, np.int32))
-    a["release_early"][:len(self._release_next)] = self._release_next
-    a["release_late"][:len(self._release_late_next)] = self._release_late_next
-    # Every pending child forks now, planned or not: its parent may write its
-    # next token this step.
-    forks = [s for s in self._running if s.fork_from >= 0]
-    for i, s in enumerate(forks):
-      a["fork_parents"][i] = s.fork_from
-      a["fork_children"][i] = s.slot
+    forks = self._forks()
+    row = 0
+    for s, n in plan:
+      a["tokens"][row:row + n] = s.tokens[s.num_cached:s.num_cached + n]
+      row += n
     samples = []  # (sample row, seq, sample index)
     row = 0
-    for j, (s, n) in enumerate(plan):
-      a["seq_ids"][j] = s.slot
-      a["q_lens"][j] = n
-      a["tokens"][row:row + n] = s.tokens[s.num_cached:s.num_cached + n]
+    for s, n in plan:
       row += n
       for lane in self._sample_lanes(s, n):
         samples.append((row - 1, s, lane))
@@ -322,8 +374,10 @@ class Scheduler:
       RuntimeError: if requests wait while nothing runs and none can start
         (admission guarantees this never happens).
     """
-    plan = self._schedule()
-    if not plan and not self._release_next and not self._release_late_next:
+    plan, admitted, first = self._schedule()
+    if plan or self.has_releases():
+      plan = self._fit(plan, admitted, first)
+    if not plan and not self.has_releases():
       if self._waiting and not self._running:  # admission guarantees progress
         raise RuntimeError(f"engine stalled with nothing running: {self.usage()}")
       return None
@@ -335,7 +389,6 @@ class Scheduler:
     step's outputs for this pool and the time they arrived."""
     x, samples, forks = self._build(plan, bucket)
     self._release_next, self._release_late_next = [], []
-    self._pending_freed = 0
     return x, lambda out, now: self._apply(plan, samples, forks, out, now)
 
   def end_step(self):
@@ -349,44 +402,25 @@ class Scheduler:
     out, self._deltas = self._deltas, []
     return out
 
-  def sync_free(self, out: StepOutputs):
-    """Takes the exact free-block count from a step's outputs."""
-    self._num_free = int(out.num_free)
-
   # ------------------------------------------------------------ results
 
   def _apply(self, plan, samples, forks, out: StepOutputs, now: float):
     self._now = now
-    self._num_free = int(out.num_free)
+    # The device ran the same bookkeeping on the same state as the host
+    # mirror (`_fit`): it grants exactly what the mirror granted.
+    if not (out.ok[:len(plan)].all() and out.fork_ok[:len(forks)].all()):
+      raise RuntimeError("the device refused what the host mirror granted: "
+                         "the block states diverged (engine bug)")
     self._free_slots.extend(self._release_late_pending)
     self._release_late_pending = []
-    for i, s in enumerate(forks):
-      if not out.fork_ok[i]:  # parent live and child empty by construction
-        raise RuntimeError(f"fork into slot {s.slot} failed: engine bookkeeping bug")
+    for s in forks:
       s.fork_from = -1
-    failed = set()
-    for j, (s, n) in enumerate(plan):
-      if out.ok[j]:
-        s.num_cached += n
-        self.stats.computed_tokens += n
-      else:
-        failed.add(id(s))
-        self.stats.refused_reservations += 1
-        if s.num_cached == 0 and s.fork_from < 0:
-          # A refused new admission: its slot is still empty on the device.
-          self._running.remove(s)
-          self._free_slots.append(s.slot)
-          s.slot = -1
-          self._insert(self._waiting, s)
-    for s in self._running:  # exact sharing figures for the next plan
-      if s.slot >= 0 and s.fork_from < 0:
-        s.exclusive_blocks = int(out.exclusive_blocks[s.slot])
-        s.maybe_shared_tail = bool(out.tail_shared[s.slot])
+    for s, n in plan:
+      s.num_cached += n
+      self.stats.computed_tokens += n
     beam_rows: dict[int, list] = {}
     by_seq: dict[int, list] = {}
     for r, (_, s, lane) in enumerate(samples):
-      if id(s) in failed:
-        continue
       if s.group.is_beam:
         beam_rows.setdefault(id(s.group), [s.group, {}])[1][id(s)] = (
             out.top_logprobs[r], out.top_ids[r])
@@ -397,7 +431,6 @@ class Scheduler:
       self._first_token(g)
       targets = [s]
       if g.unborn:  # prompt done: the other samples fork from it next step
-        bs = self.config.block_size
         for lane, _ in lanes[1:]:
           child = Seq(g, lane, list(g.request.prompt))
           child.num_cached = s.num_cached
@@ -406,16 +439,13 @@ class Scheduler:
           self._insert(self._running, child)
           g.live.append(child)
           targets.append(child)
-        for t in targets:  # until the next step's figures say otherwise
-          t.exclusive_blocks = 0
-          t.maybe_shared_tail = bool(s.num_cached % bs)
         g.unborn = 0
       for t, (_, tok) in zip(targets, lanes):
         t.tokens.append(tok)
       for t, (_, tok) in zip(targets, lanes):
         self._on_token(t, tok)
     for g, rows in beam_rows.values():
-      self._beam_update(g, rows, failed)
+      self._beam_update(g, rows)
 
   def _first_token(self, g: Group):
     out = g.output
@@ -477,10 +507,10 @@ class Scheduler:
     if self.collect_deltas:
       self._deltas.append(RequestDelta(out.request_id, -1, [], output=out))
 
-  def _beam_update(self, g: Group, rows: dict, failed: set):
+  def _beam_update(self, g: Group, rows: dict):
     """One beam-search expansion for group `g` from its rows' top log-probs."""
     live = list(g.live)
-    if any(id(s) in failed for s in live) or len(rows) != len(live):
+    if len(rows) != len(live):
       # A lane did not advance: restart the group (beam search is deterministic).
       self._preempt(live[0], [])
       return
@@ -515,7 +545,6 @@ class Scheduler:
         used_lanes.add(parent.index)
       else:
         children.append((parent, t, lp))
-    bs = self.config.block_size
     for p, s in enumerate(live):
       if p not in claimed:
         self._retire_beam(s)
@@ -528,9 +557,6 @@ class Scheduler:
       child.slot = self._free_slots.pop()
       self._insert(self._running, child)
       g.live.append(child)
-      for s in (child, parent):
-        s.exclusive_blocks = 0
-        s.maybe_shared_tail = bool(parent.num_cached % bs)
     g.live.sort(key=lambda s: s.index)
     g.unborn = 0
 

@@ -12,8 +12,9 @@ from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
 from paged_jax import block_manager as bm
-from tests.examples.conftest import (BIG_POOL, SIZES, SMALL_POOL, make_engine,
-                                     random_requests, serve)
+from tests.examples.conftest import (BIG_POOL, SIZES, SMALL_POOL,
+                                     assert_mirror_is_the_device_state,
+                                     make_engine, random_requests, serve)
 
 
 def tokens(outputs: dict) -> dict:
@@ -23,6 +24,7 @@ def tokens(outputs: dict) -> dict:
 
 def assert_pool_empty(engine: Engine):
   bm.check_invariants(engine.block_state)
+  assert_mirror_is_the_device_state(engine)
   assert int(engine.block_state.num_free) == engine.config.num_blocks
   assert not engine.has_unfinished()
 
@@ -156,6 +158,9 @@ def test_steps_never_retrace(model):
   requests = random_requests(3, 6, prompt=(2, 30), new=(1, 12))
   requests += [Request("n", [5, 6, 7], SamplingParams(n=2, temperature=0.7, max_new_tokens=5)),
                Request("b", [8, 9], SamplingParams(beam_width=2, max_new_tokens=4))]
+  engine.warmup()  # traces every bucket once; serving must not trace again
+  assert engine.compiled_buckets == tuple(sorted(engine.buckets))
+  assert len(engine.buckets) == 5  # decode 2, 4; mixed 4, 8, 16
   for r in requests[:3]:
     engine.add_request(r)
   old_pages = engine.cache.k_pages
@@ -167,6 +172,8 @@ def test_steps_never_retrace(model):
   outputs = engine.run_until_done()
   assert len(outputs) == len(requests)
   assert engine.stats.decode_steps > 0 and engine.stats.mixed_steps > 0
+  used = {(n, d) for n, _, d in engine.stats.buckets}
+  assert len({n for n, d in used if d}) >= 2 and len({n for n, d in used if not d}) >= 2
   assert_pool_empty(engine)
 
 

@@ -9,12 +9,14 @@ from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.stats import EngineStats, Gauge, Latency
 
 
-def test_sizes_are_powers_of_two_then_the_maximum():
-  assert buckets.sizes(256, 8) == (8, 16, 32, 64, 128, 256)
-  assert buckets.sizes(24, 8) == (8, 16, 24)
+def test_sizes_are_powers_of_two_and_midpoints_then_the_maximum():
+  assert buckets.sizes(256, 8, midpoints=False) == (8, 16, 32, 64, 128, 256)
+  assert buckets.sizes(24, 8, midpoints=False) == (8, 16, 24)
   assert buckets.sizes(4, 8) == (4,)
-  assert buckets.sizes(16, 3) == (4, 8, 16)
+  assert buckets.sizes(16, 3, midpoints=False) == (4, 8, 16)
   assert buckets.sizes(1, 1) == (1,)
+  assert buckets.sizes(32, 1) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+  assert buckets.sizes(20, 3) == (3, 4, 6, 8, 12, 16, 20)
 
 
 def test_sizes_errors():
@@ -23,19 +25,22 @@ def test_sizes_errors():
 
 
 def test_bucket_set_and_choice():
-  bs = buckets.bucket_set(max_batch=32, max_tokens_per_step=256, min_bucket=8)
+  assert len(buckets.bucket_set(32, 256, 1)) == 10 + 7
+  bs = buckets.bucket_set(max_batch=32, max_tokens_per_step=256, min_bucket=8,
+                          midpoints=False)
   decode = [b for b in bs if b.decode_only]
   mixed = [b for b in bs if not b.decode_only]
   assert [(b.num_tokens, b.num_seqs) for b in decode] == [(8, 8), (16, 16), (32, 32)]
   assert [(b.num_tokens, b.num_seqs) for b in mixed] == [
-      (8, 8), (16, 16), (32, 32), (64, 32), (128, 32), (256, 32)]
+      (32, 32), (64, 32), (128, 32), (256, 32)]  # from max_batch
   choose = lambda **kw: buckets.choose(bs, **kw)  # noqa: E731
   assert choose(num_tokens=5, num_seqs=5, decode_only=True) == Bucket(8, 8, True)
   assert choose(num_tokens=17, num_seqs=17, decode_only=True) == Bucket(32, 32, True)
   assert choose(num_tokens=65, num_seqs=3, decode_only=False) == Bucket(128, 32, False)
-  # More sample rows than tokens (a 1-token prompt forking 4 samples... at
-  # min_bucket 1) picks a bucket with enough sequence rows.
-  small = buckets.bucket_set(4, 16, 1)
+  assert choose(num_tokens=5, num_seqs=1, decode_only=False) == Bucket(32, 32, False)
+  # A 1-token prompt forking 4 samples needs 4 sample rows.
+  small = buckets.bucket_set(4, 16, 1, midpoints=False)
+  assert [b.num_tokens for b in small] == [1, 2, 4, 4, 8, 16]
   assert buckets.choose(small, num_tokens=1, num_seqs=4,
                         decode_only=False) == Bucket(4, 4, False)
   with pytest.raises(ValueError, match="no mixed bucket holds num_tokens=300"):
