@@ -293,6 +293,8 @@ class Engine:
     """
     if self.has_unfinished() or any(p.has_releases() for p in self._pools):
       raise RuntimeError("warmup() needs an idle engine")
+    for p in self._pools:
+      p.warmup()
     for bucket in buckets or self.buckets:
       xs = [p.build_step([], bucket)[0] for p in self._pools]
       self._runner.fetch(self._runner.dispatch(bucket, xs), len(self._pools))

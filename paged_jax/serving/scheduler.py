@@ -49,7 +49,9 @@ from paged_jax.serving.stats import EngineStats
 from paged_jax.serving.step import StepInputs, StepOutputs
 
 # The bookkeeping on the host mirror: the device step's own function.
-_trial = jax.jit(step_lib.bookkeeping)
+_trial = jax.jit(step_lib.bookkeeping, static_argnames="present")
+_PRESENT = tuple((a, b, c) for a in (False, True) for b in (False, True)
+                 for c in (False, True))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -71,6 +73,7 @@ class Scheduler:
     # The host mirror of this pool's block state (on the host CPU): the same
     # pure bookkeeping the device runs, on the same inputs (see `_fit`).
     self._mirror = jax.device_put(initial_state, jax.devices("cpu")[0])
+    self._num_free = initial_state.num_blocks  # the mirror's, as an int
     self._waiting: list[Seq] = []  # sorted by order
     self._running: list[Seq] = []  # sorted by order
     self._free_slots = list(range(self.max_seqs - 1, -1, -1))
@@ -144,7 +147,7 @@ class Scheduler:
 
   def usage(self) -> dict:
     """Blocks used / total, running and waiting sequences (from the last step)."""
-    used = self.config.num_blocks - int(self._mirror.num_free)
+    used = self.config.num_blocks - self._num_free
     return {"blocks_used": used, "blocks_total": self.config.num_blocks,
             "running": len(self._running), "waiting": len(self._waiting)}
 
@@ -259,14 +262,15 @@ class Scheduler:
     """
     while True:
       x = self._bookkeeping_inputs(plan, self.config.max_batch)
-      state, fork_ok, res = _trial(self._mirror, *x)
-      ok, fork_ok = jax.device_get((res.ok, fork_ok))
       forks = int(np.sum(x[1] >= 0))
+      present = (bool(self._release_next), forks > 0, bool(self._release_late_next))
+      state, fork_ok, res = _trial(self._mirror, *x, present=present)
+      ok, fork_ok, num_free = jax.device_get((res.ok, fork_ok, state.num_free))
       if not fork_ok[:forks].all():
         raise RuntimeError(f"a fork was refused: engine bookkeeping bug ({self.usage()})")
       refused = np.flatnonzero(~ok[:len(plan)])
       if not refused.size:
-        self._mirror = state
+        self._mirror, self._num_free = state, int(num_free)
         return plan
       self.stats.refused_reservations += 1
       seq = plan[refused[0]][0]
@@ -397,6 +401,13 @@ class Scheduler:
   def take_outputs(self) -> list[RequestOutput]:
     outs, self._outputs = self._outputs, []
     return outs
+
+  def warmup(self):
+    """Compiles the host mirror's bookkeeping (every `present` variant);
+    changes nothing."""
+    x = self._bookkeeping_inputs([], self.config.max_batch)
+    for present in _PRESENT:
+      jax.block_until_ready(_trial(self._mirror, *x, present=present))
 
   def take_deltas(self) -> list[RequestDelta]:
     out, self._deltas = self._deltas, []

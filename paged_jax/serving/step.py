@@ -175,9 +175,15 @@ def mesh_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
 
 
 def bookkeeping(state: bm.BlockState, release_early, fork_parents, fork_children,
-                release_late, seq_ids, q_lens):
+                release_late, seq_ids, q_lens, *,
+                present: tuple[bool, bool, bool] = (True, True, True)):
   """A step's block bookkeeping on one pool: release -> fork -> release ->
   reserve (the arrays of `StepInputs` of the same names).
+
+  `present` (static) says which of `release_early`, the forks and
+  `release_late` hold any entry; an empty one (all -1) changes nothing, so
+  leaving it out gives the same result with less work (the host mirror does;
+  the device step runs all three).
 
   The one function that decides blocks: the device step runs it, and the
   host runs it on its mirror of the pool first (`scheduler.Scheduler._fit`),
@@ -186,9 +192,15 @@ def bookkeeping(state: bm.BlockState, release_early, fork_parents, fork_children
   Returns:
     `(state, fork_ok bool[max_batch], Reservation)`.
   """
-  state, _ = bm.release(state, release_early)
-  state, fork_ok = bm.fork(state, fork_parents, fork_children)
-  state, _ = bm.release(state, release_late)
+  early, forks, late = present
+  if early:
+    state, _ = bm.release(state, release_early)
+  if forks:
+    state, fork_ok = bm.fork(state, fork_parents, fork_children)
+  else:
+    fork_ok = jnp.zeros(fork_parents.shape, bool)
+  if late:
+    state, _ = bm.release(state, release_late)
   state, res = bm.reserve(state, seq_ids, q_lens)
   return state, fork_ok, res
 
