@@ -72,7 +72,9 @@ class Scheduler:
     self.stats = stats
     # The host mirror of this pool's block state (on the host CPU): the same
     # pure bookkeeping the device runs, on the same inputs (see `_fit`).
-    self._mirror = jax.device_put(initial_state, jax.devices("cpu")[0])
+    # (a local device: on several hosts each process keeps its own mirror).
+    self._mirror = jax.device_put(initial_state,
+                                  jax.local_devices(backend="cpu")[0])
     self._num_free = initial_state.num_blocks  # the mirror's, as an int
     self._waiting: list[Seq] = []  # sorted by order
     self._running: list[Seq] = []  # sorted by order
