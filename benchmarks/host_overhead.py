@@ -12,6 +12,11 @@
     16 layers, 32 query / 8 KV heads, head_dim 64) at the same batch. The
     model's matmuls are left out, so this share is an upper bound; the full
     decoder's step time completes it (see RESULTS.md). Goal: <= 5%.
+(c) The engine's own host share (`paged_jax.serving`): the tiny Llama
+    serving the ShareGPT-like mini workload at the CLI's default sizes;
+    `EngineStats.host_seconds` (scheduling with the exact host mirror of the
+    block state, building inputs, applying results) over host + device
+    seconds, after warm-up. Timings on a shared CPU are noisy.
 
   PYTHONPATH=. python -m benchmarks.host_overhead [--quick]
 """
@@ -133,6 +138,24 @@ def plot(data: dict, path) -> None:
   plt.close(fig)
 
 
+def engine_share(num_requests: int) -> dict:
+  """(c): host share of the engine's steps on the tiny model (see the module
+  docstring)."""
+  # pylint: disable=import-outside-toplevel
+  from examples.llama import model as model_lib
+  from examples.serving import workload
+  cfg = model_lib.LlamaConfig.tiny()
+  model = model_lib.init_model(cfg)
+  reqs = workload.synthetic_requests(num_requests, vocab_size=cfg.vocab_size,
+                                     exclude_ids=cfg.eos_token_ids)
+  stats, _ = workload.run_workload("paged", model, reqs, kv_tokens=1024,
+                                   progress=False)
+  host, device = stats["host_ms_per_step"], stats["device_ms_per_step"]
+  return {"requests": num_requests, "steps": stats["steps"], "host_ms_per_step": host,
+          "device_ms_per_step": device, "host_share": host / (host + device),
+          "padding_ratio": stats["padding_ratio"]}
+
+
 def run(quick: bool = False, out=common.RESULTS_DIR) -> dict:
   exps = (10, 14) if quick else POOL_EXPONENTS
   costs = op_costs([2**e for e in exps], repeats=10 if quick else 200)
@@ -169,9 +192,13 @@ def run(quick: bool = False, out=common.RESULTS_DIR) -> dict:
         f"XLA attention {attention_ms:.1f} ms ({MODEL['num_layers']} layers, batch "
         f"{batch}, kv_len {kv_len}) -> host share {100 * step['host_share']:.2f}%; "
         f"<= 5% needs a device step of >= {step['break_even_step_ms']:.1f} ms")
+  eng = engine_share(16 if quick else 48)
+  print(f"  engine (tiny Llama, {eng['steps']} steps): host {eng['host_ms_per_step']:.2f} "
+        f"ms/step, device {eng['device_ms_per_step']:.2f} ms/step -> host share "
+        f"{100 * eng['host_share']:.1f}% (noisy)")
   data = {"batch": BATCH, "block_size": BLOCK_SIZE, "model": MODEL, "sim": setup,
           "op_cost": costs, "largest_over_smallest": ratios, "step": step,
-          "goal_share": GOAL_SHARE}
+          "engine": eng, "goal_share": GOAL_SHARE}
   common.write_json(out, "host_overhead", data, quick=quick)
   plot(data, common.figure_path(out, "host_overhead", quick=quick))
   print(f"op cost 2**{exps[-1]} / 2**{exps[0]} blocks: reserve {ratios['reserve']:.1f}x, "

@@ -94,9 +94,9 @@ from examples.llama import checkpoint as checkpoint_lib  # noqa: E402
 from examples.llama import model as model_lib  # noqa: E402
 from examples.llama import tensor_parallel  # noqa: E402
 from examples.serving import workload  # noqa: E402
-from examples.serving.requests import Request  # noqa: E402
-from examples.serving.sampling import SamplingParams  # noqa: E402
 from paged_jax import _cli  # noqa: E402
+from paged_jax.serving.requests import Request  # noqa: E402
+from paged_jax.serving.sampling import SamplingParams  # noqa: E402
 from paged_jax import sharding  # noqa: E402
 
 
@@ -189,6 +189,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="this process' index, with --coordinator")
   eng.add_argument("--implementation", choices=["xla", "pallas_tpu", "pallas_gpu"],
                    help="attention backend (default: the best for the platform)")
+  eng.add_argument("--request-rate", type=_cli.number_in(0, 10**9, lo_open=True),
+                   metavar="R",
+                   help="requests per second, Poisson arrivals (seeded by "
+                   "--workload-seed); default: all requests at once")
+  eng.add_argument("--compile-cache-dir", metavar="DIR",
+                   default=str(pathlib.Path.home() / ".cache" / "paged_jax" / "jax_cache"),
+                   help="JAX's persistent compilation cache, so that a second run "
+                   "does not recompile")
+  eng.add_argument("--no-compile-cache", action="store_true",
+                   help="do not use the persistent compilation cache")
   out = p.add_argument_group("output")
   out.add_argument("--output", metavar="FILE",
                    help="write requests' generated ids and finish reasons (JSON)")
@@ -491,6 +501,46 @@ def _reseed(params: SamplingParams, seed: int) -> SamplingParams:
   return SamplingParams(**d)
 
 
+def _fmt_latency(lat: dict) -> list[str]:
+  rows = []
+  for name, label in (("ttft", "time to first token"), ("tpot", "time per output token"),
+                      ("itl", "inter-token latency")):
+    d = lat[name]
+    rows.append(f"  {label:<22}mean {1e3 * d['mean']:.1f} ms, p50 {1e3 * d['p50']:.1f},"
+                f" p90 {1e3 * d['p90']:.1f}, p99 {1e3 * d['p99']:.1f} ms")
+  return rows
+
+
+def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
+  """Seconds after the start at which each request arrives: exponential gaps
+  of mean `1 / rate` (a Poisson process), the first request at 0.
+
+  Raises:
+    ValueError: if `rate` is not positive.
+  """
+  if not rate > 0:
+    raise ValueError(f"--request-rate must be positive, got {rate}")
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  gaps = np.random.default_rng(seed).exponential(1.0 / rate, num_requests)
+  gaps[0] = 0.0
+  return np.cumsum(gaps).tolist()
+
+
+def _compile_cache(args):
+  """Turns on JAX's persistent compilation cache (unless --no-compile-cache)."""
+  if args.no_compile_cache:
+    return
+  import jax  # pylint: disable=import-outside-toplevel
+  try:
+    pathlib.Path(args.compile_cache_dir).mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"--compile-cache-dir {_cli.shown(args.compile_cache_dir)}: "
+                     f"cannot create it ({e.strerror}); pass --no-compile-cache "
+                     "to run without it") from None
+  jax.config.update("jax_compilation_cache_dir", args.compile_cache_dir)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
 def _fmt(stats: dict) -> list[str]:
   return [
       f"  requests served     {stats['served']} of {stats['requests']}"
@@ -499,6 +549,7 @@ def _fmt(stats: dict) -> list[str]:
       f"  wall time           {stats['wall_seconds']:.2f} s "
       f"(+ {stats['compile_seconds']:.1f} s compile)",
       f"  throughput          {stats['tokens_per_second']:.1f} tokens/s",
+      *_fmt_latency(stats["latency_seconds"]),
       f"  KV blocks used      peak {stats['peak_blocks_used']}/{stats['num_blocks']}"
       f" ({100 * stats['peak_kv_fraction']:.0f}%), mean "
       f"{stats['mean_blocks_used']:.1f} ({100 * stats['mean_kv_fraction']:.0f}%)"
@@ -513,6 +564,9 @@ def _fmt(stats: dict) -> list[str]:
       f" {stats['mixed_steps']} prefill/mixed); host "
       f"{stats['host_ms_per_step']:.2f} ms/step, device "
       f"{stats['device_ms_per_step']:.2f} ms/step",
+      f"  rows computed       {stats['padded_rows']} for {stats['computed_tokens']} real"
+      f" tokens ({stats['padding_ratio']:.2f}x) in {stats['buckets_compiled']}"
+      f" step shapes",
   ]
 
 
@@ -554,6 +608,10 @@ def main(argv=None) -> int:
                   max_beam_width=args.beam_width, progress=not args.no_progress,
                   mesh=mesh)
     sizes = {n: v for n, v in common.items() if n not in ("progress", "mesh")}
+    if args.request_rate is not None:
+      common["arrival_times"] = poisson_arrivals(
+          len(requests), args.request_rate, args.workload_seed)
+    _compile_cache(args)
     configs = {"paged": workload.engine_config("paged", **sizes)}
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {_cli.one_line(e)}", file=sys.stderr)
@@ -641,6 +699,9 @@ def main(argv=None) -> int:
                             for comp in o.completions]}
                      for o in outputs],
         "stats": {k: v[0] for k, v in results.items()},
+        # Per request, in seconds (apart from "requests": timings vary by run).
+        "latency_seconds": [{"request_id": o.request_id, "ttft": o.ttft,
+                             "tpot": o.tpot} for o in outputs],
     }
     pathlib.Path(args.output).write_text(json.dumps(doc, indent=1))
     print(f"wrote {args.output}")

@@ -9,8 +9,10 @@ Public API:
   * attention (`paged_jax.attention`): `paged_attention`,
     `ragged_paged_attention`, `write_and_ragged_attention`;
   * reference (`paged_jax.reference`): float32 oracles;
-  * Flax NNX integration (`paged_jax.flax_attention`): `StepMetadata`,
-    `step_metadata`, `sharded_step_metadata`, `PagedAttention`, `write_and_attend`,
+  * per-step attention metadata (`paged_jax.step_metadata`): `StepMetadata`,
+    `step_metadata`, `sharded_step_metadata`;
+  * Flax NNX integration (`paged_jax.flax_attention`): `PagedAttention`,
+    `write_and_attend`,
     `dense_causal_attention`; RoPE with Llama 3 scaling (`paged_jax.rope`):
     `RopeConfig`, `Llama3Scaling`, `LinearScaling`, `apply_rope`,
     `inverse_frequencies`;
@@ -23,10 +25,13 @@ Public API:
     `python -m paged_jax.capacity`): `plan`, `CapacityPlan`, `kv_pool_bytes`,
     `bytes_per_block`, `weight_bytes`, `PRESETS`;
   * synthetic request traces (`import paged_jax.traces`): `make_trace`,
-    `Trace`, `TraceSpec`.
+    `Trace`, `TraceSpec`;
+  * serving (`import paged_jax.serving`): `Engine`, `EngineConfig`, `LLM`,
+    `SamplingParams`, `Request`, `RequestOutput`, `ServingModel`.
 
-`capacity` and `traces` are not imported here, so that `python -m
-paged_jax.capacity` runs the module once.
+`capacity`, `traces` and `serving` are not imported here, so that `python -m
+paged_jax.capacity` runs the module once (and serving's imports stay off the
+kernel user's path).
 """
 
 from paged_jax import block_manager
@@ -35,6 +40,7 @@ from paged_jax import kv_cache
 from paged_jax import reference
 from paged_jax import rope
 from paged_jax import sharding
+from paged_jax import step_metadata
 from paged_jax.attention import IMPLEMENTATIONS
 from paged_jax.attention import paged_attention
 from paged_jax.attention import ragged_paged_attention
@@ -58,6 +64,7 @@ __all__ = [
     "reference",
     "rope",
     "sharding",
+    "step_metadata",
     "write_and_ragged_attention",
 ]
 __version__ = "0.1.0"

@@ -7,6 +7,9 @@ tied or untied embeddings. Parameter names follow Hugging Face's
 
 Two forward paths share the weights:
 
+`Llama` implements `paged_jax.serving.ServingModel`, so `paged_jax.serving`'s
+engine serves it.
+
 * `Llama.paged_forward` runs one serving step over a ragged token batch and
   the paged `KVCache` (via `paged_jax.flax_attention`);
 * `Llama.dense_logits` runs whole sequences with plain causal attention and no
@@ -27,6 +30,7 @@ from flax import nnx
 from paged_jax import flax_attention
 from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import rope as rope_lib
+from paged_jax import step_metadata
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -190,14 +194,14 @@ class Llama(nnx.Module):
   def paged_forward(
       self,
       tokens: jax.Array,  # i32[num_tokens]
-      meta: flax_attention.StepMetadata,
+      meta: step_metadata.StepMetadata,
       cache: kv_cache_lib.KVCache,
   ) -> tuple[jax.Array, kv_cache_lib.KVCache]:
     """One serving step over the paged cache.
 
     Args:
       tokens: `i32[num_tokens]` in the step's ragged layout (see
-        `paged_jax.flax_attention`); padding rows may hold any valid id.
+        `paged_jax.step_metadata`); padding rows may hold any valid id.
       meta: the step's `StepMetadata`.
       cache: the `KVCache`; this step's K/V are written into it.
 
@@ -209,6 +213,13 @@ class Llama(nnx.Module):
     for i, layer in enumerate(self.layers):
       x, cache = layer(x, meta, cache, i)
     return x, cache
+
+  def shard(self, mesh) -> "Llama":
+    """This model laid out tensor-parallel on a `(data, model)` mesh
+    (`examples.llama.tensor_parallel.shard_model`; `paged_jax.serving`'s
+    `ServingModel.shard`)."""
+    from examples.llama import tensor_parallel  # pylint: disable=import-outside-toplevel
+    return tensor_parallel.shard_model(self, mesh)
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """Final norm and LM head: `[..., hidden_size] -> f32[..., vocab_size]`."""

@@ -22,9 +22,9 @@ import jax
 import numpy as np
 
 from examples.llama.model import Llama
-from examples.serving.engine import Engine, EngineConfig
-from examples.serving.requests import Request, RequestOutput
-from examples.serving.sampling import SamplingParams
+from paged_jax.serving.engine import Engine, EngineConfig
+from paged_jax.serving.requests import Request, RequestOutput
+from paged_jax.serving.sampling import SamplingParams
 from paged_jax import sharding
 from paged_jax import traces
 
@@ -133,7 +133,7 @@ def engine_config(kind: str, *, kv_tokens: int, block_size: int, max_batch: int,
 
 
 def warmup(engine: Engine) -> float:
-  """Compiles both step shapes on an idle engine; returns the seconds taken."""
+  """Compiles every step shape on an idle engine; returns the seconds taken."""
   t = time.perf_counter()
   engine.warmup()
   return time.perf_counter() - t
@@ -226,7 +226,6 @@ def run_workload(
   order = {r.request_id: i for i, r in enumerate(requests)}
   outputs.sort(key=lambda o: order[o.request_id])
   st = engine.stats
-  used = np.asarray(st.blocks_used or [0], float)
   steps = max(st.steps, 1)
   shards = engine.data_shards
   total_blocks = shards * config.num_blocks
@@ -239,6 +238,8 @@ def run_workload(
       "rejected": st.rejected,
       "generated_tokens": st.generated_tokens,
       "computed_tokens": st.computed_tokens,
+      "padded_rows": st.padded_rows,
+      "padding_ratio": st.padding_ratio,
       "wall_seconds": wall,
       "tokens_per_second": st.generated_tokens / wall if wall > 0 else 0.0,
       "steps": st.steps,
@@ -250,12 +251,12 @@ def run_workload(
       "kv_bytes": kv_bytes,
       "devices": len(engine.cache.k_pages.sharding.device_set),
       "kv_bytes_per_device": max(devices.values()),
-      "peak_blocks_used": int(used.max()),
-      "mean_blocks_used": float(used.mean()),
-      "peak_kv_fraction": float(used.max()) / total_blocks,
-      "mean_kv_fraction": float(used.mean()) / total_blocks,
-      "peak_running": max(st.running or [0]),
-      "mean_running": float(np.mean(st.running or [0])),
+      "peak_blocks_used": st.blocks_used.peak,
+      "mean_blocks_used": st.blocks_used.mean,
+      "peak_kv_fraction": st.blocks_used.peak / total_blocks,
+      "mean_kv_fraction": st.blocks_used.mean / total_blocks,
+      "peak_running": st.running.peak,
+      "mean_running": st.running.mean,
       "max_batch": shards * config.max_batch,
       "preemptions": st.preemptions,
       "refused_reservations": st.refused_reservations,
@@ -264,5 +265,7 @@ def run_workload(
       "device_ms_per_decode_step": (1e3 * st.decode_device_seconds
                                     / max(st.decode_steps, 1)),
       "compile_seconds": compile_s,
+      "buckets_compiled": len(engine.compiled_buckets),
+      "latency_seconds": st.latency_summary(),
   }
   return stats, outputs

@@ -13,11 +13,12 @@ import pytest
 from flax import nnx
 
 from examples.llama import model as model_lib
-from examples.serving.engine import Engine, EngineConfig
-from examples.serving.requests import Request
-from examples.serving.sampling import SamplingParams
+from paged_jax.serving.engine import Engine, EngineConfig
+from paged_jax.serving.requests import Request
+from paged_jax.serving.sampling import SamplingParams
 
-SIZES = dict(block_size=4, max_batch=4, max_tokens_per_step=16, max_model_len=64)
+SIZES = dict(block_size=4, max_batch=4, max_tokens_per_step=16, max_model_len=64,
+             min_bucket=2, bucket_midpoints=False)  # decode 2, 4; mixed 4, 8, 16
 BIG_POOL = 64
 SMALL_POOL = 12
 ORACLE_LEN = 64  # dense oracle pads every sequence to this length
@@ -41,6 +42,16 @@ def random_requests(seed, count, *, vocab=512, prompt=(3, 24), new=(1, 14),
     sp = SamplingParams(max_new_tokens=int(rng.integers(*new)), **params)
     out.append(Request(i, p, sp))
   return out
+
+
+def assert_mirror_is_the_device_state(engine: Engine):
+  """The schedulers' host mirrors equal the device block state, exactly."""
+  pools = engine._pools  # pylint: disable=protected-access
+  state = engine.block_state
+  for i, pool in enumerate(pools):
+    device = state if engine.mesh is None else jax.tree.map(lambda x, i=i: x[i], state)
+    for a, b in zip(jax.tree.leaves(pool._mirror), jax.tree.leaves(device)):  # pylint: disable=protected-access
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def serve(engine: Engine, requests) -> dict:

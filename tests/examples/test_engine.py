@@ -7,13 +7,14 @@ import jax
 import numpy as np
 import pytest
 
-from examples.serving import sampling
-from examples.serving.engine import Engine, EngineConfig
-from examples.serving.requests import Request
-from examples.serving.sampling import SamplingParams
+from paged_jax.serving import beam as beam_lib
+from paged_jax.serving.engine import Engine, EngineConfig
+from paged_jax.serving.requests import Request
+from paged_jax.serving.sampling import SamplingParams
 from paged_jax import block_manager as bm
-from tests.examples.conftest import (BIG_POOL, SIZES, SMALL_POOL, make_engine,
-                                     random_requests, serve)
+from tests.examples.conftest import (BIG_POOL, SIZES, SMALL_POOL,
+                                     assert_mirror_is_the_device_state,
+                                     make_engine, random_requests, serve)
 
 
 def tokens(outputs: dict) -> dict:
@@ -23,6 +24,7 @@ def tokens(outputs: dict) -> dict:
 
 def assert_pool_empty(engine: Engine):
   bm.check_invariants(engine.block_state)
+  assert_mirror_is_the_device_state(engine)
   assert int(engine.block_state.num_free) == engine.config.num_blocks
   assert not engine.has_unfinished()
 
@@ -103,7 +105,7 @@ def test_fork_shares_prompt_blocks_and_copies_the_partial_one(model):
 def dense_beam_search(oracle, prompt, width, max_new_tokens):
   """Beam search on the dense oracle with the engine's rules."""
   k = max(8, 2 * width)
-  beams, finished = [sampling.Beam([], 0.0)], []
+  beams, finished = [beam_lib.Beam([], 0.0)], []
   while True:
     cands = []
     for b in beams:
@@ -111,7 +113,7 @@ def dense_beam_search(oracle, prompt, width, max_new_tokens):
       lp = np.asarray(jax.nn.log_softmax(lg))
       ids = np.argsort(-lp, kind="stable")[:k]
       cands.append((lp[ids], ids))
-    live, done = sampling.beam_search_step(beams, cands, width=width,
+    live, done = beam_lib.beam_search_step(beams, cands, width=width,
                                            eos_token_ids=tuple(oracle.eos))
     finished += [(lp, beams[p].tokens + [t], "stop") for p, t, lp in done]
     complete = len(finished) >= width
@@ -119,7 +121,7 @@ def dense_beam_search(oracle, prompt, width, max_new_tokens):
       if not complete:
         finished += [(lp, beams[p].tokens + [t], "length") for p, t, lp in live]
       break
-    beams = [sampling.Beam(beams[p].tokens + [t], lp) for p, t, lp in live]
+    beams = [beam_lib.Beam(beams[p].tokens + [t], lp) for p, t, lp in live]
   finished.sort(key=lambda f: -f[0] / max(len(f[1]), 1))
   return [(t, r) for _, t, r in finished[:width]]
 
@@ -156,6 +158,9 @@ def test_steps_never_retrace(model):
   requests = random_requests(3, 6, prompt=(2, 30), new=(1, 12))
   requests += [Request("n", [5, 6, 7], SamplingParams(n=2, temperature=0.7, max_new_tokens=5)),
                Request("b", [8, 9], SamplingParams(beam_width=2, max_new_tokens=4))]
+  engine.warmup()  # traces every bucket once; serving must not trace again
+  assert engine.compiled_buckets == tuple(sorted(engine.buckets))
+  assert len(engine.buckets) == 5  # decode 2, 4; mixed 4, 8, 16
   for r in requests[:3]:
     engine.add_request(r)
   old_pages = engine.cache.k_pages
@@ -167,6 +172,8 @@ def test_steps_never_retrace(model):
   outputs = engine.run_until_done()
   assert len(outputs) == len(requests)
   assert engine.stats.decode_steps > 0 and engine.stats.mixed_steps > 0
+  used = {(n, d) for n, _, d in engine.stats.buckets}
+  assert len({n for n, d in used if d}) >= 2 and len({n for n, d in used if not d}) >= 2
   assert_pool_empty(engine)
 
 

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from examples.serving.requests import Request
-from examples.serving.sampling import SamplingParams
+from paged_jax.serving.requests import Request
+from paged_jax.serving.sampling import SamplingParams
 from paged_jax import block_manager as bm
-from tests.examples.conftest import SMALL_POOL, DenseOracle, make_engine
+from tests.examples.conftest import (SMALL_POOL, DenseOracle,
+                                     assert_mirror_is_the_device_state, make_engine)
 from examples.llama import model as model_lib
 
 _MODEL = None
@@ -72,6 +73,7 @@ class EngineMachine(RuleBasedStateMachine):
   def pool_is_consistent(self):
     state = self.engine.block_state
     bm.check_invariants(state)
+    assert_mirror_is_the_device_state(self.engine)
     lens = np.asarray(state.seq_lens)
     slots = [s.slot for p in self.engine._pools for s in p._running  # pylint: disable=protected-access
              if s.fork_from < 0]

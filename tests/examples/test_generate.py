@@ -14,7 +14,8 @@ from examples.llama import model as model_lib
 # The sizes of the engine tests (tests/examples/conftest.py), so that the
 # compiled steps are shared: 32 blocks x 4 tokens = 128 KV tokens.
 SMALL = ["--block-size", "4", "--num-blocks", "32", "--max-batch", "4",
-         "--max-tokens-per-step", "16", "--max-model-len", "64", "--no-progress"]
+         "--max-tokens-per-step", "16", "--max-model-len", "64", "--no-progress",
+         "--no-compile-cache"]
 
 
 def run(args, capsys):
@@ -273,3 +274,25 @@ def test_every_request_rejected_exits_1_after_the_report(tmp_path, capsys):
   assert rc == 1
   assert "requests served     0 of 2 (2 rejected)" in text and out.exists()
   assert err.splitlines()[-1] == "error: all 2 requests were rejected"
+
+
+def test_poisson_arrivals_and_latency_report(tmp_path, capsys):
+  path = tmp_path / "out.json"
+  rc, out, _ = run(SMALL + ["--num-requests", "4", "--request-rate", "40",
+                            "--no-baseline", "--output", str(path)], capsys)
+  assert rc == 0
+  for label in ("time to first token", "time per output token",
+                "inter-token latency", "rows computed"):
+    assert label in out
+  doc = json.loads(path.read_text())
+  stats = doc["stats"]["paged"]
+  lat = stats["latency_seconds"]
+  assert lat["ttft"]["count"] == 4 and 0 < lat["ttft"]["p50"] <= lat["ttft"]["p99"]
+  assert lat["itl"]["count"] > 0
+  assert stats["padded_rows"] >= stats["computed_tokens"] > 0
+  assert [r["request_id"] for r in doc["latency_seconds"]] == [0, 1, 2, 3]
+  times = generate.poisson_arrivals(1000, 40.0, seed=0)
+  assert times[0] == 0 and all(b >= a for a, b in zip(times, times[1:]))
+  assert abs(times[-1] / 999 - 1 / 40) < 0.1 / 40  # mean gap 1 / rate
+  rc, _, err = run(SMALL + ["--request-rate", "0"], capsys)
+  assert rc == 2 and "--request-rate" in err and err.count("\n") == 1

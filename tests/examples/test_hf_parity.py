@@ -79,9 +79,9 @@ def test_logits_match_transformers(tmp_path, tie, torch_dtype, scaling):
 
 
 def test_greedy_generation_matches_transformers_generate(tmp_path):
-  from examples.serving.engine import Engine, EngineConfig  # pylint: disable=import-outside-toplevel
-  from examples.serving.requests import Request  # pylint: disable=import-outside-toplevel
-  from examples.serving.sampling import SamplingParams  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving.engine import Engine, EngineConfig  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving.requests import Request  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving.sampling import SamplingParams  # pylint: disable=import-outside-toplevel
   hf = _hf_model(tmp_path, tie=False, torch_dtype=torch.float32, rope_scaling=None)
   model = checkpoint.load_checkpoint(tmp_path)
   engine = Engine(model, EngineConfig(num_blocks=32, block_size=8, max_batch=4,

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from examples.serving import sampling
-from examples.serving.sampling import SamplingParams
+from paged_jax.serving import beam as beam_lib
+from paged_jax.serving import sampling
+from paged_jax.serving.sampling import SamplingParams
 
 sample = jax.jit(sampling.sample_tokens)
 
@@ -70,14 +71,14 @@ def test_top_logprobs():
 
 
 def test_beam_search_step_rules():
-  beams = [sampling.Beam([1], -1.0), sampling.Beam([2], -2.0)]
+  beams = [beam_lib.Beam([1], -1.0), beam_lib.Beam([2], -2.0)]
   cands = [([-0.1, -0.5, -3.0], [5, 9, 6]), ([-0.1, -0.2, -4.0], [7, 8, 9])]
-  live, finished = sampling.beam_search_step(beams, cands, width=2, eos_token_ids=(9,))
+  live, finished = beam_lib.beam_search_step(beams, cands, width=2, eos_token_ids=(9,))
   # Scores: (0,5)=-1.1 (0,9)=-1.5 eos (1,7)=-2.1 (1,8)=-2.2 ...
   assert finished == [(0, 9, -1.5)]
   assert live == [(0, 5, pytest.approx(-1.1)), (1, 7, pytest.approx(-2.1))]
   # An EOS outside the best `width` pairs is not a finished hypothesis.
-  live, finished = sampling.beam_search_step(beams, cands, width=1, eos_token_ids=(9,))
+  live, finished = beam_lib.beam_search_step(beams, cands, width=1, eos_token_ids=(9,))
   assert finished == [] and live == [(0, 5, pytest.approx(-1.1))]
 
 

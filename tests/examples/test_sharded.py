@@ -20,14 +20,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from examples.llama import model as model_lib
 from examples.llama import tensor_parallel
-from examples.serving import step as step_lib
-from examples.serving.engine import Engine, EngineConfig
-from examples.serving.requests import Request
-from examples.serving.sampling import SamplingParams
+from paged_jax.serving import step as step_lib
+from paged_jax.serving.engine import Engine, EngineConfig
+from paged_jax.serving.requests import Request
+from paged_jax.serving.sampling import SamplingParams
 from paged_jax import block_manager as bm
 from paged_jax import flax_attention
 from paged_jax import sharding as ps
-from tests.examples.conftest import random_requests, serve
+from tests.examples.conftest import (assert_mirror_is_the_device_state,
+                                     random_requests, serve)
 
 MESHES = [(d, m) for d in (1, 2, 4, 8) for m in (1, 2, 4, 8) if d * m <= 8]
 BS, BLOCKS, SEQS, T = 4, 16, 2, 16
@@ -190,6 +191,7 @@ def test_sharded_engine_serves_what_one_device_serves(model8, one_device_outputs
     state = jax.tree.map(lambda x, i=i: x[i], engine.block_state)
     bm.check_invariants(state)
     assert int(state.num_free) == sizes["num_blocks"]
+  assert_mirror_is_the_device_state(engine)
   assert engine.cache.k_pages.sharding.is_equivalent_to(
       NamedSharding(mesh, ps.cache_spec()), 5)
   # The whole step (bookkeeping, copy-on-write, writes, attention, sampling)

@@ -5,12 +5,13 @@ nothing else changes. Its order is
 
   release (finished, preempted) -> fork (new samples / beams) -> release
   (finished fork parents) -> reserve (this step's tokens) -> copy-on-write ->
-  `step_metadata` (once for every layer) -> `Llama.paged_forward` -> logits of
+  `step_metadata` (once for every layer) -> `model.paged_forward` -> logits of
   the rows to sample -> sampling and top log-probs.
 
-A refused reservation leaves that sequence's state as it was, its rows write
-nothing and attend to nothing (`step_metadata(active=...)`), and the host sees
-`ok == False`.
+The host has already run the same bookkeeping (`bookkeeping`) on its mirror
+of the block state, so every reservation in a step succeeds; a refused one
+would leave that sequence's state as it was, its rows writing and attending to
+nothing (`step_metadata(active=...)`), and the host would raise on `ok`.
 
 `mesh_device_step` is the same step on a `(data, model)` device mesh: the
 bookkeeping runs once per data shard (`vmap` over the stacked block states),
@@ -26,11 +27,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from examples.serving import sampling
 from paged_jax import block_manager as bm
-from paged_jax import flax_attention
 from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import sharding
+from paged_jax import step_metadata as step_metadata_lib
+from paged_jax.serving import sampling
 
 
 class ModelDef:
@@ -64,33 +65,30 @@ class ModelDef:
 
 @flax.struct.dataclass
 class StepInputs:
-  """One step's host-built arrays (shapes fixed by `EngineConfig`)."""
+  """One step's host-built arrays (`num_tokens`, `num_seqs`: the bucket's)."""
 
   release_early: jax.Array  # i32[max_seqs]  before forks; -1 = none
   release_late: jax.Array  # i32[max_seqs]   after forks (finished fork parents)
   fork_parents: jax.Array  # i32[max_batch]
   fork_children: jax.Array  # i32[max_batch]
-  seq_ids: jax.Array  # i32[max_batch]  entries in priority order, -1 padding
-  q_lens: jax.Array  # i32[max_batch]
+  seq_ids: jax.Array  # i32[num_seqs]  entries in priority order, -1 padding
+  q_lens: jax.Array  # i32[num_seqs]
   tokens: jax.Array  # i32[num_tokens]  ragged layout
-  sample_rows: jax.Array  # i32[max_batch]  token row each sample reads
-  temperature: jax.Array  # f32[max_batch]
-  top_k: jax.Array  # i32[max_batch]
-  top_p: jax.Array  # f32[max_batch]
-  seeds: jax.Array  # i32[max_batch]
-  positions: jax.Array  # i32[max_batch]  position of the token being sampled
+  sample_rows: jax.Array  # i32[num_seqs]  token row each sample reads
+  temperature: jax.Array  # f32[num_seqs]
+  top_k: jax.Array  # i32[num_seqs]
+  top_p: jax.Array  # f32[num_seqs]
+  seeds: jax.Array  # i32[num_seqs]
+  positions: jax.Array  # i32[num_seqs]  position of the token being sampled
 
 
 @flax.struct.dataclass
 class StepOutputs:
-  tokens: jax.Array  # i32[max_batch]  sampled token per sample row
-  top_logprobs: jax.Array  # f32[max_batch, num_logprobs]
-  top_ids: jax.Array  # i32[max_batch, num_logprobs]
-  ok: jax.Array  # bool[max_batch]  reservation per entry
-  fork_ok: jax.Array  # bool[max_batch]
-  num_free: jax.Array  # i32[]
-  exclusive_blocks: jax.Array  # i32[max_seqs]  blocks releasing the slot frees
-  tail_shared: jax.Array  # bool[max_seqs]  next write into the slot copies
+  tokens: jax.Array  # i32[num_seqs]  sampled token per sample row
+  top_logprobs: jax.Array  # f32[num_seqs, num_logprobs]
+  top_ids: jax.Array  # i32[num_seqs, num_logprobs]
+  ok: jax.Array  # bool[num_seqs]  reservation per entry (the host knew it)
+  fork_ok: jax.Array  # bool[max_batch]  (the host knew it too)
 
 
 def device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
@@ -113,15 +111,13 @@ def device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
   model = model_def.merge(params)
   state, fork_ok, res = _bookkeeping(state, x)
   cache = kv_cache_lib.copy_blocks(cache, res.copy_src, res.copy_dst)
-  meta = flax_attention.step_metadata(
+  meta = step_metadata_lib.step_metadata(
       state, x.seq_ids, x.q_lens, num_tokens=x.tokens.shape[0], active=res.ok,
       decode_only=decode_only)
   hidden, cache = model.paged_forward(x.tokens, meta, cache)
   tokens, top_lp, top_ids = _sample(model.logits(hidden[x.sample_rows]), x,
                                     num_logprobs)
-  exclusive, tail_shared = sharing(state)
-  return cache, state, StepOutputs(tokens, top_lp, top_ids, res.ok, fork_ok,
-                                   state.num_free, exclusive, tail_shared)
+  return cache, state, StepOutputs(tokens, top_lp, top_ids, res.ok, fork_ok)
 
 
 def mesh_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
@@ -149,7 +145,7 @@ def mesh_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
   states, fork_ok, res = jax.vmap(_bookkeeping)(states, x)
   cache = sharding.copy_blocks_sharded(mesh, cache, res.copy_src, res.copy_dst)
   num_tokens = x.tokens.shape[1]
-  meta = flax_attention.sharded_step_metadata(
+  meta = step_metadata_lib.sharded_step_metadata(
       mesh, states, x.seq_ids, x.q_lens, num_tokens=num_tokens, active=res.ok,
       decode_only=decode_only)
   hidden, cache = model.paged_forward(x.tokens.reshape(-1), meta, cache)
@@ -172,22 +168,46 @@ def mesh_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
   tokens, top_lp, top_ids = jax.shard_map(
       local_sample, mesh=mesh, in_specs=(by_data, by_data), out_specs=by_data,
       check_vma=False)(logits, x)
-  exclusive, tail_shared = jax.vmap(sharing)(states)
   cache = jax.lax.with_sharding_constraint(
       cache, NamedSharding(mesh, sharding.cache_spec()))
   states = jax.lax.with_sharding_constraint(states, NamedSharding(mesh, by_data))
-  return cache, states, StepOutputs(
-      tokens, top_lp, top_ids, res.ok, fork_ok, states.num_free, exclusive,
-      tail_shared)
+  return cache, states, StepOutputs(tokens, top_lp, top_ids, res.ok, fork_ok)
+
+
+def bookkeeping(state: bm.BlockState, release_early, fork_parents, fork_children,
+                release_late, seq_ids, q_lens, *,
+                present: tuple[bool, bool, bool] = (True, True, True)):
+  """A step's block bookkeeping on one pool: release -> fork -> release ->
+  reserve (the arrays of `StepInputs` of the same names).
+
+  `present` (static) says which of `release_early`, the forks and
+  `release_late` hold any entry; an empty one (all -1) changes nothing, so
+  leaving it out gives the same result with less work (the host mirror does;
+  the device step runs all three).
+
+  The one function that decides blocks: the device step runs it, and the
+  host runs it on its mirror of the pool first (`scheduler.Scheduler._fit`),
+  so the host plans with exactly what the device will grant.
+
+  Returns:
+    `(state, fork_ok bool[max_batch], Reservation)`.
+  """
+  early, forks, late = present
+  if early:
+    state, _ = bm.release(state, release_early)
+  if forks:
+    state, fork_ok = bm.fork(state, fork_parents, fork_children)
+  else:
+    fork_ok = jnp.zeros(fork_parents.shape, bool)
+  if late:
+    state, _ = bm.release(state, release_late)
+  state, res = bm.reserve(state, seq_ids, q_lens)
+  return state, fork_ok, res
 
 
 def _bookkeeping(state: bm.BlockState, x: StepInputs):
-  """release -> fork -> release -> reserve, on one pool."""
-  state, _ = bm.release(state, x.release_early)
-  state, fork_ok = bm.fork(state, x.fork_parents, x.fork_children)
-  state, _ = bm.release(state, x.release_late)
-  state, res = bm.reserve(state, x.seq_ids, x.q_lens)
-  return state, fork_ok, res
+  return bookkeeping(state, x.release_early, x.fork_parents, x.fork_children,
+                     x.release_late, x.seq_ids, x.q_lens)
 
 
 def _sample(logits, x: StepInputs, num_logprobs: int):
@@ -196,24 +216,6 @@ def _sample(logits, x: StepInputs, num_logprobs: int):
                                   x.seeds, x.positions)
   top_lp, top_ids = sampling.top_logprobs(logits, num_logprobs)
   return tokens, top_lp, top_ids
-
-
-def sharing(state: bm.BlockState) -> tuple[jax.Array, jax.Array]:
-  """Per sequence slot: blocks only it references (what releasing it frees),
-  and whether its partial last block is shared (its next write copies it).
-
-  The host plans admissions and preemptions with these exact figures.
-
-  Returns:
-    `(i32[max_seqs], bool[max_seqs])`.
-  """
-  tables = state.block_tables
-  refs = state.refcounts[jnp.clip(tables, 0, state.num_blocks - 1)]
-  exclusive = jnp.sum((tables >= 0) & (refs == 1), axis=1, dtype=jnp.int32)
-  bs = state.block_size
-  last = jnp.maximum((state.seq_lens + bs - 1) // bs - 1, 0)
-  tail_refs = jnp.take_along_axis(refs, last[:, None], axis=1)[:, 0]
-  return exclusive, (state.seq_lens % bs != 0) & (tail_refs > 1)
 
 
 # One jitted step shared by every engine: engines with the same model structure

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Hashable
 
-from examples.serving.sampling import SamplingParams
+from paged_jax.serving.sampling import SamplingParams
 
 
 @dataclasses.dataclass
@@ -45,6 +45,9 @@ class RequestOutput:
     preemptions: how often one of its sequences was preempted.
     arrival_step / first_token_step / finish_step: engine steps (latency in
       steps, for reports).
+    arrival_time / first_token_time / finish_time: `time.perf_counter()`
+      seconds when the request was added, its first token reached the host,
+      and it finished.
   """
 
   request_id: Hashable
@@ -55,18 +58,60 @@ class RequestOutput:
   arrival_step: int = 0
   first_token_step: int | None = None
   finish_step: int | None = None
+  arrival_time: float = 0.0
+  first_token_time: float | None = None
+  finish_time: float | None = None
+
+  @property
+  def ttft(self) -> float | None:
+    """Seconds from arrival to the first token (None before it)."""
+    if self.first_token_time is None:
+      return None
+    return self.first_token_time - self.arrival_time
+
+  @property
+  def tpot(self) -> float | None:
+    """Seconds per output token after the first, over the longest completion
+    (`(finish - first token) / (tokens - 1)`); None with fewer than 2 tokens."""
+    longest = max((len(c.token_ids) for c in self.completions), default=0)
+    if self.finish_time is None or self.first_token_time is None or longest < 2:
+      return None
+    return (self.finish_time - self.first_token_time) / (longest - 1)
+
+
+@dataclasses.dataclass
+class RequestDelta:
+  """What streaming returns as tokens arrive (`Engine.take_deltas`, `LLM.stream`).
+
+  Attributes:
+    request_id: the request's id.
+    index: the sample index (`n > 1`), or for beam search the hypothesis'
+      rank; -1 on the last delta of a request, which carries `output`.
+    token_ids: the new tokens of that sequence (beam search: the whole
+      hypothesis, once, when the request finishes).
+    finish_reason: "stop" or "length" on a sequence's last delta, else None.
+    output: the final `RequestOutput`, on the request's last delta only.
+  """
+
+  request_id: Hashable
+  index: int
+  token_ids: list[int]
+  finish_reason: str | None = None
+  output: RequestOutput | None = None
 
 
 class Group:
   """The engine's state for one accepted request (host side)."""
 
-  def __init__(self, request: Request, order: int, eos: frozenset[int], step: int):
+  def __init__(self, request: Request, order: int, eos: frozenset[int], step: int,
+               now: float):
     self.request = request
     self.params = request.params
     self.order = order
     self.eos = eos
     self.prompt_len = len(request.prompt)
-    self.output = RequestOutput(request.request_id, self.prompt_len, arrival_step=step)
+    self.output = RequestOutput(request.request_id, self.prompt_len,
+                                arrival_step=step, arrival_time=now)
     self.done: dict[int, Completion] = {}  # sample index -> completion
     self.beam_finished: list = []  # (logprob, tokens, reason) for beam search
     self.live: list[Seq] = []
@@ -90,7 +135,7 @@ class Seq:
   """One sequence: prompt plus generated tokens, and where its K/V lives."""
 
   __slots__ = ("group", "index", "tokens", "num_cached", "slot", "fork_from",
-               "exclusive_blocks", "maybe_shared_tail", "logprob")
+               "logprob", "last_token_time")
 
   def __init__(self, group: Group, index: int, tokens: list[int]):
     self.group = group
@@ -99,9 +144,8 @@ class Seq:
     self.num_cached = 0  # tokens whose K/V are in the cache
     self.slot = -1  # block-state sequence slot, -1 when not resident
     self.fork_from = -1  # slot to fork from at the next step, -1 = none
-    self.exclusive_blocks = 0  # blocks only it holds (from the last step)
-    self.maybe_shared_tail = False  # next write may copy-on-write
     self.logprob = 0.0  # beam score
+    self.last_token_time = None  # perf_counter() of its last sampled token
 
   @property
   def order(self) -> tuple[int, int]:

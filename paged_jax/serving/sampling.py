@@ -1,4 +1,4 @@
-"""Sampling: per-request parameters, the jitted sampler, and beam search rules.
+"""Sampling: per-request parameters and the jitted sampler (beam search: `beam.py`).
 
 Randomness is keyed by `(seed, position)`: the token generated at position `p`
 of a sequence whose seed is `s` uses `fold_in(fold_in(key(0), s), p)`. So the
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
-
 import jax
 import jax.numpy as jnp
 
@@ -133,58 +131,3 @@ def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """`(f32[rows, k] log-probabilities, i32[rows, k] ids)`, best first."""
   lp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
   return lp, ids.astype(jnp.int32)
-
-
-@dataclasses.dataclass
-class Beam:
-  """A live or finished beam hypothesis (host side)."""
-
-  tokens: list[int]  # generated tokens only
-  logprob: float = 0.0
-  finish_reason: str | None = None
-
-  def score(self, length_penalty: float) -> float:
-    return self.logprob / max(len(self.tokens), 1) ** length_penalty
-
-
-def beam_search_step(
-    beams: Sequence[Beam],
-    candidates: Sequence[tuple[Sequence[float], Sequence[int]]],
-    *,
-    width: int,
-    eos_token_ids: Sequence[int],
-) -> tuple[list[tuple[int, int, float]], list[tuple[int, int, float]]]:
-  """One beam-search expansion (pure host logic, shared by engine and tests).
-
-  Every (beam `i`, candidate token `t`) pair is scored
-  `beams[i].logprob + logprob(t)`; pairs are taken best first (ties: lower
-  beam index, then better rank). A pair ending in EOS becomes a finished
-  hypothesis if it ranks among the best `width` pairs; others become live
-  beams until there are `width` of them.
-
-  Args:
-    beams: the live beams.
-    candidates: per beam, `(logprobs, token ids)` best first (at least
-      `2 * width` of them so that EOS cannot starve the live set).
-    width: beam width.
-    eos_token_ids: stop tokens.
-
-  Returns:
-    `(live, finished)`: lists of `(parent beam index, token, new logprob)`.
-  """
-  pairs = []
-  for i, (lps, ids) in enumerate(candidates):
-    for rank, (lp, t) in enumerate(zip(lps, ids)):
-      pairs.append((-(beams[i].logprob + float(lp)), i, rank, int(t)))
-  pairs.sort()
-  live, finished = [], []
-  eos = set(eos_token_ids)
-  for order, (neg, i, _, t) in enumerate(pairs):
-    if t in eos:
-      if order < width:
-        finished.append((i, t, -neg))
-      continue
-    live.append((i, t, -neg))
-    if len(live) == width:
-      break
-  return live, finished

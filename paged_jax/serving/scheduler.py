@@ -1,0 +1,581 @@
+"""The host side of one block pool: queues, admission, preemption, building a
+step's inputs and applying its results.
+
+Scheduling is vLLM-v1 style, oldest first: every running sequence gets its
+next tokens (one for decode, a chunk for a prefill that is still going),
+waiting sequences are admitted while batch rows, the token budget and free
+blocks allow; when the pool cannot hold the running sequences' growth, the
+newest are preempted (their blocks released, their tokens recomputed later).
+The oldest running sequence (or beam group) is never preempted, and admission
+guarantees that any single request fits the pool alone, so every accepted
+request completes.
+
+Blocks have one source of truth, the block manager's pure functions. Each
+`Scheduler` holds a host mirror of its pool's `BlockState` (on the host CPU)
+and, before a step is dispatched, runs on it `step.bookkeeping` -- the very
+function the device step runs (release -> fork -> release -> reserve) -- with
+the very inputs the device will get (`_fit`). So the scheduler plans from
+exact answers: which reservations fit, how many blocks a release returns,
+where copy-on-write happens are all decided by `block_manager.reserve` /
+`release` / `fork`, never re-derived here. When the mirror refuses an entry,
+the scheduler takes back this step's admissions from that entry on, or
+preempts the newest running sequence (the entry itself when nothing newer is
+left), and runs the bookkeeping again; the device then grants exactly what
+the mirror granted (checked: a difference raises). Why a mirror rather than
+reading the device's state: the host must decide before it dispatches, and
+reading the device every step would stall the pipeline; the bookkeeping is
+deterministic and small (O(batch x blocks per sequence)), so running it twice
+is cheap and the two copies cannot drift.
+
+`Engine` drives one `Scheduler` per pool (one per data shard on a mesh); the
+device arrays live in the `Runner`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+
+import jax
+import numpy as np
+
+from paged_jax import block_manager as bm
+from paged_jax.serving import beam as beam_lib
+from paged_jax.serving import step as step_lib
+from paged_jax.serving.buckets import Bucket
+from paged_jax.serving.requests import (Completion, Group, Request, RequestDelta,
+                                        RequestOutput, Seq)
+from paged_jax.serving.stats import EngineStats
+from paged_jax.serving.step import StepInputs, StepOutputs
+
+# The bookkeeping on the host mirror: the device step's own function.
+_trial = jax.jit(step_lib.bookkeeping, static_argnames="present")
+_PRESENT = tuple((a, b, c) for a in (False, True) for b in (False, True)
+                 for c in (False, True))
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+class Scheduler:
+  """The host side of one block pool: queues, admission, preemption, the
+  step's inputs and applying its results. `Engine` drives one per pool (one
+  per data shard on a mesh); the device arrays live in the `Engine`."""
+
+  def __init__(self, config, model_config, max_model_len: int,
+               stats: EngineStats, initial_state: bm.BlockState):
+    self.config = config
+    self.model_config = model_config
+    self.max_model_len = max_model_len
+    self.max_seqs = 2 * config.max_batch
+    self.stats = stats
+    # The host mirror of this pool's block state (on the host CPU): the same
+    # pure bookkeeping the device runs, on the same inputs (see `_fit`).
+    # (a local device: on several hosts each process keeps its own mirror).
+    self._mirror = jax.device_put(initial_state,
+                                  jax.local_devices(backend="cpu")[0])
+    self._num_free = initial_state.num_blocks  # the mirror's, as an int
+    self._waiting: list[Seq] = []  # sorted by order
+    self._running: list[Seq] = []  # sorted by order
+    self._free_slots = list(range(self.max_seqs - 1, -1, -1))
+    self._release_next: list[int] = []
+    self._release_late_next: list[int] = []
+    self._release_late_pending: list[int] = []  # slots free after next step
+    self._orders = 0
+    self._step = 0
+    self._outputs: list[RequestOutput] = []
+    self.collect_deltas = False  # streaming: keep per-token deltas
+    self._deltas: list[RequestDelta] = []
+    self._now = time.perf_counter()  # when the last step's results arrived
+
+  # ----------------------------------------------------------------- requests
+
+  def add_request(self, request: Request) -> RequestOutput | None:
+    """Queues `request`, or rejects it if it can never be served.
+
+    Returns:
+      None when accepted; a `RequestOutput` with `rejected` set otherwise
+      (also returned by the next `step` or `run_until_done`).
+    """
+    reason = self._rejection(request)
+    if reason is not None:
+      now = time.perf_counter()
+      out = RequestOutput(request.request_id, len(request.prompt),
+                          rejected=reason, arrival_step=self._step,
+                          arrival_time=now, finish_time=now)
+      self.stats.rejected += 1
+      self._outputs.append(out)
+      if self.collect_deltas:
+        self._deltas.append(RequestDelta(request.request_id, -1, [], output=out))
+      return out
+    eos = frozenset(request.params.eos_token_ids or self.model_config.eos_token_ids)
+    group = Group(request, self._orders, eos, self._step, time.perf_counter())
+    self._orders += 1
+    self._insert(self._waiting, group.live[0])
+    return None
+
+  def _rejection(self, request: Request) -> str | None:
+    p, c = request.params, self.config
+    prompt = request.prompt
+    if not prompt:
+      return "empty prompt"
+    vocab = self.model_config.vocab_size
+    bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
+    if bad:
+      return f"prompt token {bad[0]!r} is outside the vocabulary [0, {vocab})"
+    total = len(prompt) + p.max_new_tokens
+    if total > self.max_model_len:
+      return (f"prompt ({len(prompt)}) + max_new_tokens ({p.max_new_tokens}) = "
+              f"{total} exceeds max_model_len={self.max_model_len}")
+    if p.num_seqs > c.max_batch:
+      return f"needs {p.num_seqs} sequences at once, max_batch is {c.max_batch}"
+    if p.beam_width > c.max_beam_width:
+      return f"beam_width={p.beam_width} exceeds the engine's max_beam_width={c.max_beam_width}"
+    # Beam groups are preempted whole, so all beams must fit together (at
+    # worst each beam owns all its blocks; retired beams are released before
+    # the next forks and reservations).
+    need = p.beam_width * _cdiv(total, c.block_size)
+    if need > c.num_blocks:
+      return (f"needs {need} blocks of {c.block_size} tokens at its longest, "
+              f"the pool has {c.num_blocks}")
+    return None
+
+  def has_unfinished(self) -> bool:
+    return bool(self._waiting or self._running)
+
+  def has_releases(self) -> bool:
+    return bool(self._release_next or self._release_late_next)
+
+  def usage(self) -> dict:
+    """Blocks used / total, running and waiting sequences (from the last step)."""
+    used = self.config.num_blocks - self._num_free
+    return {"blocks_used": used, "blocks_total": self.config.num_blocks,
+            "running": len(self._running), "waiting": len(self._waiting)}
+
+  @property
+  def num_running(self) -> int:
+    return len(self._running)
+
+  @property
+  def num_waiting(self) -> int:
+    return len(self._waiting)
+
+  # --------------------------------------------------------------- scheduling
+
+  @staticmethod
+  def _insert(queue: list[Seq], seq: Seq):
+    keys = [s.order for s in queue]
+    queue.insert(bisect.bisect(keys, seq.order), seq)
+
+  def _release(self, seq: Seq, late: bool = False):
+    """Queues `seq`'s slot for release by the next step's bookkeeping (after
+    that step's forks when `late`: a finished parent whose children fork)."""
+    if seq.slot >= 0:
+      if seq.fork_from < 0:  # a pending child holds no device state
+        if late:  # the slot is free after the next step
+          self._release_late_next.append(seq.slot)
+          self._release_late_pending.append(seq.slot)
+        else:
+          self._release_next.append(seq.slot)
+          self._free_slots.append(seq.slot)
+      else:
+        self._free_slots.append(seq.slot)
+    seq.slot = -1
+    seq.fork_from = -1
+
+  def _preempt(self, victim: Seq, plan: list):
+    """Preempts `victim` (its whole group for beam search): its blocks are
+    released, its tokens recomputed when it is admitted again."""
+    group = victim.group
+    victims = list(group.live) if group.is_beam else [victim]
+    for seq in victims:
+      plan[:] = [(s, n) for s, n in plan if s is not seq]
+      if seq in self._running:
+        self._running.remove(seq)
+      if seq in self._waiting:
+        self._waiting.remove(seq)
+      self._release(seq)
+      seq.num_cached = 0
+    group.output.preemptions += 1
+    self.stats.preemptions += 1
+    if group.is_beam:
+      self._insert(self._waiting, group.restart())
+    else:
+      self._insert(self._waiting, victim)
+
+  def _unadmit(self, seq: Seq, plan: list):
+    """Takes back an admission of this step (it holds no blocks yet)."""
+    plan[:] = [(s, n) for s, n in plan if s is not seq]
+    self._running.remove(seq)
+    self._free_slots.append(seq.slot)
+    seq.slot = -1
+    self._insert(self._waiting, seq)
+
+  def _schedule(self) -> tuple[list[tuple[Seq, int]], list[Seq], Seq | None]:
+    """Proposes this step's (sequence, new tokens) entries, oldest first,
+    within the token budget and batch rows; `_fit` then makes them fit the
+    pool. Returns `(plan, admitted, first)`: the entries, this step's
+    admissions, and the oldest running sequence (never preempted)."""
+    c = self.config
+    budget = c.max_tokens_per_step
+    plan: list[tuple[Seq, int]] = []
+    running = list(self._running)
+    first = running[0] if running else None
+    for i, seq in enumerate(running):
+      # Leave one token of budget for each running sequence after this one.
+      room = budget - (len(running) - 1 - i)
+      n = min(len(seq.tokens) - seq.num_cached, room)
+      if n > 0:
+        plan.append((seq, n))
+        budget -= n
+    admitted: list[Seq] = []
+    rows = len(self._running) + sum(g.unborn for g in {s.group for s in self._running})
+    if c.static_batching and self._running:
+      return plan, admitted, first
+    while self._waiting and self._free_slots:
+      seq = self._waiting[0]
+      new_rows = 1 + (seq.group.unborn if seq.index == 0 else 0)
+      if rows + new_rows > c.max_batch:
+        break
+      n = min(len(seq.tokens), budget)
+      if n <= 0 and not c.static_batching:
+        break
+      self._waiting.pop(0)
+      seq.slot = self._free_slots.pop()
+      self._insert(self._running, seq)
+      admitted.append(seq)
+      rows += new_rows
+      if n > 0:
+        plan.append((seq, n))
+        budget -= n
+    return plan, admitted, first
+
+  def _fit(self, plan, admitted: list[Seq], first: Seq | None):
+    """Makes `plan` fit the pool exactly: runs the step's bookkeeping (the
+    same pure function the device runs, on the host mirror) and, while it
+    refuses an entry, takes back the admissions from that entry on, or
+    preempts the newest running sequence (the entry itself when nothing newer
+    is left and it is not the oldest). Commits the mirror to the result.
+
+    Raises:
+      RuntimeError: if a fork is refused or the oldest sequence cannot grow
+        alone (admission guarantees neither happens).
+    """
+    while True:
+      x = self._bookkeeping_inputs(plan, self.config.max_batch)
+      forks = int(np.sum(x[1] >= 0))
+      present = (bool(self._release_next), forks > 0, bool(self._release_late_next))
+      state, fork_ok, res = _trial(self._mirror, *x, present=present)
+      ok, fork_ok, num_free = jax.device_get((res.ok, fork_ok, state.num_free))
+      if not fork_ok[:forks].all():
+        raise RuntimeError(f"a fork was refused: engine bookkeeping bug ({self.usage()})")
+      refused = np.flatnonzero(~ok[:len(plan)])
+      if not refused.size:
+        self._mirror, self._num_free = state, int(num_free)
+        return plan
+      self.stats.refused_reservations += 1
+      seq = plan[refused[0]][0]
+      if seq in admitted:  # it and every later admission wait
+        for s in admitted[admitted.index(seq):]:
+          self._unadmit(s, plan)
+        del admitted[admitted.index(seq):]
+        continue
+      newer = [v for v in self._running if v.order > seq.order
+               and not (seq.group.is_beam and v.group is seq.group)]
+      if newer:
+        victim = newer[-1]
+        if victim in admitted:
+          admitted.remove(victim)
+          self._unadmit(victim, plan)
+        else:
+          self._preempt(victim, plan)
+        continue
+      protected = seq is first or (seq.group is first.group and seq.group.is_beam)
+      if protected:
+        raise RuntimeError(f"the oldest sequence cannot grow alone: {self.usage()}")
+      self._preempt(seq, plan)
+
+  # ------------------------------------------------------------------- a step
+
+  @staticmethod
+  def _sample_lanes(s: Seq, n: int) -> range | list[int]:
+    """Sample lanes that entry `(s, n)` samples after this step (none while a
+    prefill chunk has not reached the last token)."""
+    if s.num_cached + n != len(s.tokens):
+      return []
+    g = s.group
+    return range(g.params.n) if (g.unborn and not g.is_beam) else [s.index]
+
+  @classmethod
+  def work(cls, plan) -> tuple[int, int]:
+    """`(token rows, sequence rows)` that `plan` needs: its tokens, and the
+    larger of its entries and its sample rows."""
+    tokens = sum(n for _, n in plan)
+    samples = sum(len(cls._sample_lanes(s, n)) for s, n in plan)
+    return tokens, max(len(plan), samples)
+
+  def _forks(self) -> list[Seq]:
+    """Every pending child forks at the next step, planned or not (its parent
+    may write its next token in that step)."""
+    return [s for s in self._running if s.fork_from >= 0]
+
+  def _bookkeeping_inputs(self, plan, num_seqs: int) -> tuple[np.ndarray, ...]:
+    """The arguments of `step.bookkeeping` for `plan` with `num_seqs` entry
+    rows: `(release_early, fork_parents, fork_children, release_late, seq_ids,
+    q_lens)`. Padding entries (-1, 0 tokens) change nothing, so every row
+    count gives the same state."""
+    c = self.config
+    release_early = np.full(self.max_seqs, -1, np.int32)
+    release_late = np.full(self.max_seqs, -1, np.int32)
+    release_early[:len(self._release_next)] = self._release_next
+    release_late[:len(self._release_late_next)] = self._release_late_next
+    fork_parents = np.full(c.max_batch, -1, np.int32)
+    fork_children = np.full(c.max_batch, -1, np.int32)
+    for i, s in enumerate(self._forks()):
+      fork_parents[i] = s.fork_from
+      fork_children[i] = s.slot
+    seq_ids = np.full(num_seqs, -1, np.int32)
+    q_lens = np.zeros(num_seqs, np.int32)
+    for j, (s, n) in enumerate(plan):
+      seq_ids[j] = s.slot
+      q_lens[j] = n
+    return release_early, fork_parents, fork_children, release_late, seq_ids, q_lens
+
+  def _build(self, plan, bucket: Bucket):
+    num_tokens, S = bucket.num_tokens, bucket.num_seqs
+    book = self._bookkeeping_inputs(plan, S)
+    a = dict(zip(("release_early", "fork_parents", "fork_children", "release_late",
+                  "seq_ids", "q_lens"), book))
+    a.update(
+        tokens=np.zeros(num_tokens, np.int32),
+        sample_rows=np.zeros(S, np.int32), temperature=np.zeros(S, np.float32),
+        top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32),
+        seeds=np.zeros(S, np.int32), positions=np.zeros(S, np.int32))
+    forks = self._forks()
+    row = 0
+    for s, n in plan:
+      a["tokens"][row:row + n] = s.tokens[s.num_cached:s.num_cached + n]
+      row += n
+    samples = []  # (sample row, seq, sample index)
+    row = 0
+    for s, n in plan:
+      row += n
+      for lane in self._sample_lanes(s, n):
+        samples.append((row - 1, s, lane))
+    for r, (tok_row, s, lane) in enumerate(samples):
+      p = s.group.params
+      a["sample_rows"][r] = tok_row
+      a["temperature"][r] = 0.0 if p.beam_width > 1 else p.temperature
+      a["top_k"][r] = p.top_k
+      a["top_p"][r] = p.top_p
+      a["seeds"][r] = p.seed + lane
+      a["positions"][r] = len(s.tokens)
+    return StepInputs(**a), samples, forks
+
+  def begin_step(self) -> list[tuple[Seq, int]] | None:
+    """Schedules this step; None when the pool has nothing to run or release.
+
+    Raises:
+      RuntimeError: if requests wait while nothing runs and none can start
+        (admission guarantees this never happens).
+    """
+    plan, admitted, first = self._schedule()
+    if plan or self.has_releases():
+      plan = self._fit(plan, admitted, first)
+    if not plan and not self.has_releases():
+      if self._waiting and not self._running:  # admission guarantees progress
+        raise RuntimeError(f"engine stalled with nothing running: {self.usage()}")
+      return None
+    return plan
+
+  def build_step(self, plan, bucket: Bucket):
+    """This step's `StepInputs` for `plan` in shape `bucket` (also hands over
+    the queued releases); returns `(inputs, applier)`, the applier taking the
+    step's outputs for this pool and the time they arrived."""
+    x, samples, forks = self._build(plan, bucket)
+    self._release_next, self._release_late_next = [], []
+    return x, lambda out, now: self._apply(plan, samples, forks, out, now)
+
+  def end_step(self):
+    self._step += 1
+
+  def take_outputs(self) -> list[RequestOutput]:
+    outs, self._outputs = self._outputs, []
+    return outs
+
+  def warmup(self):
+    """Compiles the host mirror's bookkeeping (every `present` variant);
+    changes nothing."""
+    x = self._bookkeeping_inputs([], self.config.max_batch)
+    for present in _PRESENT:
+      jax.block_until_ready(_trial(self._mirror, *x, present=present))
+
+  def take_deltas(self) -> list[RequestDelta]:
+    out, self._deltas = self._deltas, []
+    return out
+
+  # ------------------------------------------------------------ results
+
+  def _apply(self, plan, samples, forks, out: StepOutputs, now: float):
+    self._now = now
+    # The device ran the same bookkeeping on the same state as the host
+    # mirror (`_fit`): it grants exactly what the mirror granted.
+    if not (out.ok[:len(plan)].all() and out.fork_ok[:len(forks)].all()):
+      raise RuntimeError("the device refused what the host mirror granted: "
+                         "the block states diverged (engine bug)")
+    self._free_slots.extend(self._release_late_pending)
+    self._release_late_pending = []
+    for s in forks:
+      s.fork_from = -1
+    for s, n in plan:
+      s.num_cached += n
+      self.stats.computed_tokens += n
+    beam_rows: dict[int, list] = {}
+    by_seq: dict[int, list] = {}
+    for r, (_, s, lane) in enumerate(samples):
+      if s.group.is_beam:
+        beam_rows.setdefault(id(s.group), [s.group, {}])[1][id(s)] = (
+            out.top_logprobs[r], out.top_ids[r])
+      else:
+        by_seq.setdefault(id(s), [s, []])[1].append((lane, int(out.tokens[r])))
+    for s, lanes in by_seq.values():
+      g = s.group
+      self._first_token(g)
+      targets = [s]
+      if g.unborn:  # prompt done: the other samples fork from it next step
+        for lane, _ in lanes[1:]:
+          child = Seq(g, lane, list(g.request.prompt))
+          child.num_cached = s.num_cached
+          child.fork_from = s.slot
+          child.slot = self._free_slots.pop()
+          self._insert(self._running, child)
+          g.live.append(child)
+          targets.append(child)
+        g.unborn = 0
+      for t, (_, tok) in zip(targets, lanes):
+        t.tokens.append(tok)
+      for t, (_, tok) in zip(targets, lanes):
+        self._on_token(t, tok)
+    for g, rows in beam_rows.values():
+      self._beam_update(g, rows)
+
+  def _first_token(self, g: Group):
+    out = g.output
+    if out.first_token_step is None:
+      out.first_token_step = self._step
+      out.first_token_time = self._now
+      self.stats.ttft.add(self._now - out.arrival_time)
+
+  def _on_token(self, seq: Seq, tok: int):
+    """A sampled (non-beam) token arrived: latency, the stream, finishing."""
+    g = seq.group
+    if seq.last_token_time is not None:
+      self.stats.itl.add(self._now - seq.last_token_time)
+    seq.last_token_time = self._now
+    reason = None
+    if tok in g.eos:
+      reason = "stop"
+    elif len(seq.generated) >= g.params.max_new_tokens:
+      reason = "length"
+    if self.collect_deltas:
+      self._deltas.append(RequestDelta(g.request.request_id, seq.index, [tok],
+                                       reason))
+    if reason is None:
+      return
+    g.done[seq.index] = Completion(list(seq.generated), reason)
+    self._retire(seq)
+    if len(g.done) == g.params.n:
+      self._finish_group(g)
+
+  def _retire(self, seq: Seq):
+    """Drops a finished sequence; its blocks go back at the next step."""
+    g = seq.group
+    has_children = seq.slot >= 0 and any(s.fork_from == seq.slot for s in g.live)
+    if seq in self._running:
+      self._running.remove(seq)
+    g.live.remove(seq)
+    self._release(seq, late=has_children)  # after the children's fork
+
+  def _finish_group(self, g: Group):
+    out = g.output
+    out.finish_step = self._step
+    out.finish_time = self._now
+    if g.is_beam:
+      ranked = beam_lib.rank_finished(g.beam_finished, width=g.params.beam_width,
+                                      length_penalty=g.params.length_penalty)
+      out.completions = [Completion(t, r, l) for l, t, r in ranked]
+      if self.collect_deltas:  # beam hypotheses are final only now
+        self._deltas += [RequestDelta(out.request_id, i, list(c.token_ids),
+                                      c.finish_reason)
+                         for i, c in enumerate(out.completions)]
+    else:
+      out.completions = [g.done[i] for i in range(g.params.n)]
+    self.stats.finished += 1
+    self.stats.generated_tokens += sum(len(c.token_ids) for c in out.completions)
+    if out.tpot is not None:
+      self.stats.tpot.add(out.tpot)
+    self.stats.e2e.add(out.finish_time - out.arrival_time)
+    self._outputs.append(out)
+    if self.collect_deltas:
+      self._deltas.append(RequestDelta(out.request_id, -1, [], output=out))
+
+  def _beam_update(self, g: Group, rows: dict):
+    """One beam-search expansion for group `g` from its rows' top log-probs."""
+    live = list(g.live)
+    if len(rows) != len(live):
+      # A lane did not advance: restart the group (beam search is deterministic).
+      self._preempt(live[0], [])
+      return
+    self._first_token(g)
+    width = g.params.beam_width
+    beams = [beam_lib.Beam(s.generated, s.logprob) for s in live]
+    cands = [rows[id(s)] for s in live]
+    new_live, finished = beam_lib.beam_search_step(
+        beams, cands, width=width, eos_token_ids=tuple(g.eos))
+    for p, t, lp in finished:
+      g.beam_finished.append((lp, live[p].generated + [t], "stop"))
+    done = len(g.beam_finished) >= width
+    at_budget = len(live[0].generated) + 1 >= g.params.max_new_tokens
+    if done or at_budget or not new_live:
+      if not done:
+        for p, t, lp in new_live:
+          g.beam_finished.append((lp, live[p].generated + [t], "length"))
+      for s in live:
+        self._retire_beam(s)
+      g.unborn = 0
+      self._finish_group(g)
+      return
+    claimed: set[int] = set()
+    used_lanes = set()
+    children = []
+    for p, t, lp in new_live:
+      parent = live[p]
+      if p not in claimed:
+        claimed.add(p)
+        parent.tokens.append(t)
+        parent.logprob = lp
+        used_lanes.add(parent.index)
+      else:
+        children.append((parent, t, lp))
+    for p, s in enumerate(live):
+      if p not in claimed:
+        self._retire_beam(s)
+    free_lanes = [i for i in range(width) if i not in used_lanes]
+    for (parent, t, lp), lane in zip(children, free_lanes):
+      child = Seq(g, lane, parent.tokens[:parent.num_cached] + [t])
+      child.num_cached = parent.num_cached
+      child.fork_from = parent.slot
+      child.logprob = lp
+      child.slot = self._free_slots.pop()
+      self._insert(self._running, child)
+      g.live.append(child)
+    g.live.sort(key=lambda s: s.index)
+    g.unborn = 0
+
+  def _retire_beam(self, seq: Seq):
+    if seq in self._running:
+      self._running.remove(seq)
+    if seq in seq.group.live:
+      seq.group.live.remove(seq)
+    self._release(seq)

@@ -1,0 +1,128 @@
+"""Engine statistics in bounded memory.
+
+Counters and running aggregates only: a long-running server keeps O(1) state
+per statistic. Latency percentiles come from a bounded window of the most
+recent samples (`Latency.window`, default 8192), means and counts from every
+sample.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+WINDOW = 8192
+
+
+class Latency:
+  """Running count / mean / max of a latency in seconds, and percentiles over
+  the last `window` samples.
+
+  Example:
+    >>> lat = Latency(window=4)
+    >>> for x in (1.0, 2.0, 3.0, 4.0, 5.0):
+    ...   lat.add(x)
+    >>> lat.count, lat.mean, len(lat.recent)
+    (5, 3.0, 4)
+  """
+
+  def __init__(self, window: int = WINDOW):
+    if window < 1:
+      raise ValueError(f"window must be >= 1, got {window}")
+    self.count = 0
+    self.total = 0.0
+    self.max = 0.0
+    self.recent: collections.deque[float] = collections.deque(maxlen=window)
+
+  def add(self, seconds: float):
+    self.count += 1
+    self.total += seconds
+    self.max = max(self.max, seconds)
+    self.recent.append(seconds)
+
+  @property
+  def mean(self) -> float:
+    return self.total / self.count if self.count else 0.0
+
+  def percentile(self, q: float) -> float:
+    return float(np.percentile(self.recent, q)) if self.recent else 0.0
+
+  def summary(self) -> dict:
+    """`{"count", "mean", "p50", "p90", "p99", "max"}` in seconds."""
+    return {"count": self.count, "mean": self.mean,
+            "p50": self.percentile(50), "p90": self.percentile(90),
+            "p99": self.percentile(99), "max": self.max}
+
+
+class Gauge:
+  """Running peak and mean of a value sampled once per step."""
+
+  def __init__(self):
+    self.count = 0
+    self.total = 0.0
+    self.peak = 0
+
+  def add(self, value: int):
+    self.count += 1
+    self.total += value
+    self.peak = max(self.peak, value)
+
+  @property
+  def mean(self) -> float:
+    return self.total / self.count if self.count else 0.0
+
+
+@dataclasses.dataclass
+class EngineStats:
+  """What the engine counts while it runs (bounded memory).
+
+  Attributes:
+    steps, decode_steps, mixed_steps: device steps run, by kind.
+    generated_tokens: output tokens of finished requests.
+    computed_tokens: real token rows run (prompt, recompute and decode).
+    padded_rows: token rows computed, padding included (the buckets' sizes).
+    preemptions, refused_reservations, finished, rejected: counts.
+    host_seconds: scheduling, input building and applying results.
+    device_seconds: from dispatch until the results are on the host.
+    decode_device_seconds: the part of it in decode steps.
+    blocks_used, running, waiting: per-step gauges (peak, mean).
+    ttft, tpot, itl, e2e: latencies in seconds (time to first token, time
+      per output token after the first, inter-token latency, end to end).
+    buckets: steps run per bucket `(num_tokens, num_seqs, decode_only)`
+      (bounded by the static bucket set).
+  """
+
+  steps: int = 0
+  decode_steps: int = 0
+  mixed_steps: int = 0
+  generated_tokens: int = 0
+  computed_tokens: int = 0
+  padded_rows: int = 0
+  preemptions: int = 0
+  refused_reservations: int = 0
+  finished: int = 0
+  rejected: int = 0
+  host_seconds: float = 0.0
+  device_seconds: float = 0.0
+  decode_device_seconds: float = 0.0
+  blocks_used: Gauge = dataclasses.field(default_factory=Gauge)
+  running: Gauge = dataclasses.field(default_factory=Gauge)
+  waiting: Gauge = dataclasses.field(default_factory=Gauge)
+  ttft: Latency = dataclasses.field(default_factory=Latency)
+  tpot: Latency = dataclasses.field(default_factory=Latency)
+  itl: Latency = dataclasses.field(default_factory=Latency)
+  e2e: Latency = dataclasses.field(default_factory=Latency)
+  buckets: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def padding_ratio(self) -> float:
+    """Token rows computed / real tokens (1.0 = no padding)."""
+    return self.padded_rows / self.computed_tokens if self.computed_tokens else 0.0
+
+  def latency_summary(self) -> dict:
+    """`{"ttft": {...}, "tpot": {...}, "itl": {...}, "e2e": {...}}` in
+    seconds (see `Latency.summary`)."""
+    return {name: getattr(self, name).summary()
+            for name in ("ttft", "tpot", "itl", "e2e")}
