@@ -179,6 +179,62 @@ def _host(d: dict) -> list[str]:
       "![host overhead](results/host_overhead.png)",
       "",
   ]
+  eng = d.get("engine")
+  if eng:
+    lines += [
+        f"(c) The serving engine itself (`paged_jax.serving`, tiny Llama, "
+        f"{eng['requests']} requests, {eng['steps']} steps): host "
+        f"{eng['host_ms_per_step']:.2f} ms and device {eng['device_ms_per_step']:.2f} ms "
+        f"per step, host share {_pct(eng['host_share'])} (goal <= {_pct(d['goal_share'])}); "
+        f"rows computed / real tokens {eng['padding_ratio']:.2f}x.",
+        "",
+    ]
+  return lines
+
+
+def _vllm(d: dict) -> list[str]:
+  """The optional side-by-side run against vLLM's CPU build."""
+  s = d["sizes"]
+  lines = [
+      "## 7. Against vLLM's CPU build (optional: `python benchmarks/vllm_compare.py`)",
+      "",
+      f"vLLM {d['vllm_version']}, the same {d['model']['parameters']:,}-parameter random "
+      f"Llama (float32) as one Hugging Face checkpoint, {s['num_requests']} requests all "
+      f"at once, greedy, EOS ignored, {s['kv_tokens']} KV tokens in blocks of "
+      f"{s['block_size']}, max_num_seqs {s['max_num_seqs']}, max_num_batched_tokens "
+      f"{s['max_num_batched_tokens']}; runs interleaved A B A B, {s['repeats']} each, "
+      "medians. TTFT includes queueing (every request arrives at t=0).",
+      "",
+      "| workload | paged-jax tokens/s | vLLM tokens/s | ratio | median TTFT (ms) | "
+      "median TPOT (ms) | rows computed / real tokens | greedy identical |",
+      "|---|---:|---:|---:|---|---|---:|---:|",
+  ]
+
+  def ms(a, b, key):
+    x, y = a.get(key), b.get(key)
+    return (f"{1e3 * x:.0f} vs {1e3 * y:.0f}" if x is not None and y is not None
+            else "n/a")
+
+  for name, r in d["workloads"].items():
+    a, b, g = r["paged_jax"], r["vllm"], r["greedy"]
+    pad = a.get("padding_ratio")
+    lines.append(
+        f"| {name} | {a['tokens_per_second_median']:.1f} | "
+        f"{b['tokens_per_second_median']:.1f} | "
+        f"{r['throughput_ratio_paged_jax_over_vllm']:.2f}x | "
+        f"{ms(a, b, 'ttft_p50_s_median')} | {ms(a, b, 'tpot_p50_s_median')} | "
+        f"{'-' if pad is None else f'{pad:.2f}x'} | "
+        f"{g['identical_requests']}/{g['requests']} |")
+  single = d.get("single_request", {})
+  if single:
+    lines += ["", "One request alone (ms per output token, paged-jax vs vLLM):", ""]
+    for name, r in single.items():
+      lines.append(f"- engine {name}: {r['paged_jax_ms_per_token']:.2f} vs "
+                   f"{r['vllm_ms_per_token']:.2f} = {r['ratio']:.2f}x; greedy identical "
+                   f"{r['greedy_identical']}")
+  m = d.get("machine", {})
+  lines += ["", f"Measured {m.get('date', '?')} on this machine (see the header); "
+            f"{d['total_seconds']:.0f} s in all.", ""]
   return lines
 
 
@@ -325,6 +381,9 @@ def write(out: pathlib.Path = common.RESULTS_DIR, *, wall_s: dict | None = None,
   shard = _load(out, "sharded")
   if shard:
     lines += _sharded(shard)
+  vllm = _load(out, "vllm_compare")
+  if vllm:
+    lines += _vllm(vllm)
   if bsz:
     lines += _block_size(bsz, "CPU, XLA path")
   if bsz_gpu:

@@ -332,7 +332,8 @@ def summarise(name, a_runs, b_runs) -> dict:
     if a[f"{m}_p50_s_median"] is not None and b[f"{m}_p50_s_median"] is not None:
       out[f"{m}_ratio_paged_jax_over_vllm"] = a[f"{m}_p50_s_median"] / b[f"{m}_p50_s_median"]
   out["greedy"] = _same_tokens(a_runs[0]["token_ids"], b_runs[0]["token_ids"])
-  extra = {k: a_runs[0][k] for k in ("computed_tokens", "peak_running", "preemptions", "steps")
+  extra = {k: a_runs[0][k] for k in ("computed_tokens", "padded_rows", "padding_ratio",
+                                    "peak_running", "preemptions", "steps")
            if k in a_runs[0]}
   out["paged_jax"].update(extra)
   out["workload"] = name

@@ -172,6 +172,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    dest="max_tokens_per_step", action=_cli.TypedFlag,
                    type=count(1, MAX_TOKENS_PER_STEP), default=128,
                    help="token budget of a prefill/mixed step")
+  eng.add_argument("--min-bucket", type=count(1, MAX_TOKENS_PER_STEP), default=1,
+                   help="smallest compiled step shape: steps are padded to the "
+                   "powers of two (and 1.5x midpoints) from it up to --max-batch "
+                   "(decode) and --max-tokens-per-step (mixed); larger means "
+                   "fewer shapes to compile, more padding")
+  eng.add_argument("--no-bucket-midpoints", action="store_true",
+                   help="powers of two only (fewer shapes, up to 2x padding)")
   eng.add_argument("--max-model-len", type=count(2, MAX_MODEL_LEN), default=256,
                    help="longest prompt + output (at least 2: one prompt and "
                    "one generated token)")
@@ -608,6 +615,8 @@ def main(argv=None) -> int:
                   max_beam_width=args.beam_width, progress=not args.no_progress,
                   mesh=mesh)
     sizes = {n: v for n, v in common.items() if n not in ("progress", "mesh")}
+    sizes.update(min_bucket=args.min_bucket,
+                 bucket_midpoints=not args.no_bucket_midpoints)
     if args.request_rate is not None:
       common["arrival_times"] = poisson_arrivals(
           len(requests), args.request_rate, args.workload_seed)

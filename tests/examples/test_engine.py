@@ -180,7 +180,7 @@ def test_steps_never_retrace(model):
 def test_contiguous_static_batching_gives_the_same_outputs(model):
   from examples.serving import workload  # pylint: disable=import-outside-toplevel
   requests = random_requests(4, 6)
-  kw = dict(kv_tokens=128, progress=False, **SIZES)
+  kw = dict(kv_tokens=128, progress=False, **{**SIZES, "min_bucket": 16})
   paged, paged_out = workload.run_workload("paged", model, requests, **kw)
   contig, contig_out = workload.run_workload("contiguous", model, requests, **kw)
   assert [o.completions for o in paged_out] == [o.completions for o in contig_out]

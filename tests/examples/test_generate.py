@@ -15,7 +15,7 @@ from examples.llama import model as model_lib
 # compiled steps are shared: 32 blocks x 4 tokens = 128 KV tokens.
 SMALL = ["--block-size", "4", "--num-blocks", "32", "--max-batch", "4",
          "--max-tokens-per-step", "16", "--max-model-len", "64", "--no-progress",
-         "--no-compile-cache"]
+         "--no-compile-cache", "--min-bucket", "16"]  # 2 step shapes: decode 4, mixed 16
 
 
 def run(args, capsys):

@@ -157,7 +157,8 @@ def test_sharded_model_equals_single_device(model8, data, model):
 
 
 ENGINE_SIZES = dict(num_blocks=24, block_size=BS, max_batch=4,
-                    max_tokens_per_step=16, max_model_len=64)
+                    max_tokens_per_step=16, max_model_len=64,
+                    min_bucket=16)  # 2 step shapes: decode 4, mixed 16
 
 
 def _engine_requests():
