@@ -614,9 +614,11 @@ def main(argv=None) -> int:
                   max_model_len=args.max_model_len,
                   max_beam_width=args.beam_width, progress=not args.no_progress,
                   mesh=mesh)
+    # The step shapes (`buckets.py`) go to the engines that run, and to the
+    # configs printed here: one dict, so the two cannot disagree.
+    common.update(min_bucket=args.min_bucket,
+                  bucket_midpoints=not args.no_bucket_midpoints)
     sizes = {n: v for n, v in common.items() if n not in ("progress", "mesh")}
-    sizes.update(min_bucket=args.min_bucket,
-                 bucket_midpoints=not args.no_bucket_midpoints)
     if args.request_rate is not None:
       common["arrival_times"] = poisson_arrivals(
           len(requests), args.request_rate, args.workload_seed)

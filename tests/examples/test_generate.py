@@ -42,6 +42,8 @@ def test_synthetic_workload_with_baseline_is_deterministic(tmp_path, capsys):
   stats = doc["stats"]
   assert stats["paged"]["served"] == stats["contiguous"]["served"] == 6
   assert stats["paged"]["kv_bytes"] == stats["contiguous"]["kv_bytes"]
+  # --min-bucket reaches both engines: 2 step shapes each (decode, mixed).
+  assert stats["paged"]["buckets_compiled"] == stats["contiguous"]["buckets_compiled"] == 2
 
 
 def test_mesh_run_matches_one_device(tmp_path, capsys):
