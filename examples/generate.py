@@ -569,8 +569,11 @@ def _fmt(stats: dict) -> list[str]:
       f"  preemptions         {stats['preemptions']}",
       f"  steps               {stats['steps']} ({stats['decode_steps']} decode,"
       f" {stats['mixed_steps']} prefill/mixed); host "
-      f"{stats['host_ms_per_step']:.2f} ms/step, device "
-      f"{stats['device_ms_per_step']:.2f} ms/step",
+      f"{stats['host_ms_per_step']:.2f} ms/step"
+      + (f" ({stats['exposed_host_ms_per_step']:.2f} not overlapped)"
+         if stats["async_scheduling"] else "")
+      + f", waiting {stats['wait_ms_per_step']:.2f} ms/step: host share "
+      f"{100 * stats['host_share']:.1f}%",
       f"  rows computed       {stats['padded_rows']} for {stats['computed_tokens']} real"
       f" tokens ({stats['padding_ratio']:.2f}x) in {stats['buckets_compiled']}"
       f" step shapes",

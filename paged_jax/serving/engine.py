@@ -12,8 +12,15 @@ Each `Engine.step()`:
 4. applies the results: appends tokens, finishes sequences (EOS or budget),
    and queues their blocks for release at the start of the next step.
 
-Each bucket compiles once (`warmup()` compiles them all up front); shapes
-never depend on the requests in flight beyond the bucket chosen.
+Each bucket compiles once per process (`warmup()` compiles them all up
+front, concurrently; otherwise each on first use, timed apart); shapes never
+depend on the requests in flight beyond the bucket chosen.
+
+Steps are asynchronous (`EngineConfig.async_scheduling`, on by default): the
+host commits a step as soon as it is built -- the tokens it will sample are
+`PENDING`, the device keeps them per sequence slot and the next step reads
+them there -- so step N+1 is scheduled, built and dispatched while step N
+runs, and step N's results are applied after that dispatch.
 
 One source of truth for blocks: the block manager's pure functions. The
 step's bookkeeping (`step.bookkeeping`: release -> fork -> release ->
@@ -51,6 +58,7 @@ from jax.sharding import Mesh
 from paged_jax import block_manager as bm
 from paged_jax import sharding
 from paged_jax.serving import buckets as buckets_lib
+from paged_jax.serving import compiler
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.protocol import ServingModel
 from paged_jax.serving.requests import Request, RequestDelta, RequestOutput
@@ -84,8 +92,13 @@ class EngineConfig:
       padding, about twice the shapes to compile).
     check_traces: compile this engine's own step functions wrapped in
       `chex.assert_max_traces(n=1)` (tests; call `chex.clear_trace_counter()`
-      before building a second such engine). Otherwise engines share one
-      jitted step, so engines of equal sizes compile once per process.
+      before building a second such engine). Otherwise engines of equal
+      sizes share the compiled steps (`compiler.py`): each compiles once per
+      process.
+    async_scheduling: dispatch step N+1 before reading step N's results, so
+      the host's work overlaps the device's (vLLM v1's async scheduling; see
+      `Engine.step`). Off: every step waits for its results (the same
+      tokens, a step later for nothing).
   """
 
   num_blocks: int
@@ -99,6 +112,7 @@ class EngineConfig:
   min_bucket: int = 1
   bucket_midpoints: bool = True
   check_traces: bool = False
+  async_scheduling: bool = True
 
   def __post_init__(self):
     for name in ("num_blocks", "block_size", "max_batch", "max_tokens_per_step",
@@ -173,6 +187,9 @@ class Engine:
     self._runner = Runner(model, config, blocks_per_seq=blocks_per_seq,
                           max_seqs=self.max_seqs, num_logprobs=self.num_logprobs,
                           mesh=mesh)
+    # The dispatched step whose results have not been applied yet:
+    # (outputs on the device, each pool's `Pending`, has beam rows, bucket).
+    self._pending = None
 
   # ----------------------------------------------------------------- requests
 
@@ -188,7 +205,8 @@ class Engine:
     return pool.add_request(request)
 
   def has_unfinished(self) -> bool:
-    return any(p.has_unfinished() for p in self._pools)
+    """Requests waiting or running, or a step's results still to apply."""
+    return self._pending is not None or any(p.has_unfinished() for p in self._pools)
 
   @property
   def num_running(self) -> int:
@@ -250,28 +268,81 @@ class Engine:
 
   def step(self) -> list[RequestOutput]:
     """Runs one engine step; returns the requests that finished (or were
-    rejected) since the last call."""
+    rejected) since the last call.
+
+    With `config.async_scheduling` (the default) the step is dispatched
+    before the previous step's results are read, so the host's work on step
+    N+1 (scheduling, building inputs, dispatch) overlaps the device running
+    step N; step N+1 takes step N's sampled tokens from the device. A
+    sequence that samples EOS in step N may then compute one more (void)
+    token in step N+1. Beam search waits for its results before its next
+    step (its next tokens are chosen on the host).
+    """
     t0 = time.perf_counter()
+    compile0 = self._compile_seconds()
+    waited, bucket = 0.0, None
+    if self._pending is not None and (self._pending[2] or not self.config.async_scheduling):
+      waited += self._resolve_pending()  # beam search: its next step needs them
     plans = [p.begin_step() for p in self._pools]
     if all(plan is None for plan in plans):
+      if self._pending is not None:
+        waited += self._resolve_pending()
+      self._account(t0, waited, compile0, True, None)
       return self._take_outputs()
     plans = [plan or [] for plan in plans]
     bucket = self._bucket(plans)
     built = [p.build_step(plan, bucket) for p, plan in zip(self._pools, plans)]
-    t1 = time.perf_counter()
-    pending = self._runner.dispatch(bucket, [x for x, _ in built])
-    outs = self._runner.fetch(pending, len(self._pools))
-    t2 = time.perf_counter()
-    for (_, apply), out in zip(built, outs):
-      apply(out, t2)
+    # Did the device finish everything dispatched while the host worked?
+    exposed = self._pending is None or self._pending[0].ok.is_ready()
+    out = self._runner.dispatch(bucket, [x for x, _ in built])
     self._count(bucket)
     for p in self._pools:
       p.end_step()
-    st = self.stats
-    st.device_seconds += t2 - t1
-    st.decode_device_seconds += (t2 - t1) * bucket.decode_only
-    st.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
+    previous, self._pending = self._pending, (
+        out, [pending for _, pending in built],
+        any(pending.beam for _, pending in built), bucket)
+    if previous is not None:
+      waited += self._resolve(previous)
+    if not self.config.async_scheduling or self._pending[2]:
+      waited += self._resolve_pending()
+    self._account(t0, waited, compile0, exposed, bucket)
     return self._take_outputs()
+
+  def _compile_seconds(self) -> float:
+    """Seconds spent compiling (step shapes and mirror variants) so far."""
+    return self._runner.compile_seconds + sum(p.compile_seconds for p in self._pools)
+
+  def _account(self, t0: float, waited: float, compile0: float, exposed: bool,
+               bucket: Bucket | None):
+    """Adds a step's host work, waiting and device share to the stats
+    (compiling on first use excluded, counted apart)."""
+    st = self.stats
+    compiled = self._compile_seconds() - compile0
+    st.compile_seconds += compiled
+    wall = time.perf_counter() - t0 - compiled
+    host = max(wall - waited, 0.0)
+    st.host_seconds += host
+    st.wait_seconds += waited
+    st.exposed_host_seconds += host * exposed
+    device = wall - host * exposed
+    st.device_seconds += device
+    if bucket is not None and bucket.decode_only:
+      st.decode_device_seconds += device
+
+  def _resolve_pending(self) -> float:
+    pending, self._pending = self._pending, None
+    return self._resolve(pending)
+
+  def _resolve(self, pending) -> float:
+    """Waits for a dispatched step's results and applies them; returns the
+    seconds spent waiting."""
+    out, records, _, _ = pending
+    t = time.perf_counter()
+    outs = self._runner.fetch(out, len(self._pools))
+    now = time.perf_counter()
+    for p, rec, o in zip(self._pools, records, outs):
+      p.resolve(rec, o, now)
+    return now - t
 
   def _count(self, bucket: Bucket):
     st = self.stats
@@ -286,20 +357,25 @@ class Engine:
     st.running.add(usage["running"])
     st.waiting.add(usage["waiting"])
 
-  def warmup(self, buckets: tuple[Bucket, ...] | None = None):
-    """Compiles the step of every bucket (default: all of `self.buckets`)
-    with all-padding inputs (changes nothing).
-
-    Raises:
-      RuntimeError: if the engine is not idle.
-    """
-    if self.has_unfinished() or any(p.has_releases() for p in self._pools):
-      raise RuntimeError("warmup() needs an idle engine")
+  def warmup(self, buckets: tuple[Bucket, ...] | None = None) -> float:
+    """Compiles the step of every bucket (default: all of `self.buckets`) and
+    the host mirror's bookkeeping, concurrently (`compiler.py`); runs
+    nothing. Returns the seconds spent compiling (0 when this process had
+    compiled them all already, e.g. for an engine of equal sizes)."""
+    jobs = {}
+    for p in self._pools[:1]:  # the pools' mirrors have equal shapes
+      jobs.update(p.mirror_jobs())
+    done, seconds = compiler.compile_all(jobs)
     for p in self._pools:
-      p.warmup()
-    for bucket in buckets or self.buckets:
-      xs = [p.build_step([], bucket)[0] for p in self._pools]
-      self._runner.fetch(self._runner.dispatch(bucket, xs), len(self._pools))
+      p.set_mirror_executables(done)
+    before = self._runner.compile_seconds
+    self._runner.compile(
+        {b: [p._build([], b)[0] for p in self._pools]  # pylint: disable=protected-access
+         for b in buckets or self.buckets})
+    # Warm-up is not "compiling on first use": keep it out of the stats.
+    seconds += self._runner.compile_seconds - before
+    self._runner.compile_seconds = before
+    return seconds
 
   def _take_outputs(self):
     outs = []
@@ -337,6 +413,11 @@ class Engine:
     return outputs
 
   def flush(self):
-    """Runs the releases still queued (so the pool is empty when idle)."""
+    """Applies the step still in flight and runs the releases still queued
+    (so the pool is empty when idle)."""
+    if self._pending is not None:
+      self._resolve_pending()
     if any(p.has_releases() for p in self._pools):
       self.step()
+    if self._pending is not None:
+      self._resolve_pending()

@@ -131,11 +131,14 @@ class Group:
     return root
 
 
+PENDING = -1  # a sampled token not on the host yet (`Seq.tokens`)
+
+
 class Seq:
   """One sequence: prompt plus generated tokens, and where its K/V lives."""
 
   __slots__ = ("group", "index", "tokens", "num_cached", "slot", "fork_from",
-               "logprob", "last_token_time")
+               "logprob", "last_token_time", "final", "done")
 
   def __init__(self, group: Group, index: int, tokens: list[int]):
     self.group = group
@@ -146,6 +149,10 @@ class Seq:
     self.fork_from = -1  # slot to fork from at the next step, -1 = none
     self.logprob = 0.0  # beam score
     self.last_token_time = None  # perf_counter() of its last sampled token
+    # Asynchronous steps: a token sampled by a step whose results have not
+    # reached the host yet is `PENDING` in `tokens` (always the last one).
+    self.final = False  # its last token in flight reaches max_new_tokens
+    self.done = False  # finished: its completion is recorded
 
   @property
   def order(self) -> tuple[int, int]:

@@ -1,11 +1,14 @@
 """The device side of the engine: parameters, cache, block state, compiled steps.
 
-`Runner` owns the arrays that live on the device(s) and one jitted step per
-bucket (`buckets.py`). `dispatch` places a step's host-built inputs (on a mesh:
-each process only its own devices' shards) and launches the step without
-waiting; `fetch` brings a dispatched step's small outputs to the host (on
-several hosts, gathered from every process first). The cache and the block
-state are donated to every step, so they are updated in place.
+`Runner` owns the arrays that live on the device(s) -- parameters, cache,
+block state, the last sampled token of every sequence slot -- and one
+compiled step per bucket (`buckets.py`, compiled ahead of time and shared by
+engines of equal sizes through `compiler.py`). `dispatch` places a step's
+host-built inputs (on a mesh: each process only its own devices' shards) and
+launches the step without waiting; `fetch` brings a dispatched step's small
+outputs to the host (on several hosts, gathered from every process first).
+The cache, the block state and the last tokens are donated to every step, so
+they are updated in place, and steps queue on the device in dispatch order.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import functools
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
@@ -21,10 +25,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from paged_jax import block_manager as bm
 from paged_jax import sharding
+from paged_jax.serving import compiler
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.step import (ModelDef, StepInputs, StepOutputs,
-                                    device_step, mesh_device_step,
-                                    shared_mesh_step, shared_step)
+                                    device_step, mesh_device_step)
+
+_STATIC = ("decode_only", "num_logprobs")
+_DONATE = (2, 3, 4)  # cache, block state, last tokens
+_step_jit = jax.jit(device_step, static_argnums=(0,), donate_argnums=_DONATE,
+                    static_argnames=_STATIC)
+_mesh_step_jit = jax.jit(mesh_device_step, static_argnums=(0,),
+                         donate_argnums=_DONATE,
+                         static_argnames=("mesh",) + _STATIC)
 
 
 class Runner:
@@ -53,7 +65,9 @@ class Runner:
       self.state = bm.init(num_blocks=config.num_blocks, block_size=bs,
                            max_seqs=max_seqs, max_blocks_per_seq=blocks_per_seq)
       self.cache = model.make_cache(config.num_blocks, bs, config.cache_dtype)
-      self._step_fn, self._shared = device_step, shared_step
+      self.last_tokens = jnp.zeros(max_seqs, jnp.int32)
+      self._jit = _step_jit
+      self._x_sharding = None
     else:
       self.state = sharding.init_block_states(
           mesh, num_blocks_per_shard=config.num_blocks, block_size=bs,
@@ -62,36 +76,64 @@ class Runner:
           mesh, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
           num_blocks_per_shard=config.num_blocks, block_size=bs,
           head_dim=mc.head_dim, dtype=config.cache_dtype or mc.jnp_dtype)
-      self._step_fn = functools.partial(mesh_device_step, mesh=mesh)
-      self._shared = functools.partial(shared_mesh_step, mesh=mesh)
-    self._steps: dict[Bucket, functools.partial] = {}
+      self._x_sharding = NamedSharding(mesh, P(sharding.DATA))
+      data = mesh.shape[sharding.DATA]
+      self.last_tokens = jax.device_put(jnp.zeros((data, max_seqs), jnp.int32),
+                                        self._x_sharding)
+      self._jit = functools.partial(_mesh_step_jit, mesh=mesh)
+    # What fixes the executables besides the bucket (`compiler.signature`).
+    self._key = (self._model_def, mesh, num_logprobs, config.check_traces
+                 and id(self), compiler.signature(self._params, self.cache,
+                                                  self.state, self.last_tokens))
+    self._steps: dict[Bucket, jax.stages.Compiled] = {}
+    self.compile_seconds = 0.0  # spent compiling in this runner
 
-  def _step(self, bucket: Bucket):
-    """The jitted step of `bucket` (made on first use)."""
-    fn = self._steps.get(bucket)
-    if fn is not None:
-      return fn
-    if self.config.check_traces:
-      step_fn = self._step_fn
+  def _jit_for(self, bucket: Bucket):
+    """The jitted step to lower for `bucket`: the shared one, or with
+    `config.check_traces` this engine's own, trace-counted one per bucket."""
+    if not self.config.check_traces:
+      return self._jit
+    step_fn = device_step if self.mesh is None else functools.partial(
+        mesh_device_step, mesh=self.mesh)
 
-      def traced(model_def, params, cache, state, x, *, decode_only, num_logprobs):
-        return step_fn(model_def, params, cache, state, x,
-                       decode_only=decode_only, num_logprobs=num_logprobs)
-      kind = "decode" if bucket.decode_only else "mixed"
-      traced.__name__ = f"{kind}_step_{bucket.num_tokens}x{bucket.num_seqs}"
-      jitted = jax.jit(chex.assert_max_traces(traced, n=1), donate_argnums=(2, 3),
-                       static_argnums=(0,),
-                       static_argnames=("decode_only", "num_logprobs"))
-    else:
-      jitted = self._shared
-    fn = functools.partial(jitted, self._model_def, decode_only=bucket.decode_only,
-                           num_logprobs=self.num_logprobs)
-    self._steps[bucket] = fn
-    return fn
+    def traced(model_def, params, cache, state, last_tokens, x, *, decode_only,
+               num_logprobs):
+      return step_fn(model_def, params, cache, state, last_tokens, x,
+                     decode_only=decode_only, num_logprobs=num_logprobs)
+    kind = "decode" if bucket.decode_only else "mixed"
+    traced.__name__ = f"{kind}_step_{bucket.num_tokens}x{bucket.num_seqs}"
+    return jax.jit(chex.assert_max_traces(traced, n=1), static_argnums=(0,),
+                   donate_argnums=_DONATE, static_argnames=_STATIC)
+
+  def _specs(self, xs: list[StepInputs]) -> StepInputs:
+    """The abstract step inputs of the pools' inputs `xs` (see `place`)."""
+    if self.mesh is None:
+      (x,) = xs
+      return jax.tree.map(compiler.spec, x)
+    return jax.tree.map(
+        lambda *a: compiler.spec(np.stack(a), self._x_sharding), *xs)
+
+  def _lowerer(self, bucket: Bucket, xs: list[StepInputs]):
+    specs = self._specs(xs)
+    return lambda: self._jit_for(bucket).lower(
+        self._model_def, self._params, self.cache, self.state, self.last_tokens,
+        specs, decode_only=bucket.decode_only, num_logprobs=self.num_logprobs)
+
+  def compile(self, inputs: dict[Bucket, list[StepInputs]]) -> float:
+    """Compiles the step of every bucket in `inputs` (`{bucket: the pools'
+    inputs of that shape}`, e.g. all padding) that this process has not
+    compiled yet, in parallel; runs nothing. Returns the seconds spent."""
+    jobs = {(self._key, b): self._lowerer(b, xs) for b, xs in inputs.items()
+            if b not in self._steps}
+    done, seconds = compiler.compile_all(jobs)
+    for (_, b), exe in done.items():
+      self._steps[b] = exe
+    self.compile_seconds += seconds
+    return seconds
 
   @property
   def compiled_buckets(self) -> tuple[Bucket, ...]:
-    """The buckets whose step this runner has used, smallest first."""
+    """The buckets whose step this runner holds, smallest first."""
     return tuple(sorted(self._steps))
 
   def place(self, xs: list[StepInputs]) -> StepInputs:
@@ -102,22 +144,24 @@ class Runner:
       (x,) = xs
       return x
     x = jax.tree.map(lambda *a: np.stack(a), *xs)
-    s = NamedSharding(self.mesh, P(sharding.DATA))
     return jax.tree.map(
-        lambda a: jax.make_array_from_callback(a.shape, s, lambda i: a[i]), x)
+        lambda a: jax.make_array_from_callback(a.shape, self._x_sharding,
+                                               lambda i: a[i]), x)
 
   def lower(self, bucket: Bucket, xs: list[StepInputs]) -> jax.stages.Lowered:
     """The step of `bucket`, lowered for inspection; runs nothing."""
-    fn = self._step(bucket)
-    return fn.func.lower(*fn.args, self._params, self.cache, self.state,
-                         self.place(xs), **fn.keywords)
+    return self._lowerer(bucket, xs)()
 
   def dispatch(self, bucket: Bucket, xs: list[StepInputs]) -> StepOutputs:
-    """Launches the step on the pools' inputs; returns its outputs, still on
-    the device (JAX dispatch is asynchronous: this does not wait)."""
-    fn = self._step(bucket)
-    self.cache, self.state, out = fn(self._params, self.cache, self.state,
-                                     self.place(xs))
+    """Launches the step on the pools' inputs (compiling it first if needed);
+    returns its outputs, still on the device (this does not wait: steps queue
+    on the device in dispatch order)."""
+    exe = self._steps.get(bucket)
+    if exe is None:
+      self.compile({bucket: xs})
+      exe = self._steps[bucket]
+    self.cache, self.state, self.last_tokens, out = exe(
+        self._params, self.cache, self.state, self.last_tokens, self.place(xs))
     return out
 
   def fetch(self, out: StepOutputs, num_pools: int) -> list[StepOutputs]:

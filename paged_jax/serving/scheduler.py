@@ -41,17 +41,34 @@ import numpy as np
 
 from paged_jax import block_manager as bm
 from paged_jax.serving import beam as beam_lib
+from paged_jax.serving import compiler
 from paged_jax.serving import step as step_lib
 from paged_jax.serving.buckets import Bucket
-from paged_jax.serving.requests import (Completion, Group, Request, RequestDelta,
-                                        RequestOutput, Seq)
+from paged_jax.serving.requests import (PENDING, Completion, Group, Request,
+                                        RequestDelta, RequestOutput, Seq)
 from paged_jax.serving.stats import EngineStats
 from paged_jax.serving.step import StepInputs, StepOutputs
 
 # The bookkeeping on the host mirror: the device step's own function.
 _trial = jax.jit(step_lib.bookkeeping, static_argnames="present")
+# (release_early, forks, release_late) present: a late release (a finished
+# fork parent) only comes with forks.
 _PRESENT = tuple((a, b, c) for a in (False, True) for b in (False, True)
-                 for c in (False, True))
+                 for c in (False, True) if b or not c)
+
+
+class Pending:
+  """What `Scheduler.resolve` needs of a dispatched step: the sample rows of
+  the tokens it left `PENDING` (`(row, seq, token index)`) and its beam-search
+  rows (`(row, seq)`; their group waits for them before its next step)."""
+
+  __slots__ = ("records", "beam", "num_entries", "num_forks")
+
+  def __init__(self, records, beam, num_entries: int, num_forks: int):
+    self.records = records
+    self.beam = beam
+    self.num_entries = num_entries  # rows of `ok` that were real entries
+    self.num_forks = num_forks  # rows of `fork_ok` that were real forks
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -73,8 +90,12 @@ class Scheduler:
     # The host mirror of this pool's block state (on the host CPU): the same
     # pure bookkeeping the device runs, on the same inputs (see `_fit`).
     # (a local device: on several hosts each process keeps its own mirror).
-    self._mirror = jax.device_put(initial_state,
-                                  jax.local_devices(backend="cpu")[0])
+    self._cpu = jax.sharding.SingleDeviceSharding(
+        jax.local_devices(backend="cpu")[0])
+    self._mirror = jax.device_put(initial_state, self._cpu)
+    self._mirror_sig = compiler.signature(self._mirror)
+    self._mirror_exes: dict = {}  # present -> compiled bookkeeping
+    self.compile_seconds = 0.0  # mirror variants compiled on first use
     self._num_free = initial_state.num_blocks  # the mirror's, as an int
     self._waiting: list[Seq] = []  # sorted by order
     self._running: list[Seq] = []  # sorted by order
@@ -266,7 +287,7 @@ class Scheduler:
       x = self._bookkeeping_inputs(plan, self.config.max_batch)
       forks = int(np.sum(x[1] >= 0))
       present = (bool(self._release_next), forks > 0, bool(self._release_late_next))
-      state, fork_ok, res = _trial(self._mirror, *x, present=present)
+      state, fork_ok, res = self._run_mirror(x, present)
       ok, fork_ok, num_free = jax.device_get((res.ok, fork_ok, state.num_free))
       if not fork_ok[:forks].all():
         raise RuntimeError(f"a fork was refused: engine bookkeeping bug ({self.usage()})")
@@ -343,19 +364,28 @@ class Scheduler:
     return release_early, fork_parents, fork_children, release_late, seq_ids, q_lens
 
   def _build(self, plan, bucket: Bucket):
+    """`(StepInputs, samples)` of `plan` in shape `bucket`; `samples` are the
+    `(token row, seq, lane)` of each sample row. Changes nothing."""
     num_tokens, S = bucket.num_tokens, bucket.num_seqs
     book = self._bookkeeping_inputs(plan, S)
     a = dict(zip(("release_early", "fork_parents", "fork_children", "release_late",
                   "seq_ids", "q_lens"), book))
     a.update(
         tokens=np.zeros(num_tokens, np.int32),
+        token_slots=np.full(num_tokens, -1, np.int32),
+        sample_slots=np.full(S, -1, np.int32),
         sample_rows=np.zeros(S, np.int32), temperature=np.zeros(S, np.float32),
         top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32),
         seeds=np.zeros(S, np.int32), positions=np.zeros(S, np.int32))
-    forks = self._forks()
     row = 0
     for s, n in plan:
-      a["tokens"][row:row + n] = s.tokens[s.num_cached:s.num_cached + n]
+      chunk = s.tokens[s.num_cached:s.num_cached + n]
+      a["tokens"][row:row + n] = chunk
+      if chunk[-1] == PENDING:  # sampled by the step in flight: on the device
+        if n != 1 or len(s.tokens) - s.num_cached != 1 or PENDING in chunk[:-1]:
+          raise RuntimeError("a pending token outside a decode row (engine bug)")
+        a["tokens"][row] = 0
+        a["token_slots"][row] = s.slot
       row += n
     samples = []  # (sample row, seq, sample index)
     row = 0
@@ -371,7 +401,7 @@ class Scheduler:
       a["top_p"][r] = p.top_p
       a["seeds"][r] = p.seed + lane
       a["positions"][r] = len(s.tokens)
-    return StepInputs(**a), samples, forks
+    return StepInputs(**a), samples
 
   def begin_step(self) -> list[tuple[Seq, int]] | None:
     """Schedules this step; None when the pool has nothing to run or release.
@@ -389,13 +419,19 @@ class Scheduler:
       return None
     return plan
 
-  def build_step(self, plan, bucket: Bucket):
-    """This step's `StepInputs` for `plan` in shape `bucket` (also hands over
-    the queued releases); returns `(inputs, applier)`, the applier taking the
-    step's outputs for this pool and the time they arrived."""
-    x, samples, forks = self._build(plan, bucket)
+  def build_step(self, plan, bucket: Bucket) -> tuple[StepInputs, "Pending"]:
+    """This step's `StepInputs` for `plan` in shape `bucket`, and commits the
+    step on the host as if it had run (see `_commit`): the next step can be
+    scheduled before this one's results arrive. Returns `(inputs, pending)`;
+    hand `pending` and the step's outputs for this pool to `resolve`."""
+    x, samples = self._build(plan, bucket)
+    forks = self._forks()
     self._release_next, self._release_late_next = [], []
-    return x, lambda out, now: self._apply(plan, samples, forks, out, now)
+    # Slots released after this step's forks are free for the next step.
+    self._free_slots.extend(self._release_late_pending)
+    self._release_late_pending = []
+    pending = self._commit(plan, samples, forks, x)
+    return x, pending
 
   def end_step(self):
     self._step += 1
@@ -404,12 +440,34 @@ class Scheduler:
     outs, self._outputs = self._outputs, []
     return outs
 
-  def warmup(self):
-    """Compiles the host mirror's bookkeeping (every `present` variant);
-    changes nothing."""
+  def mirror_jobs(self) -> dict:
+    """The host mirror's bookkeeping variants to compile (`compiler.py`):
+    every `present` combination the engine can produce (a late release only
+    comes with forks)."""
     x = self._bookkeeping_inputs([], self.config.max_batch)
-    for present in _PRESENT:
-      jax.block_until_ready(_trial(self._mirror, *x, present=present))
+    return {self._mirror_key(present): self._mirror_lowerer(present, x)
+            for present in _PRESENT}
+
+  def _mirror_key(self, present):
+    return ("mirror", self._mirror_sig, present)
+
+  def _mirror_lowerer(self, present, x):
+    specs = [compiler.spec(a, self._cpu) for a in x]
+    return lambda: _trial.lower(self._mirror, *specs, present=present)
+
+  def _run_mirror(self, x, present):
+    exe = self._mirror_exes.get(present)
+    if exe is None:
+      done, seconds = compiler.compile_all(
+          {self._mirror_key(present): self._mirror_lowerer(present, x)})
+      self.compile_seconds += seconds
+      exe = self._mirror_exes[present] = done[self._mirror_key(present)]
+    return exe(self._mirror, *x)
+
+  def set_mirror_executables(self, done: dict):
+    for key, exe in done.items():
+      if key[:2] == ("mirror", self._mirror_sig):
+        self._mirror_exes[key[2]] = exe
 
   def take_deltas(self) -> list[RequestDelta]:
     out, self._deltas = self._deltas, []
@@ -417,34 +475,33 @@ class Scheduler:
 
   # ------------------------------------------------------------ results
 
-  def _apply(self, plan, samples, forks, out: StepOutputs, now: float):
-    self._now = now
-    # The device ran the same bookkeeping on the same state as the host
-    # mirror (`_fit`): it grants exactly what the mirror granted.
-    if not (out.ok[:len(plan)].all() and out.fork_ok[:len(forks)].all()):
-      raise RuntimeError("the device refused what the host mirror granted: "
-                         "the block states diverged (engine bug)")
-    self._free_slots.extend(self._release_late_pending)
-    self._release_late_pending = []
+  def _commit(self, plan, samples, forks, x: StepInputs) -> "Pending":
+    """Applies everything about this step the host knows before it runs: the
+    forks are done, the entries' tokens are cached, every (non-beam) sample
+    appends a `PENDING` token whose value the device keeps for the next step
+    (`x.sample_slots`), a prompt that samples `n` forks its other samples,
+    and a sequence whose pending token is its last (`max_new_tokens`)
+    retires now. What needs the tokens' values (EOS, beam search, streaming,
+    latency) waits for `resolve`."""
     for s in forks:
       s.fork_from = -1
     for s, n in plan:
       s.num_cached += n
       self.stats.computed_tokens += n
-    beam_rows: dict[int, list] = {}
-    by_seq: dict[int, list] = {}
+    records = []  # (sample row, target seq, token index)
+    beam = []  # (sample row, seq)
+    lanes_of: dict[int, list] = {}
     for r, (_, s, lane) in enumerate(samples):
       if s.group.is_beam:
-        beam_rows.setdefault(id(s.group), [s.group, {}])[1][id(s)] = (
-            out.top_logprobs[r], out.top_ids[r])
+        beam.append((r, s))
       else:
-        by_seq.setdefault(id(s), [s, []])[1].append((lane, int(out.tokens[r])))
-    for s, lanes in by_seq.values():
+        lanes_of.setdefault(id(s), [s, []])[1].append((r, lane))
+    finals = []
+    for s, lanes in lanes_of.values():
       g = s.group
-      self._first_token(g)
       targets = [s]
       if g.unborn:  # prompt done: the other samples fork from it next step
-        for lane, _ in lanes[1:]:
+        for _, lane in lanes[1:]:
           child = Seq(g, lane, list(g.request.prompt))
           child.num_cached = s.num_cached
           child.fork_from = s.slot
@@ -453,12 +510,40 @@ class Scheduler:
           g.live.append(child)
           targets.append(child)
         g.unborn = 0
-      for t, (_, tok) in zip(targets, lanes):
-        t.tokens.append(tok)
-      for t, (_, tok) in zip(targets, lanes):
-        self._on_token(t, tok)
-    for g, rows in beam_rows.values():
-      self._beam_update(g, rows)
+      for t, (r, _) in zip(targets, lanes):
+        t.tokens.append(PENDING)
+        x.sample_slots[r] = t.slot
+        records.append((r, t, len(t.tokens) - 1))
+        if len(t.generated) >= g.params.max_new_tokens:
+          t.final = True
+          finals.append(t)
+    for t in finals:  # after every child exists (a parent may retire late)
+      self._retire(t)
+    return Pending(records, beam, len(plan), len(forks))
+
+  def resolve(self, pending: "Pending", out: StepOutputs, now: float):
+    """Applies a step's results: the pending tokens' values, EOS, streaming
+    deltas, latency, beam search."""
+    self._now = now
+    # The device ran the same bookkeeping on the same state as the host
+    # mirror (`_fit`): it grants exactly what the mirror granted.
+    if not (out.ok[:pending.num_entries].all()
+            and out.fork_ok[:pending.num_forks].all()):
+      raise RuntimeError("the device refused what the host mirror granted: "
+                         "the block states diverged (engine bug)")
+    for r, t, idx in pending.records:
+      if t.done:  # stopped by an EOS the step before; this token is void
+        continue
+      tok = int(out.tokens[r])
+      t.tokens[idx] = tok
+      self._first_token(t.group)
+      self._on_token(t, tok, idx)
+    rows: dict[int, list] = {}
+    for r, s in pending.beam:
+      rows.setdefault(id(s.group), [s.group, {}])[1][id(s)] = (
+          out.top_logprobs[r], out.top_ids[r])
+    for g, by_seq in rows.values():
+      self._beam_update(g, by_seq)
 
   def _first_token(self, g: Group):
     out = g.output
@@ -467,7 +552,7 @@ class Scheduler:
       out.first_token_time = self._now
       self.stats.ttft.add(self._now - out.arrival_time)
 
-  def _on_token(self, seq: Seq, tok: int):
+  def _on_token(self, seq: Seq, tok: int, idx: int):
     """A sampled (non-beam) token arrived: latency, the stream, finishing."""
     g = seq.group
     if seq.last_token_time is not None:
@@ -476,26 +561,34 @@ class Scheduler:
     reason = None
     if tok in g.eos:
       reason = "stop"
-    elif len(seq.generated) >= g.params.max_new_tokens:
+    elif seq.final and idx == len(seq.tokens) - 1:
       reason = "length"
     if self.collect_deltas:
       self._deltas.append(RequestDelta(g.request.request_id, seq.index, [tok],
                                        reason))
     if reason is None:
       return
+    del seq.tokens[idx + 1:]  # a token sampled after the EOS is void
+    seq.done = True
     g.done[seq.index] = Completion(list(seq.generated), reason)
     self._retire(seq)
     if len(g.done) == g.params.n:
       self._finish_group(g)
 
   def _retire(self, seq: Seq):
-    """Drops a finished sequence; its blocks go back at the next step."""
+    """Drops a finished sequence (once); its blocks go back at the next step
+    (after the children's forks when it has children that fork then)."""
+    if seq.slot < 0 and seq not in seq.group.live:
+      return  # retired already
     g = seq.group
     has_children = seq.slot >= 0 and any(s.fork_from == seq.slot for s in g.live)
     if seq in self._running:
       self._running.remove(seq)
-    g.live.remove(seq)
-    self._release(seq, late=has_children)  # after the children's fork
+    if seq in self._waiting:  # preempted while its last token was in flight
+      self._waiting.remove(seq)
+    if seq in g.live:
+      g.live.remove(seq)
+    self._release(seq, late=has_children)
 
   def _finish_group(self, g: Group):
     out = g.output

@@ -84,9 +84,18 @@ class EngineStats:
     computed_tokens: real token rows run (prompt, recompute and decode).
     padded_rows: token rows computed, padding included (the buckets' sizes).
     preemptions, refused_reservations, finished, rejected: counts.
-    host_seconds: scheduling, input building and applying results.
-    device_seconds: from dispatch until the results are on the host.
+    host_seconds: the host's own work per step (scheduling, input building,
+      dispatching, applying results), compilation excluded.
+    wait_seconds: the host waiting for a step's results.
+    exposed_host_seconds: the host work of steps after which the device had
+      already finished every step dispatched (it sat idle for part of that
+      work): an upper bound on the device time lost to the host. Without
+      asynchronous scheduling every step's host work is exposed.
+    device_seconds: wall time from the first dispatch of a step to its
+      results on the host, minus the host's work in between (the device's
+      share of the wall time).
     decode_device_seconds: the part of it in decode steps.
+    compile_seconds: compiling step shapes on first use (warm-up excluded).
     blocks_used, running, waiting: per-step gauges (peak, mean).
     ttft, tpot, itl, e2e: latencies in seconds (time to first token, time
       per output token after the first, inter-token latency, end to end).
@@ -105,8 +114,11 @@ class EngineStats:
   finished: int = 0
   rejected: int = 0
   host_seconds: float = 0.0
+  wait_seconds: float = 0.0
+  exposed_host_seconds: float = 0.0
   device_seconds: float = 0.0
   decode_device_seconds: float = 0.0
+  compile_seconds: float = 0.0
   blocks_used: Gauge = dataclasses.field(default_factory=Gauge)
   running: Gauge = dataclasses.field(default_factory=Gauge)
   waiting: Gauge = dataclasses.field(default_factory=Gauge)
@@ -115,6 +127,13 @@ class EngineStats:
   itl: Latency = dataclasses.field(default_factory=Latency)
   e2e: Latency = dataclasses.field(default_factory=Latency)
   buckets: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def host_share(self) -> float:
+    """Exposed host time / (exposed host time + waiting): the share of the
+    engine's time the device may have idled for the host (an upper bound)."""
+    total = self.exposed_host_seconds + self.wait_seconds
+    return self.exposed_host_seconds / total if total else 0.0
 
   @property
   def padding_ratio(self) -> float:

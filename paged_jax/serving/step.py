@@ -1,12 +1,19 @@
 """The engine's device step: one jitted function per compiled shape.
 
-`device_step` is pure: the cache and the block state go in and come out, and
-nothing else changes. Its order is
+`device_step` is pure: the cache, the block state and the last sampled token
+of every sequence slot go in and come out, and nothing else changes. Its
+order is
 
   release (finished, preempted) -> fork (new samples / beams) -> release
   (finished fork parents) -> reserve (this step's tokens) -> copy-on-write ->
+  the input tokens (the host's, or the last token sampled for a slot) ->
   `step_metadata` (once for every layer) -> `model.paged_forward` -> logits of
-  the rows to sample -> sampling and top log-probs.
+  the rows to sample -> sampling and top log-probs -> the sampled tokens
+  stored per slot.
+
+Storing the sampled tokens on the device is what makes the engine's steps
+asynchronous: the host builds and dispatches step N+1 before step N's tokens
+reach it, and step N+1 reads them from `last_tokens` (`StepInputs.token_slots`).
 
 The host has already run the same bookkeeping (`bookkeeping`) on its mirror
 of the block state, so every reservation in a step succeeds; a refused one
@@ -73,7 +80,9 @@ class StepInputs:
   fork_children: jax.Array  # i32[max_batch]
   seq_ids: jax.Array  # i32[num_seqs]  entries in priority order, -1 padding
   q_lens: jax.Array  # i32[num_seqs]
-  tokens: jax.Array  # i32[num_tokens]  ragged layout
+  tokens: jax.Array  # i32[num_tokens]  ragged layout (host-known tokens)
+  token_slots: jax.Array  # i32[num_tokens]  -1: `tokens`; else last_tokens[slot]
+  sample_slots: jax.Array  # i32[num_seqs]  slot each sample row's token sets, -1 none
   sample_rows: jax.Array  # i32[num_seqs]  token row each sample reads
   temperature: jax.Array  # f32[num_seqs]
   top_k: jax.Array  # i32[num_seqs]
@@ -92,21 +101,23 @@ class StepOutputs:
 
 
 def device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
-                state: bm.BlockState, x: StepInputs, *, decode_only: bool,
-                num_logprobs: int):
-  """The serving step (pure; jit it with the cache and state donated).
+                state: bm.BlockState, last_tokens: jax.Array, x: StepInputs, *,
+                decode_only: bool, num_logprobs: int):
+  """The serving step (pure; jit it with the cache, state and last tokens
+  donated).
 
   Args:
     model_def: the model's `ModelDef` (static).
     params: the model's parameter arrays, `jax.tree.leaves` of its state.
     cache: the `KVCache`.
     state: the `BlockState`.
+    last_tokens: i32[max_seqs], the last token sampled for each sequence slot.
     x: the step's `StepInputs`.
     decode_only: static; the decode layout (one token row per entry).
     num_logprobs: static; top log-probs returned per sample row.
 
   Returns:
-    `(cache, state, StepOutputs)`.
+    `(cache, state, last_tokens, StepOutputs)`.
   """
   model = model_def.merge(params)
   state, fork_ok, res = _bookkeeping(state, x)
@@ -114,15 +125,31 @@ def device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
   meta = step_metadata_lib.step_metadata(
       state, x.seq_ids, x.q_lens, num_tokens=x.tokens.shape[0], active=res.ok,
       decode_only=decode_only)
-  hidden, cache = model.paged_forward(x.tokens, meta, cache)
+  hidden, cache = model.paged_forward(input_tokens(last_tokens, x), meta, cache)
   tokens, top_lp, top_ids = _sample(model.logits(hidden[x.sample_rows]), x,
                                     num_logprobs)
-  return cache, state, StepOutputs(tokens, top_lp, top_ids, res.ok, fork_ok)
+  last_tokens = store_tokens(last_tokens, x.sample_slots, tokens)
+  return cache, state, last_tokens, StepOutputs(tokens, top_lp, top_ids, res.ok,
+                                                fork_ok)
+
+
+def input_tokens(last_tokens: jax.Array, x: StepInputs) -> jax.Array:
+  """i32[num_tokens]: the host's `x.tokens`, or where `x.token_slots >= 0`
+  the last token sampled for that slot (a token the host has not seen yet)."""
+  slots = x.token_slots
+  return jnp.where(slots >= 0, last_tokens[jnp.maximum(slots, 0)], x.tokens)
+
+
+def store_tokens(last_tokens: jax.Array, slots: jax.Array, tokens: jax.Array
+                 ) -> jax.Array:
+  """`last_tokens` with `tokens[i]` stored at `slots[i]` (-1: dropped)."""
+  idx = jnp.where(slots >= 0, slots, last_tokens.shape[0])  # past the end: drop
+  return last_tokens.at[idx].set(tokens, mode="drop")
 
 
 def mesh_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
-                     states: bm.BlockState, x: StepInputs, *, mesh: Mesh,
-                     decode_only: bool, num_logprobs: int):
+                     states: bm.BlockState, last_tokens: jax.Array, x: StepInputs,
+                     *, mesh: Mesh, decode_only: bool, num_logprobs: int):
   """`device_step` on a `(data, model)` mesh: every data shard runs its own
   step on its own pool and sequences, the model is tensor-parallel.
 
@@ -132,13 +159,15 @@ def mesh_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
     cache: the `KVCache`, sharded `paged_jax.sharding.cache_spec()`.
     states: the data shards' `BlockState`s stacked on a leading axis
       (`paged_jax.sharding.init_block_states`).
+    last_tokens: i32[data, max_seqs], sharded over `data`.
     x: `StepInputs` with a leading `[data]` axis on every array, row `i` for
       data shard `i` (its own slots, rows and block ids).
     mesh: static; the mesh.
     decode_only, num_logprobs: static, as in `device_step`.
 
   Returns:
-    `(cache, states, StepOutputs)`, the outputs with a leading `[data]` axis.
+    `(cache, states, last_tokens, StepOutputs)`, the outputs with a leading
+    `[data]` axis.
   """
   model = model_def.merge(params)
   data = mesh.shape[sharding.DATA]
@@ -148,7 +177,8 @@ def mesh_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
   meta = step_metadata_lib.sharded_step_metadata(
       mesh, states, x.seq_ids, x.q_lens, num_tokens=num_tokens, active=res.ok,
       decode_only=decode_only)
-  hidden, cache = model.paged_forward(x.tokens.reshape(-1), meta, cache)
+  tokens_in = jax.vmap(input_tokens)(last_tokens, x)
+  hidden, cache = model.paged_forward(tokens_in.reshape(-1), meta, cache)
   # Each shard's sample rows index its own token rows: gather locally.
   hidden = hidden.reshape(data, num_tokens, -1)
   hidden = jnp.take_along_axis(hidden, x.sample_rows[..., None], axis=1)
@@ -171,7 +201,11 @@ def mesh_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
   cache = jax.lax.with_sharding_constraint(
       cache, NamedSharding(mesh, sharding.cache_spec()))
   states = jax.lax.with_sharding_constraint(states, NamedSharding(mesh, by_data))
-  return cache, states, StepOutputs(tokens, top_lp, top_ids, res.ok, fork_ok)
+  last_tokens = jax.lax.with_sharding_constraint(
+      jax.vmap(store_tokens)(last_tokens, x.sample_slots, tokens),
+      NamedSharding(mesh, by_data))
+  return cache, states, last_tokens, StepOutputs(tokens, top_lp, top_ids, res.ok,
+                                                 fork_ok)
 
 
 def bookkeeping(state: bm.BlockState, release_early, fork_parents, fork_children,
@@ -216,12 +250,3 @@ def _sample(logits, x: StepInputs, num_logprobs: int):
                                   x.seeds, x.positions)
   top_lp, top_ids = sampling.top_logprobs(logits, num_logprobs)
   return tokens, top_lp, top_ids
-
-
-# One jitted step shared by every engine: engines with the same model structure
-# and sizes reuse the compiled executables (the ModelDef is a static argument).
-shared_step = jax.jit(device_step, static_argnums=(0,), donate_argnums=(2, 3),
-                      static_argnames=("decode_only", "num_logprobs"))
-shared_mesh_step = jax.jit(mesh_device_step, static_argnums=(0,),
-                           donate_argnums=(2, 3),
-                           static_argnames=("mesh", "decode_only", "num_logprobs"))

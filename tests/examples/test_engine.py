@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from paged_jax.serving import beam as beam_lib
+from paged_jax.serving import compiler
 from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
@@ -160,6 +161,7 @@ def test_steps_never_retrace(model):
                Request("b", [8, 9], SamplingParams(beam_width=2, max_new_tokens=4))]
   engine.warmup()  # traces every bucket once; serving must not trace again
   assert engine.compiled_buckets == tuple(sorted(engine.buckets))
+  compiles = compiler.compiled_count()
   assert len(engine.buckets) == 5  # decode 2, 4; mixed 4, 8, 16
   for r in requests[:3]:
     engine.add_request(r)
@@ -174,6 +176,8 @@ def test_steps_never_retrace(model):
   assert engine.stats.decode_steps > 0 and engine.stats.mixed_steps > 0
   used = {(n, d) for n, _, d in engine.stats.buckets}
   assert len({n for n, d in used if d}) >= 2 and len({n for n, d in used if not d}) >= 2
+  # Nothing compiled after warm-up: not a step shape, not a mirror variant.
+  assert compiler.compiled_count() == compiles and engine.stats.compile_seconds == 0
   assert_pool_empty(engine)
 
 
