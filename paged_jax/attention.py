@@ -20,16 +20,19 @@ Every backend validates the same way (`pallas_kernels.contract`): static
 mistakes are `ValueError`s with one set of messages, and malformed traced
 values (lengths past a table's capacity, table entries that are not blocks,
 a bad `num_seqs` or `cu_q_lens`) follow one documented contract. To turn those
-traced violations into errors, run under `jax.experimental.checkify`:
+traced violations into errors, ask for the checks (`debug_checks=True`) and
+run under `jax.experimental.checkify`:
 
     from jax.experimental import checkify
-    checked = jax.jit(checkify.checkify(paged_attention,
-                                        errors=checkify.user_checks))
+    checked = jax.jit(checkify.checkify(
+        functools.partial(paged_attention, debug_checks=True),
+        errors=checkify.user_checks))
     err, out = checked(q, k_pages, v_pages, block_tables, kv_lens)
     err.throw()  # e.g. "block_tables[3, 1] = -1 is inside kv_len but not ..."
 
-Without `checkify` the checks cost nothing (they are dead code to XLA, and
-skipped outright in eager calls). `out` follows the contract either way.
+The checks are off by default because even outside `checkify` a debug check
+is an effect that keeps a jitted step off JAX's fast C++ dispatch path (about
+10x the host cost per call). `out` follows the contract either way.
 """
 
 from __future__ import annotations
@@ -179,6 +182,7 @@ def paged_attention(
     sliding_window: int | None = None,
     implementation: str | None = None,
     interpret=False,
+    debug_checks: bool = False,
 ) -> jax.Array:
   """Decode attention over a paged KV cache.
 
@@ -204,15 +208,20 @@ def paged_attention(
     implementation: `None`, `"xla"`, `"pallas_tpu"` or `"pallas_gpu"`.
     interpret: run a Pallas kernel in interpret mode (CPU testing). For the
       TPU kernel, a `pltpu.InterpretParams` is also accepted.
+    debug_checks: trace the contract's `checkify.debug_check`s of the traced
+      lengths and table entries (see the module docstring). Off by default:
+      a debug check is an unordered effect, and a jitted function with one
+      cannot use JAX's C++ dispatch path (measured 2026-12-01: ~10x the
+      per-call host cost of a small jitted function on CPU).
 
   Returns:
     `[batch, num_q_heads, head_dim]` in `q.dtype`.
 
   Raises:
     ValueError: on inconsistent shapes/dtypes, or an `implementation` that
-      cannot serve the call (the message says why). Under
-      `checkify.checkify(..., errors=checkify.user_checks)`, malformed traced
-      lengths and table entries become checkify errors.
+      cannot serve the call (the message says why). With `debug_checks=True`
+      under `checkify.checkify(..., errors=checkify.user_checks)`, malformed
+      traced lengths and table entries become checkify errors.
 
   Example:
     >>> from paged_jax import block_manager as bm
@@ -225,7 +234,8 @@ def paged_attention(
   contract.check_attention_inputs(
       q, k_pages, block_tables, v_pages=v_pages, kv_lens=kv_lens,
       soft_cap=soft_cap, sliding_window=sliding_window)
-  contract.debug_check_decode(q, k_pages, block_tables, kv_lens)
+  if debug_checks:
+    contract.debug_check_decode(q, k_pages, block_tables, kv_lens)
   if sm_scale is None:
     sm_scale = q.shape[-1] ** -0.5
   kwargs = dict(soft_cap=soft_cap, sliding_window=sliding_window)
@@ -249,6 +259,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     implementation: str | None = None,
     interpret=False,
+    debug_checks: bool = False,
 ) -> jax.Array:
   """Attention for chunked prefill and mixed prefill + decode batches.
 
@@ -274,8 +285,8 @@ def ragged_paged_attention(
       `cu_q_lens[0] != 0`.
     num_seqs: `i32[1]` (or a scalar), the live sequences (the first
       `num_seqs` rows), clamped to `[0, max_num_seqs]`.
-    sm_scale, soft_cap, sliding_window, implementation, interpret: as in
-      `paged_attention`.
+    sm_scale, soft_cap, sliding_window, implementation, interpret,
+      debug_checks: as in `paged_attention`.
 
   Returns:
     `[num_tokens, num_q_heads, head_dim]` in `q.dtype`; padding rows (beyond
@@ -283,9 +294,10 @@ def ragged_paged_attention(
 
   Raises:
     ValueError: on inconsistent shapes/dtypes, or an `implementation` that
-      cannot serve the call. Under `checkify.checkify(...,
-      errors=checkify.user_checks)`, malformed traced `num_seqs`,
-      `cu_q_lens`, lengths and table entries become checkify errors.
+      cannot serve the call. With `debug_checks=True` under
+      `checkify.checkify(..., errors=checkify.user_checks)`, malformed traced
+      `num_seqs`, `cu_q_lens`, lengths and table entries become checkify
+      errors.
   """
   block_tables, kv_lens = _index_array(block_tables), _index_array(kv_lens)
   cu_q_lens, num_seqs = _index_array(cu_q_lens), _index_array(num_seqs)
@@ -295,8 +307,9 @@ def ragged_paged_attention(
       q, k_pages, block_tables, v_pages=v_pages, kv_lens=kv_lens,
       cu_q_lens=cu_q_lens, num_seqs=num_seqs, ragged=True, soft_cap=soft_cap,
       sliding_window=sliding_window)
-  contract.debug_check_ragged(q, k_pages, block_tables, kv_lens, cu_q_lens,
-                              num_seqs)
+  if debug_checks:
+    contract.debug_check_ragged(q, k_pages, block_tables, kv_lens, cu_q_lens,
+                                num_seqs)
   if sm_scale is None:
     sm_scale = q.shape[-1] ** -0.5
   kwargs = dict(soft_cap=soft_cap, sliding_window=sliding_window)

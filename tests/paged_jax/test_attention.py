@@ -243,7 +243,8 @@ def test_wide_integer_indices_saturate_instead_of_wrapping():
 
 
 def _checked(fn):
-  return jax.jit(checkify.checkify(fn, errors=checkify.user_checks))
+  return jax.jit(checkify.checkify(functools.partial(fn, debug_checks=True),
+                                   errors=checkify.user_checks))
 
 
 # Jitted once: the tests below share shapes, so they share one compilation.
@@ -331,10 +332,19 @@ def test_checkify_composes_with_a_kernel():
                           jnp.float32)
 
 
-def test_checks_are_free_without_checkify():
-  """Without checkify the debug checks leave nothing in the compiled step."""
+def test_checks_are_free_by_default():
+  """By default the debug checks leave nothing in the compiled step: no op,
+  and no effect (an effect keeps a jitted step off the C++ dispatch path)."""
   c = _valid_decode()
   args = (c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens)
+  for fn in (attention.paged_attention, attention.ragged_paged_attention):
+    jaxpr = jax.make_jaxpr(fn)(*args) if fn is attention.paged_attention else \
+        jax.make_jaxpr(fn)(c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens,
+                           jnp.arange(4, dtype=jnp.int32), jnp.array([3], jnp.int32))
+    assert not jaxpr.effects, jaxpr.effects
+  checked = jax.make_jaxpr(functools.partial(attention.paged_attention,
+                                             debug_checks=True))(*args)
+  assert checked.effects  # the test can fail: the checks are effects
   hlo = jax.jit(attention.paged_attention).lower(*args).compile().as_text()
   direct = jax.jit(functools.partial(
       xla_attention.paged_decode_xla, sm_scale=64**-0.5)).lower(
