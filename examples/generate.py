@@ -179,6 +179,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "fewer shapes to compile, more padding")
   eng.add_argument("--no-bucket-midpoints", action="store_true",
                    help="powers of two only (fewer shapes, up to 2x padding)")
+  eng.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="dispatch each step before reading the previous step's "
+                   "results, so host work overlaps the device (default on)")
   eng.add_argument("--max-model-len", type=count(2, MAX_MODEL_LEN), default=256,
                    help="longest prompt + output (at least 2: one prompt and "
                    "one generated token)")
@@ -620,7 +624,8 @@ def main(argv=None) -> int:
     # The step shapes (`buckets.py`) go to the engines that run, and to the
     # configs printed here: one dict, so the two cannot disagree.
     common.update(min_bucket=args.min_bucket,
-                  bucket_midpoints=not args.no_bucket_midpoints)
+                  bucket_midpoints=not args.no_bucket_midpoints,
+                  async_scheduling=args.async_scheduling)
     sizes = {n: v for n, v in common.items() if n not in ("progress", "mesh")}
     if args.request_rate is not None:
       common["arrival_times"] = poisson_arrivals(

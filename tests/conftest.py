@@ -7,3 +7,26 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8")
+
+_CACHE_ENV = "PAGED_JAX_TEST_COMPILE_CACHE"
+
+
+def pytest_configure(config):
+  """One persistent XLA compilation cache per test session, shared by the
+  xdist workers (they inherit the directory through the environment): a
+  step shape that one worker compiled, the other loads from disk instead of
+  compiling it again. Fresh for every session (removed at its end), so a
+  run never reuses a previous run's executables."""
+  import tempfile  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  if _CACHE_ENV not in os.environ:
+    os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="paged-jax-test-xla-cache-")
+    config._paged_jax_cache_owner = True  # pylint: disable=protected-access
+  jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def pytest_unconfigure(config):
+  if getattr(config, "_paged_jax_cache_owner", False):
+    import shutil  # pylint: disable=import-outside-toplevel
+    shutil.rmtree(os.environ.pop(_CACHE_ENV), ignore_errors=True)

@@ -34,9 +34,7 @@ _STATIC = ("decode_only", "num_logprobs")
 _DONATE = (2, 3, 4)  # cache, block state, last tokens
 _step_jit = jax.jit(device_step, static_argnums=(0,), donate_argnums=_DONATE,
                     static_argnames=_STATIC)
-_mesh_step_jit = jax.jit(mesh_device_step, static_argnums=(0,),
-                         donate_argnums=_DONATE,
-                         static_argnames=("mesh",) + _STATIC)
+
 
 
 class Runner:
@@ -80,7 +78,9 @@ class Runner:
       data = mesh.shape[sharding.DATA]
       self.last_tokens = jax.device_put(jnp.zeros((data, max_seqs), jnp.int32),
                                         self._x_sharding)
-      self._jit = functools.partial(_mesh_step_jit, mesh=mesh)
+      self._jit = jax.jit(functools.partial(mesh_device_step, mesh=mesh),
+                          static_argnums=(0,), donate_argnums=_DONATE,
+                          static_argnames=_STATIC)
     # What fixes the executables besides the bucket (`compiler.signature`).
     self._key = (self._model_def, mesh, num_logprobs, config.check_traces
                  and id(self), compiler.signature(self._params, self.cache,
