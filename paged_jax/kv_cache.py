@@ -72,6 +72,15 @@ def cache_dtype(name, model_dtype=None) -> jnp.dtype:
   return jnp.dtype(name)
 
 
+def token_bytes(dtype, head_dim: int) -> int:
+  """Bytes one token of one KV head takes in K (or in V): `head_dim` values,
+  plus its float32 scale for int8 / fp8 pages."""
+  dtype = jnp.dtype(dtype)
+  scale = quantization.SCALE_DTYPE.itemsize if quantization.is_quantized(
+      dtype) else 0
+  return head_dim * dtype.itemsize + scale
+
+
 @flax.struct.dataclass
 class KVCache:
   """K and V pages of a whole model.
