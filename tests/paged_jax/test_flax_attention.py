@@ -56,7 +56,7 @@ _QUANT_TOL = {"float32": 2e-5, "int8": 2.5e-2, "fp8": 0.1}
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,cache_dtype", [
     (4, 1, 16, "float32"), (8, 2, 64, "float32"), (8, 2, 64, "int8"),
-    (8, 2, 64, "fp8"),
+    pytest.param(8, 2, 64, "fp8", marks=pytest.mark.slow),
     pytest.param(4, 4, 32, "float32", marks=pytest.mark.slow)])
 def test_chunked_prefill_and_decode_match_dense(num_heads, num_kv_heads, head_dim,
                                                 cache_dtype):
