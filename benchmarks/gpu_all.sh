@@ -13,6 +13,8 @@
 #                                                                      ~1 min
 #   gpu_mesh.py              the engine on a mesh of the local GPUs (shard_map
 #                            with the real Triton kernels) vs one device ~1 min
+#   kv_quant.py --gpu        decode over int8 / fp8 pages vs bf16 (pallas_gpu,
+#                            xla), 2 shapes                            ~1 min
 # Each section runs under its own limit and a global deadline
 # (GPU_ALL_BUDGET_S, default 450 s); one that fails or runs out of time does not
 # stop the others, and the Python scripts rewrite their JSON after every part,
@@ -79,11 +81,13 @@ main() {
   part gpu_decode 210 "$PY" benchmarks/gpu_decode.py --quick-gpu
   part block_size 120 "$PY" -m benchmarks.block_size --gpu
   part gpu_mesh 90 "$PY" benchmarks/gpu_mesh.py
+  part kv_quant 90 "$PY" benchmarks/kv_quant.py --gpu --repeats 20
   echo
   echo "==== after ($(($(date +%s) - START))s)"
   timeout 20 nvidia-smi --format=csv --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,memory.used
   if [[ -n "${OUT:-}" ]]; then
-    for f in gpu_prefill.json gpu_decode.json block_size_gpu.json block_size_gpu.png; do
+    for f in gpu_prefill.json gpu_decode.json block_size_gpu.json block_size_gpu.png \
+        kv_quant_gpu.json; do
       [[ -f $RESULTS/$f ]] && cp "$RESULTS/$f" "$OUT/"
     done
     cp "$STATUS" "$OUT/gpu_all_sections.tsv"

@@ -109,6 +109,8 @@ MAX_BLOCK_SIZE = 2**20
 MAX_REQUESTS = 10**5
 MAX_KV_MB = 2**30           # 1 PiB
 DEFAULT_KV_TOKENS = 1024    # the KV memory when no budget is given: 64 x 16
+# vLLM's --kv-cache-dtype choices that paged-jax allocates (fp8 = e4m3).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 NEVER_SAMPLED = (-1,)       # --ignore-eos: a stop token no step can produce
 
 
@@ -165,6 +167,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   eng.add_argument("--kv-budget-mb", type=_cli.number_in(0, MAX_KV_MB, lo_open=True),
                    help="KV memory budget in MiB (alternative to --num-blocks); "
                    "the pool holds as many whole blocks as fit")
+  eng.add_argument("--kv-cache-dtype", default="auto",
+                   choices=KV_CACHE_DTYPES,
+                   help="KV cache dtype (vLLM's flag): auto = the model's; "
+                   "int8 and fp8 (float8 e4m3) store a float32 scale per token "
+                   "and KV head beside the 8-bit pages (about twice the tokens "
+                   "per byte of bfloat16)")
   eng.add_argument("--max-batch", "--max-num-seqs", dest="max_batch",
                    type=count(1, MAX_SEQS), default=16, action=_cli.TypedFlag,
                    help="sequences per step (the compiled decode batch)")
@@ -488,7 +496,7 @@ def build(args):
   # Distinct seeds per request so that samples differ across requests.
   requests = [Request(r.request_id, r.prompt, _reseed(r.params, request_seed(args, i)))
               for i, r in enumerate(requests)]
-  per_token = cfg.kv_bytes_per_token()
+  per_token = cfg.kv_bytes_per_token(args.kv_cache_dtype)
   kv_tokens, source = kv_tokens_from_args(args, per_token)
   mesh = None
   shards, tp = 1, 1
@@ -550,6 +558,15 @@ def _compile_cache(args):
                      "to run without it") from None
   jax.config.update("jax_compilation_cache_dir", args.compile_cache_dir)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def kv_cache_line(kv: dict) -> str:
+  """The KV cache the engine allocated, as read from its arrays
+  (`workload.allocated_cache`): a requested dtype that was not allocated
+  shows here."""
+  return (f"  KV cache allocated  {kv['dtype']}"
+          + (" + float32 scales" if kv["scales"] else "")
+          + f", {kv['bytes_per_token']} bytes per token, {kv['bytes']} bytes")
 
 
 def _fmt(stats: dict) -> list[str]:
@@ -620,7 +637,7 @@ def main(argv=None) -> int:
                   max_tokens_per_step=args.max_tokens_per_step,
                   max_model_len=args.max_model_len,
                   max_beam_width=args.beam_width, progress=not args.no_progress,
-                  mesh=mesh)
+                  mesh=mesh, cache_dtype=args.kv_cache_dtype)
     # The step shapes (`buckets.py`) go to the engines that run, and to the
     # configs printed here: one dict, so the two cannot disagree.
     common.update(min_bucket=args.min_bucket,
@@ -648,7 +665,8 @@ def main(argv=None) -> int:
         f" ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads /"
         f" {cfg.num_kv_heads} KV heads, vocab {cfg.vocab_size}, {cfg.dtype})")
   paged = configs["paged"]
-  allocated = paged.num_blocks * paged.block_size * cfg.kv_bytes_per_token()
+  allocated = (paged.num_blocks * paged.block_size
+               * cfg.kv_bytes_per_token(args.kv_cache_dtype))
   print(f"workload: {len(requests)} requests, prompts "
         f"{min(len(r.prompt) for r in requests)}-{max(len(r.prompt) for r in requests)}"
         f" tokens; KV memory allocated {allocated} bytes "
@@ -681,6 +699,7 @@ def main(argv=None) -> int:
         + (f" in each of {shards} data shards" if shards > 1 else "")
         + ", continuous batching")
   print("\n".join(_fmt(stats)))
+  print(kv_cache_line(stats["kv_cache"]))
   if "contiguous" in results:
     base, base_outputs = results["contiguous"]
     cc = configs["contiguous"]

@@ -4,7 +4,8 @@ Public API:
   * block manager (`paged_jax.block_manager`): `BlockState`, `Reservation`,
     `init`, `reserve`, `release`, `fork`, `slot_mapping`, `gather_tables`,
     `check_invariants`, `usage`, `NULL_BLOCK`;
-  * KV cache (`paged_jax.kv_cache`): `KVCache`, `write_kv`, `copy_blocks`,
+  * KV cache (`paged_jax.kv_cache`; int8 / fp8 pages with per-token scales:
+    `pallas_kernels.quantization`): `KVCache`, `write_kv`, `copy_blocks`,
     `gather_kv`, `check_compatible`;
   * attention (`paged_jax.attention`): `paged_attention`,
     `ragged_paged_attention`, `write_and_ragged_attention`;

@@ -30,6 +30,12 @@ run under `jax.experimental.checkify`:
     err, out = checked(q, k_pages, v_pages, block_tables, kv_lens)
     err.throw()  # e.g. "block_tables[3, 1] = -1 is inside kv_len but not ..."
 
+Quantised pages (int8 / float8_e4m3fn) come with their per-token, per-KV-head
+float32 scales as `k_scales=` / `v_scales=` (`f32[num_kv_heads, num_blocks,
+block_size]`, `KVCache.k_scales[layer]`); every backend dequantises inside
+(`pallas_kernels.quantization`), or refuses the dtype in `unsupported_reason`,
+never casting silently.
+
 The checks are off by default because even outside `checkify` a debug check
 is an effect that keeps a jitted step off JAX's fast C++ dispatch path (about
 10x the host cost per call). `out` follows the contract either way.
@@ -65,7 +71,7 @@ class Backend:
   Attributes:
     name: what `implementation=` calls it.
     fn: the implementation, called as `fn(*arrays, sm_scale=..., soft_cap=...,
-      sliding_window=..., interpret=...)`.
+      sliding_window=..., k_scales=..., v_scales=..., interpret=...)`.
     reason: `reason(q, k_pages, block_tables, *, soft_cap, sliding_window)`,
       None if `fn` can serve those shapes, else why not (readable).
     platforms: the JAX platforms it compiles for; empty: any.
@@ -182,6 +188,8 @@ def paged_attention(
     sliding_window: int | None = None,
     implementation: str | None = None,
     interpret=False,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     debug_checks: bool = False,
 ) -> jax.Array:
   """Decode attention over a paged KV cache.
@@ -213,6 +221,10 @@ def paged_attention(
       a debug check is an unordered effect, and a jitted function with one
       cannot use JAX's C++ dispatch path (measured 2026-12-01: ~10x the
       per-call host cost of a small jitted function on CPU).
+    k_scales: with int8 / float8_e4m3fn pages, `f32[num_kv_heads,
+      num_blocks, block_size]`: key `t` is `k_pages[h, b, t] * k_scales[h, b,
+      t]`; None (the default) with float pages.
+    v_scales: as `k_scales`, for `v_pages`.
 
   Returns:
     `[batch, num_q_heads, head_dim]` in `q.dtype`.
@@ -233,7 +245,8 @@ def paged_attention(
   block_tables, kv_lens = _index_array(block_tables), _index_array(kv_lens)
   contract.check_attention_inputs(
       q, k_pages, block_tables, v_pages=v_pages, kv_lens=kv_lens,
-      soft_cap=soft_cap, sliding_window=sliding_window)
+      soft_cap=soft_cap, sliding_window=sliding_window, k_scales=k_scales,
+      v_scales=v_scales)
   if debug_checks:
     contract.debug_check_decode(q, k_pages, block_tables, kv_lens)
   if sm_scale is None:
@@ -242,7 +255,8 @@ def paged_attention(
   backend = select_implementation(DECODE_BACKENDS, implementation, q, k_pages,
                                   block_tables, interpret=interpret, **kwargs)
   return backend.fn(q, k_pages, v_pages, block_tables, kv_lens,
-                    sm_scale=float(sm_scale), interpret=interpret, **kwargs)
+                    sm_scale=float(sm_scale), interpret=interpret,
+                    k_scales=k_scales, v_scales=v_scales, **kwargs)
 
 
 def ragged_paged_attention(
@@ -259,6 +273,8 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     implementation: str | None = None,
     interpret=False,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     debug_checks: bool = False,
 ) -> jax.Array:
   """Attention for chunked prefill and mixed prefill + decode batches.
@@ -285,8 +301,8 @@ def ragged_paged_attention(
       `cu_q_lens[0] != 0`.
     num_seqs: `i32[1]` (or a scalar), the live sequences (the first
       `num_seqs` rows), clamped to `[0, max_num_seqs]`.
-    sm_scale, soft_cap, sliding_window, implementation, interpret,
-      debug_checks: as in `paged_attention`.
+    sm_scale, soft_cap, sliding_window, implementation, interpret, k_scales,
+      v_scales, debug_checks: as in `paged_attention`.
 
   Returns:
     `[num_tokens, num_q_heads, head_dim]` in `q.dtype`; padding rows (beyond
@@ -306,7 +322,7 @@ def ragged_paged_attention(
   contract.check_attention_inputs(
       q, k_pages, block_tables, v_pages=v_pages, kv_lens=kv_lens,
       cu_q_lens=cu_q_lens, num_seqs=num_seqs, ragged=True, soft_cap=soft_cap,
-      sliding_window=sliding_window)
+      sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
   if debug_checks:
     contract.debug_check_ragged(q, k_pages, block_tables, kv_lens, cu_q_lens,
                                 num_seqs)
@@ -317,7 +333,7 @@ def ragged_paged_attention(
                                   block_tables, interpret=interpret, **kwargs)
   return backend.fn(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
                     num_seqs, sm_scale=float(sm_scale), interpret=interpret,
-                    **kwargs)
+                    k_scales=k_scales, v_scales=v_scales, **kwargs)
 
 
 def write_and_ragged_attention(
@@ -331,8 +347,11 @@ def write_and_ragged_attention(
     kv_lens: jax.Array,
     cu_q_lens: jax.Array,
     num_seqs: jax.Array,
+    *,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     **kwargs,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, ...]:
   """Writes the new tokens' K/V into their slots, then runs ragged attention.
 
   One call per layer for a prefill or mixed step. Jit the caller with the
@@ -347,13 +366,19 @@ def write_and_ragged_attention(
     q: `[num_tokens, num_q_heads, head_dim]`.
     k, v: `[num_tokens, num_kv_heads, head_dim]` the new tokens' K/V.
     slots: `i32[num_tokens]`; -1 for padding rows.
-    k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, **kwargs: as
-      in `ragged_paged_attention`.
+    k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k_scales,
+      v_scales, **kwargs: as in `ragged_paged_attention` (quantised pages:
+      the new tokens are quantised as `kv_cache.write_kv` does).
 
   Returns:
-    `(out [num_tokens, num_q_heads, head_dim], k_pages, v_pages)`.
+    `(out [num_tokens, num_q_heads, head_dim], k_pages, v_pages)`, and then
+    `k_scales, v_scales` for quantised pages (as `kv_cache.write_kv`).
   """
-  k_pages, v_pages = kv_cache.write_kv(k_pages, v_pages, k, v, slots)
-  out = ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
-                               cu_q_lens, num_seqs, **kwargs)
-  return out, k_pages, v_pages
+  scales = {} if k_scales is None else dict(k_scales=k_scales,
+                                            v_scales=v_scales)
+  arrays = kv_cache.write_kv(k_pages, v_pages, k, v, slots, **scales)
+  names = ("k_pages", "v_pages", "k_scales", "v_scales")
+  out = ragged_paged_attention(q, *arrays[:2], block_tables, kv_lens,
+                               cu_q_lens, num_seqs,
+                               **dict(zip(names[2:], arrays[2:])), **kwargs)
+  return (out,) + tuple(arrays)

@@ -204,13 +204,27 @@ def kv_pool_bytes(mem_bytes: int, util: float, weight_bytes: int,
   return pool
 
 
+# KV dtypes that paged-jax stores with a float32 scale per token and KV head
+# (`pallas_kernels.quantization`): their blocks also hold the scales.
+SCALED_KV_DTYPES = ("int8", "float8_e4m3fn")
+SCALE_BYTES = 4
+
+
+def kv_scale_bytes(kv_dtype: str) -> int:
+  """Bytes of scale per token and KV head (K or V): 4 for int8 / fp8 (e4m3),
+  0 for float dtypes."""
+  name = DTYPE_ALIASES.get(str(kv_dtype).lower(), str(kv_dtype).lower())
+  return SCALE_BYTES if name in SCALED_KV_DTYPES else 0
+
+
 def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int,
                     block_size: int, kv_dtype: str = "bfloat16") -> int:
-  """2 (K and V) x layers x block_size x kv_heads x head_dim x dtype bytes."""
+  """2 (K and V) x layers x block_size x kv_heads x (head_dim x dtype bytes
+  + scale bytes: 4 for int8 / fp8, whose pages carry per-token scales)."""
   _check_positive(num_layers=num_layers, num_kv_heads=num_kv_heads,
                   head_dim=head_dim, block_size=block_size)
-  return int(2 * num_layers * block_size * num_kv_heads * head_dim
-             * dtype_bytes(kv_dtype))
+  return int(2 * num_layers * block_size * num_kv_heads
+             * (head_dim * dtype_bytes(kv_dtype) + kv_scale_bytes(kv_dtype)))
 
 
 def plan(*, kv_pool_bytes: int, num_layers: int, num_kv_heads: int,
@@ -417,6 +431,10 @@ def plan_from_args(args: argparse.Namespace) -> dict:
            block_size=args.block_size, avg_tokens=args.avg_tokens,
            max_model_len=args.max_model_len, kv_dtype=args.kv_dtype)
   out = p.to_json_dict()
+  name = str(args.kv_dtype).lower()
+  out.update(kv_dtype=DTYPE_ALIASES.get(name, name),
+             kv_scale_bytes_per_token=(2 * layers * (stored_heads // args.tp)
+                                       * kv_scale_bytes(args.kv_dtype)))
   if args.tp * args.dp > 1:
     out.update(
         tp=args.tp, dp=args.dp, devices=args.tp * args.dp,
@@ -447,6 +465,9 @@ def format_report(out: dict) -> str:
       f"KV pool:          {_size(out['kv_pool_bytes'])} ({out['kv_pool_bytes']} bytes)",
       f"bytes per block:  {_size(out['bytes_per_block'])} "
       f"({out['block_size']} tokens, {_size(out['bytes_per_token'])} per token)",
+      f"KV dtype:         {out['kv_dtype']}"
+      + (f" (+{_size(out['kv_scale_bytes_per_token'])} of float32 scales per "
+         "token, counted above)" if out["kv_scale_bytes_per_token"] else ""),
       f"blocks:           {out['num_blocks']}",
       f"blocks per seq:   {out['blocks_per_seq']} ({out['avg_tokens']} tokens)",
       f"max concurrency:  {out['max_concurrency_paged']} paged vs "

@@ -60,37 +60,48 @@ def write_and_attend(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     implementation: str | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+) -> tuple[jax.Array, ...]:
   """Writes one layer's new K/V and attends over the pages.
 
-  `q` and `k` must already carry their position encoding.
+  `q` and `k` must already carry their position encoding. Quantised pages
+  (int8 / float8_e4m3fn) come with their scales `f32[num_kv_heads,
+  num_blocks, block_size]` (`KVCache.layer`); the new K/V are quantised in
+  the write and the attention dequantises.
 
   Returns:
-    `(out [num_tokens, num_q_heads, head_dim] in q.dtype, k_pages, v_pages)`.
+    `(out [num_tokens, num_q_heads, head_dim] in q.dtype, k_pages, v_pages)`,
+    then `k_scales, v_scales` for quantised pages (as `kv_cache.write_kv`).
 
   Raises:
     ValueError: if the pages' block size or number of blocks differ from the
       pool `meta` was computed from (`kv_cache.check_compatible`).
   """
   kv_cache_lib.check_compatible(k_pages, meta)
-  k, v = k.astype(k_pages.dtype), v.astype(v_pages.dtype)
+  scales = {} if k_scales is None else dict(k_scales=k_scales,
+                                            v_scales=v_scales)
+  if not scales:  # float pages: cast (quantised ones quantise in the write)
+    k, v = k.astype(k_pages.dtype), v.astype(v_pages.dtype)
   kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap,
                 sliding_window=sliding_window, implementation=implementation)
   args = (meta.block_tables, meta.kv_lens)
   if not meta.decode_only:
     args += (meta.cu_q_lens, meta.num_seqs)
   if meta.mesh is None:
-    k_pages, v_pages = kv_cache_lib.write_kv(k_pages, v_pages, k, v, meta.slots)
+    arrays = kv_cache_lib.write_kv(k_pages, v_pages, k, v, meta.slots,
+                                   **scales)
     attend = (attention.paged_attention if meta.decode_only
               else attention.ragged_paged_attention)
   else:
-    k_pages, v_pages = sharding.write_kv_sharded(
-        meta.mesh, k_pages, v_pages, k, v, meta.slots)
+    arrays = sharding.write_kv_sharded(meta.mesh, k_pages, v_pages, k, v,
+                                       meta.slots, **scales)
     fn = (sharding.sharded_paged_attention if meta.decode_only
           else sharding.sharded_ragged_paged_attention)
     attend = functools.partial(fn, meta.mesh)
-  out = attend(q, k_pages, v_pages, *args, **kwargs)
-  return out.astype(q.dtype), k_pages, v_pages
+  new_scales = dict(zip(("k_scales", "v_scales"), arrays[2:]))
+  out = attend(q, *arrays[:2], *args, **new_scales, **kwargs)
+  return (out.astype(q.dtype),) + tuple(arrays)
 
 
 class PagedAttention(nnx.Module):
@@ -172,12 +183,13 @@ class PagedAttention(nnx.Module):
         (another block size or number of blocks).
     """
     q, k, v = self.qkv(x, meta.positions)
-    out, k_pages, v_pages = write_and_attend(
-        q, k, v, cache.k_pages[layer], cache.v_pages[layer], meta,
-        sm_scale=self.sm_scale, soft_cap=self.soft_cap,
-        sliding_window=self.sliding_window, implementation=self.implementation)
-    cache = cache.replace(k_pages=cache.k_pages.at[layer].set(k_pages),
-                          v_pages=cache.v_pages.at[layer].set(v_pages))
+    arrays = cache.layer(layer)
+    pages = (arrays.pop("k_pages"), arrays.pop("v_pages"))
+    out, *arrays = write_and_attend(
+        q, k, v, *pages, meta, sm_scale=self.sm_scale, soft_cap=self.soft_cap,
+        sliding_window=self.sliding_window, implementation=self.implementation,
+        **{n: a for n, a in arrays.items() if a is not None})
+    cache = cache.set_layer(layer, *arrays)
     return self.o_proj(out.reshape(x.shape[0], -1)), cache
 
   def dense(self, x: jax.Array) -> jax.Array:

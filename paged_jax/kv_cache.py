@@ -15,6 +15,14 @@ clamped or wrapped onto another block. Flat slots are int32, so a pool of
 `num_blocks * block_size >= 2**31` slots is refused with a `ValueError`.
 A `KVCache` serves one block pool: `check_compatible` checks that a block
 state (or the step metadata made from it) agrees with it.
+
+Quantised caches (`int8`, `float8_e4m3fn`; `cache_dtype("fp8")`) store 8-bit
+values and, beside them in the same block layout, one float32 scale per token
+and KV head (`k_scales`, `v_scales`: `f32[num_layers, num_kv_heads,
+num_blocks, block_size]`). `write_kv` computes the scales in the same fused
+write (`pallas_kernels.quantization.quantize`), and `copy_blocks`,
+`gather_kv` and the sharding helpers carry them. Float caches have no scales
+(None: no pytree leaf), exactly as before.
 """
 
 from __future__ import annotations
@@ -25,6 +33,52 @@ import jax.numpy as jnp
 
 from paged_jax import _int32
 from paged_jax.block_manager import NULL_BLOCK
+from pallas_kernels import quantization
+
+# vLLM's `--kv-cache-dtype` names (and numpy's), to dtypes; "auto" is the
+# model's dtype (`cache_dtype`).
+_DTYPE_NAMES = {
+    "float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+    "int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
+    "float8_e4m3fn": jnp.float8_e4m3fn,
+}
+DTYPE_NAMES = ("auto",) + tuple(_DTYPE_NAMES)
+
+
+def cache_dtype(name, model_dtype=None) -> jnp.dtype:
+  """The page dtype a `--kv-cache-dtype` name (or a dtype) stands for.
+
+  Args:
+    name: "auto", "float32", "bfloat16", "float16", "int8", "fp8" (=
+      "fp8_e4m3" = "float8_e4m3fn", OCP e4m3), a dtype, or None (= "auto").
+    model_dtype: what "auto" means (the model's activation dtype).
+
+  Raises:
+    ValueError: for another name, or "auto" without a `model_dtype`.
+
+  Example:
+    >>> str(cache_dtype("fp8")), str(cache_dtype("auto", jnp.bfloat16))
+    ('float8_e4m3fn', 'bfloat16')
+  """
+  if name is None or (isinstance(name, str) and name == "auto"):
+    if model_dtype is None:
+      raise ValueError("cache dtype 'auto' needs the model's dtype")
+    return jnp.dtype(model_dtype)
+  if isinstance(name, str):
+    if name not in _DTYPE_NAMES:
+      raise ValueError(f"cache dtype must be one of {list(DTYPE_NAMES)}, got "
+                       f"{name!r}")
+    return jnp.dtype(_DTYPE_NAMES[name])
+  return jnp.dtype(name)
+
+
+def token_bytes(dtype, head_dim: int) -> int:
+  """Bytes one token of one KV head takes in K (or in V): `head_dim` values,
+  plus its float32 scale for int8 / fp8 pages."""
+  dtype = jnp.dtype(dtype)
+  scale = quantization.SCALE_DTYPE.itemsize if quantization.is_quantized(
+      dtype) else 0
+  return head_dim * dtype.itemsize + scale
 
 
 @flax.struct.dataclass
@@ -32,12 +86,19 @@ class KVCache:
   """K and V pages of a whole model.
 
   Attributes:
-    k_pages: `[num_layers, num_kv_heads, num_blocks, block_size, head_dim]`.
+    k_pages: `[num_layers, num_kv_heads, num_blocks, block_size, head_dim]`,
+      a float dtype, or int8 / float8_e4m3fn (quantised).
     v_pages: same shape and dtype as `k_pages`.
+    k_scales: quantised caches: `f32[num_layers, num_kv_heads, num_blocks,
+      block_size]`, token `t`'s keys are `k_pages[..., t, :] * k_scales[...,
+      t]`; None for float caches.
+    v_scales: as `k_scales`, for the values.
   """
 
   k_pages: jax.Array
   v_pages: jax.Array
+  k_scales: jax.Array | None = None
+  v_scales: jax.Array | None = None
 
   @classmethod
   def create(cls, *, num_layers: int, num_kv_heads: int, num_blocks: int,
@@ -46,14 +107,27 @@ class KVCache:
     block_size, head_dim]`.
 
     Sizes are keyword-only, as in `block_manager.init`: their orders differ.
+    `dtype` int8 or float8_e4m3fn adds zero scales `f32[num_layers,
+    num_kv_heads, num_blocks, block_size]` (a name as `cache_dtype` also
+    works, "auto" excepted).
 
     Raises:
       ValueError: as `cache_shape`.
     """
+    dtype = cache_dtype(dtype, None)
     shape = cache_shape(num_layers=num_layers, num_kv_heads=num_kv_heads,
                         num_blocks=num_blocks, block_size=block_size,
                         head_dim=head_dim, dtype=dtype)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    return cls(*zero_arrays(shape, dtype, jnp.zeros))
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    """The pages' dtype (what was actually allocated)."""
+    return jnp.dtype(self.k_pages.dtype)
+
+  @property
+  def quantized(self) -> bool:
+    return self.k_scales is not None
 
   @property
   def num_layers(self) -> int:
@@ -69,7 +143,47 @@ class KVCache:
 
   @property
   def nbytes(self) -> int:
-    return self.k_pages.nbytes + self.v_pages.nbytes
+    """Bytes of every array: pages and scales."""
+    return sum(x.nbytes for x in self.arrays())
+
+  @property
+  def bytes_per_token(self) -> int:
+    """Cache bytes per token slot (all layers, K and V, scales included),
+    read from the allocated arrays."""
+    return self.nbytes // (self.num_blocks * self.block_size)
+
+  def arrays(self) -> tuple[jax.Array, ...]:
+    """`(k_pages, v_pages)`, plus `(k_scales, v_scales)` when quantised."""
+    out = (self.k_pages, self.v_pages)
+    return out + ((self.k_scales, self.v_scales) if self.quantized else ())
+
+  def layer(self, layer: int) -> dict:
+    """Layer `layer`'s arrays by name, for `write_kv` and attention:
+    `k_pages`, `v_pages`, and `k_scales`, `v_scales` (None when float)."""
+    return dict(
+        k_pages=self.k_pages[layer], v_pages=self.v_pages[layer],
+        k_scales=None if self.k_scales is None else self.k_scales[layer],
+        v_scales=None if self.v_scales is None else self.v_scales[layer])
+
+  def set_layer(self, layer: int, k_pages, v_pages, k_scales=None,
+                v_scales=None) -> "KVCache":
+    """The cache with layer `layer`'s arrays replaced (as `layer` names them)."""
+    new = dict(k_pages=self.k_pages.at[layer].set(k_pages),
+               v_pages=self.v_pages.at[layer].set(v_pages))
+    if self.quantized:
+      new.update(k_scales=self.k_scales.at[layer].set(k_scales),
+                 v_scales=self.v_scales.at[layer].set(v_scales))
+    return self.replace(**new)
+
+
+def zero_arrays(shape, dtype, zeros) -> tuple:
+  """`(k_pages, v_pages[, k_scales, v_scales])` made by `zeros(shape, dtype)`:
+  scales (`shape[:-1]`, float32) only for a quantised `dtype`."""
+  out = (zeros(shape, dtype), zeros(shape, dtype))
+  if quantization.is_quantized(dtype):
+    s = shape[:-1]
+    out += (zeros(s, quantization.SCALE_DTYPE), zeros(s, quantization.SCALE_DTYPE))
+  return out
 
 
 def cache_shape(*, num_layers: int, num_kv_heads: int, num_blocks: int,
@@ -79,14 +193,16 @@ def cache_shape(*, num_layers: int, num_kv_heads: int, num_blocks: int,
   Raises:
     ValueError: if a size is not a positive int (bools are not), the pool's
       flat slots (`num_blocks * block_size`) would not fit int32, or `dtype`
-      is not floating.
+      is neither floating nor int8.
   """
   sizes = dict(num_layers=num_layers, num_kv_heads=num_kv_heads,
                num_blocks=num_blocks, block_size=block_size, head_dim=head_dim)
   shape = tuple(_int32.positive_int(k, v) for k, v in sizes.items())
   _check_pool_fits(shape[2], shape[3])
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"dtype must be a floating dtype, got {jnp.dtype(dtype)}")
+  if not (jnp.issubdtype(dtype, jnp.floating)
+          or quantization.is_quantized(dtype)):
+    raise ValueError(f"dtype must be a floating dtype or int8, got "
+                     f"{jnp.dtype(dtype)}")
   return shape
 
 
@@ -113,7 +229,8 @@ def check_compatible(cache, state) -> None:
 
   Raises:
     ValueError: naming both values when `block_size` or the number of blocks
-      differ.
+      differ, or when a `KVCache`'s scales do not fit its page dtype (missing
+      for int8/fp8 pages, present for float ones, another block layout).
 
   Example:
     >>> state = block_manager.init(num_blocks=8, block_size=16, max_seqs=2,
@@ -124,6 +241,7 @@ def check_compatible(cache, state) -> None:
   """
   if isinstance(cache, KVCache):
     blocks, block_size = cache.num_blocks, cache.block_size
+    _check_cache_scales(cache)
   else:
     _check_pages("pages", cache)
     blocks, block_size = cache.shape[1], cache.shape[2]
@@ -136,6 +254,22 @@ def check_compatible(cache, state) -> None:
                      "pools together)")
 
 
+def _check_cache_scales(cache: KVCache):
+  """The scales a `KVCache`'s page dtype needs, in the pages' block layout."""
+  pages = jax.ShapeDtypeStruct(cache.k_pages.shape[1:], cache.k_pages.dtype)
+  for name in ("k_scales", "v_scales"):
+    scales = getattr(cache, name)
+    error = quantization.scales_error(
+        pages, None if scales is None else jax.ShapeDtypeStruct(
+            scales.shape[1:], scales.dtype), name)
+    if error is None and scales is not None and (
+        scales.shape[0] != cache.num_layers):
+      error = (f"{name} must have num_layers={cache.num_layers} layers, got "
+               f"shape {scales.shape}")
+    if error is not None:
+      raise ValueError(f"the KV cache's {error}")
+
+
 def _check_pages(name: str, pages: jax.Array):
   if pages.ndim != 4:
     raise ValueError(f"{name} must be [num_kv_heads, num_blocks, block_size, "
@@ -143,24 +277,36 @@ def _check_pages(name: str, pages: jax.Array):
 
 
 def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array,
-             v: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+             v: jax.Array, slots: jax.Array, *, k_scales: jax.Array | None = None,
+             v_scales: jax.Array | None = None) -> tuple[jax.Array, ...]:
   """Writes new tokens' K/V into one layer's pages (one scatter each).
+
+  Quantised pages (int8 / float8_e4m3fn) also take their scales: each new
+  token's K and V are quantised with one scale per KV head
+  (`pallas_kernels.quantization.quantize`) in the same jitted write, and the
+  values and scales are scattered to the same slots.
 
   Args:
     k_pages: `[num_kv_heads, num_blocks, block_size, head_dim]`.
     v_pages: same shape as `k_pages`.
-    k: `[T, num_kv_heads, head_dim]` new keys (cast to the pages' dtype).
+    k: `[T, num_kv_heads, head_dim]` new keys (cast to the pages' dtype, or
+      quantised to it).
     v: `[T, num_kv_heads, head_dim]` new values.
     slots: `int[T]` flat slots from `slot_mapping`; -1 (and any slot out of
       range, int64 ones outside int32 included) is dropped, so padding tokens
       write nothing.
+    k_scales: quantised pages only: `f32[num_kv_heads, num_blocks,
+      block_size]`.
+    v_scales: as `k_scales`.
 
   Returns:
-    `(k_pages, v_pages)` updated.
+    `(k_pages, v_pages)` updated; quantised pages: `(k_pages, v_pages,
+    k_scales, v_scales)` (every cache array passed in comes back).
 
   Raises:
-    ValueError: on mismatched shapes, non-integer slots, or a pool whose flat
-      slots (`num_blocks * block_size`) would not fit int32.
+    ValueError: on mismatched shapes, non-integer slots, a pool whose flat
+      slots (`num_blocks * block_size`) would not fit int32, or scales
+      missing for quantised pages (present for float ones).
 
   Example:
     >>> pages = jnp.zeros((1, 2, 4, 8))
@@ -170,9 +316,13 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array,
     1.0
   """
   _check_pages("k_pages", k_pages)
-  if v_pages.shape != k_pages.shape:
-    raise ValueError(f"v_pages.shape={v_pages.shape} must equal "
-                     f"k_pages.shape={k_pages.shape}")
+  if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
+    raise ValueError(f"v_pages ({v_pages.dtype}{list(v_pages.shape)}) must "
+                     f"match k_pages ({k_pages.dtype}{list(k_pages.shape)})")
+  for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+    error = quantization.scales_error(k_pages, scales, name)
+    if error is not None:
+      raise ValueError(error)
   kvh, num_blocks, block_size, head_dim = k_pages.shape
   _check_pool_fits(num_blocks, block_size)
   slots = _int32.as_int32("slots", slots)
@@ -185,13 +335,18 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array,
   n = num_blocks * block_size
   idx = jnp.where((slots >= 0) & (slots < n), slots, n)
 
-  def scatter(pages, new):
-    flat = pages.reshape(kvh, n, head_dim)
-    new = jnp.swapaxes(new, 0, 1).astype(pages.dtype)  # [kvh, T, head_dim]
+  def scatter(pages, new):  # pages [kvh, num_blocks, block_size(, d)]
+    flat = pages.reshape(kvh, n, *pages.shape[3:])
+    new = jnp.swapaxes(new, 0, 1).astype(pages.dtype)  # [kvh, T(, d)]
     flat = flat.at[:, idx].set(new, mode="drop", unique_indices=False)
     return flat.reshape(pages.shape)
 
-  return scatter(k_pages, k), scatter(v_pages, v)
+  if k_scales is None:
+    return scatter(k_pages, k), scatter(v_pages, v)
+  kq, ks = quantization.quantize(k, k_pages.dtype)
+  vq, vs = quantization.quantize(v, v_pages.dtype)
+  return (scatter(k_pages, kq), scatter(v_pages, vq), scatter(k_scales, ks),
+          scatter(v_scales, vs))
 
 
 def copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
@@ -220,14 +375,16 @@ def copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
   src = jnp.where(valid, src, 0)
   dst = jnp.where(valid, dst, n)  # dropped
 
-  def copy(pages):
+  def copy(pages):  # pages or scales: the block axis is axis 2 of both
     return pages.at[:, :, dst].set(pages[:, :, src], mode="drop")
 
-  return cache.replace(k_pages=copy(cache.k_pages), v_pages=copy(cache.v_pages))
+  return cache.replace(**{name: copy(getattr(cache, name)) for name in
+                          ("k_pages", "v_pages", "k_scales", "v_scales")
+                          if getattr(cache, name) is not None})
 
 
 def gather_kv(pages: jax.Array, block_tables: jax.Array, kv_lens: jax.Array,
-              max_len: int) -> jax.Array:
+              max_len: int, *, scales: jax.Array | None = None) -> jax.Array:
   """Contiguous copies of sequences, for audit and debug tools.
 
   Args:
@@ -235,9 +392,12 @@ def gather_kv(pages: jax.Array, block_tables: jax.Array, kv_lens: jax.Array,
     block_tables: `int[n, max_blocks_per_seq]`.
     kv_lens: `int[n]`.
     max_len: static output length (at most the table's capacity).
+    scales: quantised pages: their `f32[num_kv_heads, num_blocks,
+      block_size]` scales; the result is then dequantised float32.
 
   Returns:
-    `[n, max_len, num_kv_heads, head_dim]`: zeros past each `kv_len`, and
+    `[n, max_len, num_kv_heads, head_dim]` (pages' dtype; float32 when
+    dequantised): zeros past each `kv_len`, and
     zeros for the tokens of a table entry outside `[0, num_blocks)`
     (`NULL_BLOCK` included), which is never read.
 
@@ -246,6 +406,11 @@ def gather_kv(pages: jax.Array, block_tables: jax.Array, kv_lens: jax.Array,
       tables and lengths are not integer arrays of rank 2 and 1.
   """
   _check_pages("pages", pages)
+  error = quantization.scales_error(pages, scales, "scales")
+  if error is not None:
+    raise ValueError(error)
+  if scales is not None:
+    pages = quantization.dequantize(pages, scales)
   block_tables = _int32.as_int32("block_tables", block_tables, ndim=2)
   kv_lens = _int32.as_int32("kv_lens", kv_lens)
   kvh, num_blocks, block_size, head_dim = pages.shape

@@ -12,6 +12,10 @@ Conventions (the same as JAX's `ragged_paged_attention` reference):
     (the window counts the query's own token), and never positions `> p`;
   * a sequence with no visible keys (for decode: `kv_len == 0`) gives zeros.
 
+Quantised pages (int8 / float8_e4m3fn, with `k_scales` / `v_scales`) are
+dequantised up front by the one rule, `pallas_kernels.quantization.dequantize`,
+and then attended exactly as float32 pages.
+
 Malformed traced inputs (the contract of `pallas_kernels.contract`, which
 every backend follows; this file states it independently, in plain Python):
   * `kv_len` is clamped to `[0, max_blocks_per_seq * block_size]`;
@@ -29,6 +33,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels import quantization
 
 
 def dense_attention_reference(
@@ -126,6 +132,15 @@ def sequence_keys_reference(
   return np.transpose(x, (1, 0, 2)), valid
 
 
+def dequantized_pages(pages, scales) -> np.ndarray:
+  """float32 NumPy pages: `pages` as they are, or dequantised with `scales`
+  (`f32[num_kv_heads, num_blocks, block_size]`) when given."""
+  if scales is None:
+    return np.asarray(pages, np.float32)
+  return np.asarray(quantization.dequantize(jnp.asarray(pages),
+                                            jnp.asarray(scales)))
+
+
 def _clamped_kv_len(kv_len, block_tables, block_size) -> int:
   return min(max(int(kv_len), 0), block_tables.shape[1] * block_size)
 
@@ -140,11 +155,15 @@ def paged_attention_reference(
     sm_scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
   """Float32 decode attention: one query per sequence at position `kv_len - 1`.
 
   Not jittable (loops over the batch on the host); for tests only. Malformed
-  lengths and table entries follow the module's contract.
+  lengths and table entries follow the module's contract. `k_scales` /
+  `v_scales` (`f32[num_kv_heads, num_blocks, block_size]`) go with quantised
+  pages.
 
   Returns:
     float32 `[batch, num_q_heads, head_dim]` (NumPy); zeros where `kv_len == 0`.
@@ -152,6 +171,8 @@ def paged_attention_reference(
   block_tables = np.asarray(block_tables)
   kv_lens = np.asarray(kv_lens)
   q = np.asarray(q, np.float32)
+  k_pages = dequantized_pages(k_pages, k_scales)
+  v_pages = dequantized_pages(v_pages, v_scales)
   outs = []
   block_size = k_pages.shape[2]
   for b in range(q.shape[0]):
@@ -180,6 +201,8 @@ def ragged_paged_attention_reference(
     sm_scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
   """Float32 ragged attention: sequence `s` owns rows `cu_q_lens[s]:cu_q_lens[s+1]`.
 
@@ -194,6 +217,8 @@ def ragged_paged_attention_reference(
   block_tables = np.asarray(block_tables)
   kv_lens = np.asarray(kv_lens)
   cu_q_lens = np.asarray(cu_q_lens)
+  k_pages = dequantized_pages(k_pages, k_scales)
+  v_pages = dequantized_pages(v_pages, v_scales)
   max_num_seqs = block_tables.shape[0]
   n = min(max(int(np.asarray(num_seqs).reshape(-1)[0]), 0), max_num_seqs)
   q = np.asarray(q, np.float32)

@@ -31,7 +31,6 @@ Example (8 devices):
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -88,11 +87,22 @@ def cache_spec() -> P:
   return P(None, MODEL, DATA, None, None)
 
 
+def scales_spec() -> P:
+  """Spec of a quantised `KVCache`'s scales `[layers, kv_heads, num_blocks,
+  block_size]`: sharded as the pages they scale."""
+  return P(None, MODEL, DATA, None)
+
+
+def _spec_of(x) -> P:
+  """`cache_spec()` for pages (rank 5), `scales_spec()` for scales (rank 4)."""
+  return cache_spec() if len(x.shape) == 5 else scales_spec()
+
+
 def shard_cache(cache: kv_cache.KVCache, mesh: Mesh) -> kv_cache.KVCache:
-  """Places the pages: KV heads over `model`, the block pool over `data`."""
-  s = NamedSharding(mesh, cache_spec())
-  return kv_cache.KVCache(jax.device_put(cache.k_pages, s),
-                          jax.device_put(cache.v_pages, s))
+  """Places the pages (and scales): KV heads over `model`, the block pool
+  over `data`."""
+  return jax.tree.map(
+      lambda x: jax.device_put(x, NamedSharding(mesh, _spec_of(x))), cache)
 
 
 def create_cache(mesh: Mesh, *, num_layers: int, num_kv_heads: int,
@@ -106,7 +116,8 @@ def create_cache(mesh: Mesh, *, num_layers: int, num_kv_heads: int,
     num_kv_heads: heads the cache stores, `cache_kv_heads(...)` of the model's
       KV heads (a multiple of the model axis).
     num_blocks_per_shard: each data shard's pool.
-    dtype: page dtype.
+    dtype: page dtype (int8 / float8_e4m3fn add scales sharded
+      `scales_spec()`).
 
   Returns:
     Pages `[num_layers, num_kv_heads, data * num_blocks_per_shard, block_size,
@@ -129,15 +140,20 @@ def create_cache(mesh: Mesh, *, num_layers: int, num_kv_heads: int,
       num_blocks=num_blocks_per_shard, block_size=block_size,
       head_dim=head_dim, dtype=dtype)
   shape = shard[:2] + (data * shard[2],) + shard[3:]
-  s = NamedSharding(mesh, cache_spec())
-  zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=s)
-  return kv_cache.KVCache(zeros(), zeros())
+
+  def zeros(shape, dtype):
+    s = NamedSharding(mesh, _spec_of(jax.ShapeDtypeStruct(shape, dtype)))
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=s)()
+
+  return kv_cache.KVCache(*kv_cache.zero_arrays(shape, jnp.dtype(dtype),
+                                                zeros))
 
 
 def per_device_cache_bytes(cache: kv_cache.KVCache) -> dict:
-  """Bytes of K/V pages each of this process' devices holds: `{device: bytes}`."""
+  """Bytes of K/V pages (and scales) each of this process' devices holds:
+  `{device: bytes}`."""
   out = {}
-  for pages in (cache.k_pages, cache.v_pages):
+  for pages in cache.arrays():
     for shard in pages.addressable_shards:
       out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
   return out
@@ -190,13 +206,34 @@ def sharded_paged_attention(mesh: Mesh, q, k_pages, v_pages, block_tables,
     `[batch, num_q_heads, head_dim]`, sharded like `q`.
   """
   kwargs.setdefault("sm_scale", q.shape[-1] ** -0.5)
-  fn = functools.partial(attention.paged_attention, **kwargs)
+  scales, specs, kwargs = _scale_args(kwargs)
+  fn = _with_scales(attention.paged_attention, 5, kwargs)
   pages = P(MODEL, DATA, None, None)
   return _shard_map(
       fn, mesh,
-      in_specs=(P(DATA, MODEL, None), pages, pages, P(DATA, None), P(DATA)),
+      in_specs=(P(DATA, MODEL, None), pages, pages, P(DATA, None), P(DATA))
+      + specs,
       out_specs=P(DATA, MODEL, None),
-  )(q, k_pages, v_pages, block_tables, kv_lens)
+  )(q, k_pages, v_pages, block_tables, kv_lens, *scales)
+
+
+def _scale_args(kwargs):
+  """`(scales, their specs, the other kwargs)`: quantised pages' one-layer
+  scales travel as shard_map operands, sharded `P(model, data)`."""
+  kwargs = dict(kwargs)
+  ks, vs = kwargs.pop("k_scales", None), kwargs.pop("v_scales", None)
+  if ks is None:
+    return (), (), kwargs
+  return (ks, vs), (P(MODEL, DATA, None),) * 2, kwargs
+
+
+def _with_scales(fn, num_args, kwargs):
+  """`fn(*args[:num_args], k_scales=args[num_args], v_scales=...)` when the
+  call has scales, else `fn(*args)`."""
+  def call(*args):
+    scales = dict(zip(("k_scales", "v_scales"), args[num_args:]))
+    return fn(*args[:num_args], **scales, **kwargs)
+  return call
 
 
 def sharded_ragged_paged_attention(mesh: Mesh, q, k_pages, v_pages,
@@ -210,14 +247,15 @@ def sharded_ragged_paged_attention(mesh: Mesh, q, k_pages, v_pages,
   `num_seqs` (`i32[data]`).
   """
   kwargs.setdefault("sm_scale", q.shape[-1] ** -0.5)
-  fn = functools.partial(attention.ragged_paged_attention, **kwargs)
+  scales, specs, kwargs = _scale_args(kwargs)
+  fn = _with_scales(attention.ragged_paged_attention, 7, kwargs)
   pages = P(MODEL, DATA, None, None)
   return _shard_map(
       fn, mesh,
       in_specs=(P(DATA, MODEL, None), pages, pages, P(DATA, None), P(DATA),
-                P(DATA), P(DATA)),
+                P(DATA), P(DATA)) + specs,
       out_specs=P(DATA, MODEL, None),
-  )(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs)
+  )(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *scales)
 
 
 def copy_blocks_sharded(mesh: Mesh, cache: kv_cache.KVCache, src: jax.Array,
@@ -233,24 +271,27 @@ def copy_blocks_sharded(mesh: Mesh, cache: kv_cache.KVCache, src: jax.Array,
   Returns:
     The updated cache, sharded as before.
   """
-  def local(k_pages, v_pages, src, dst):
-    c = kv_cache.copy_blocks(kv_cache.KVCache(k_pages, v_pages), src[0], dst[0])
-    return c.k_pages, c.v_pages
+  def local(src, dst, *arrays):
+    return kv_cache.copy_blocks(kv_cache.KVCache(*arrays), src[0],
+                                dst[0]).arrays()
 
-  pages = cache_spec()
-  k, v = _shard_map(local, mesh, in_specs=(pages, pages, P(DATA), P(DATA)),
-                    out_specs=(pages, pages))(cache.k_pages, cache.v_pages,
-                                              src, dst)
-  return kv_cache.KVCache(k, v)
+  arrays = cache.arrays()
+  specs = tuple(_spec_of(x) for x in arrays)
+  return kv_cache.KVCache(*_shard_map(
+      local, mesh, in_specs=(P(DATA), P(DATA)) + specs,
+      out_specs=specs)(src, dst, *arrays))
 
 
-def write_kv_sharded(mesh: Mesh, k_pages, v_pages, k, v, slots):
+def write_kv_sharded(mesh: Mesh, k_pages, v_pages, k, v, slots, *,
+                     k_scales=None, v_scales=None):
   """`kv_cache.write_kv` on a mesh: tokens split over `data` (local slots),
-  KV heads over `model`; each device writes its own part of its own pool."""
+  KV heads over `model`; each device writes its own part of its own pool
+  (and of the scales, for quantised pages). Returns what `write_kv` does."""
   pages = P(MODEL, DATA, None, None)
+  scales, specs, _ = _scale_args(dict(k_scales=k_scales, v_scales=v_scales))
+  tokens = P(DATA, MODEL, None)
   return _shard_map(
-      kv_cache.write_kv, mesh,
-      in_specs=(pages, pages, P(DATA, MODEL, None), P(DATA, MODEL, None),
-                P(DATA)),
-      out_specs=(pages, pages),
-  )(k_pages, v_pages, k, v, slots)
+      _with_scales(kv_cache.write_kv, 5, {}), mesh,
+      in_specs=(pages, pages, tokens, tokens, P(DATA)) + specs,
+      out_specs=(pages, pages) + specs,
+  )(k_pages, v_pages, k, v, slots, *scales)

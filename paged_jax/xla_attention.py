@@ -14,6 +14,11 @@ the table's capacity, a table entry outside `[0, num_blocks)` (`NULL_BLOCK`
 included) contributes no tokens (the gather reads block 0 in its place, and
 that read is masked out), and a ragged batch serves only its well-formed
 leading sequences.
+
+Quantised pages (int8 / float8_e4m3fn with `k_scales` / `v_scales`) are read
+as they are stored (a quarter of float32's bytes per gathered page) and
+dequantised inside the loop: the K scales multiply the scores and the V
+scales the probabilities (`pallas_kernels.quantization`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import contract
+from pallas_kernels import quantization
 
 
 def _cdiv(a, b):
@@ -72,6 +78,8 @@ def paged_decode_xla(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     pages_per_step: int | None = None,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size]
+    v_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size]
 ) -> jax.Array:
   """Decode attention through block tables in plain XLA.
 
@@ -110,13 +118,19 @@ def paged_decode_xla(
     valid &= jnp.repeat(ids_ok, block_size, axis=1)
     if sliding_window is not None:
       valid &= pos[None, :] >= kv_lens[:, None] - sliding_window
-    s = jnp.einsum("hbgd,hbtd->hbgt", qg, k) * sm_scale
+    ks = vs = None
+    if k_scales is not None:
+      ks = k_scales[:, ids].reshape(num_kv_heads, batch, 1, tokens)
+      vs = v_scales[:, ids].reshape(num_kv_heads, batch, 1, tokens)
+      vs = jnp.where(valid[None, :, None, :], vs, 0.0)  # 0 * NaN is NaN
+    s = quantization.scale_scores(jnp.einsum("hbgd,hbtd->hbgt", qg, k), ks)
+    s = s * sm_scale
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
     v = jnp.where(valid[None, :, :, None], v, 0.0)
 
     def pv(p):
-      return jnp.einsum("hbgt,hbtd->hbgd", p, v)
+      return jnp.einsum("hbgt,hbtd->hbgd", quantization.scale_probs(p, vs), v)
 
     return _online_softmax_step(carry, s, pv, valid[None, :, None, :])
 
@@ -162,6 +176,8 @@ def ragged_paged_attention_xla(
     sliding_window: int | None = None,
     pages_per_step: int | None = None,
     q_tile: int | None = None,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size]
+    v_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size]
 ) -> jax.Array:
   """Ragged (prefill / mixed) attention through block tables in plain XLA.
 
@@ -221,14 +237,21 @@ def ragged_paged_attention_xla(
       if sliding_window is not None:
         valid &= pos[None, :] > qpos[:, None] - sliding_window
       vmask = valid[:, None, None, :]  # [tq, 1, 1, t]
-      s_ = jnp.einsum("qhgd,htd->qhgt", qt, k,
-                      preferred_element_type=jnp.float32) * sm_scale
+      any_valid = jnp.any(valid, axis=0)  # [t]
+      ks = vs = None
+      if k_scales is not None:
+        ks = k_scales[:, ids].reshape(num_kv_heads, 1, tokens)
+        vs = jnp.where(any_valid, v_scales[:, ids].reshape(num_kv_heads, 1,
+                                                           tokens), 0.0)
+      s_ = quantization.scale_scores(
+          jnp.einsum("qhgd,htd->qhgt", qt, k,
+                     preferred_element_type=jnp.float32), ks) * sm_scale
       if soft_cap is not None:
         s_ = soft_cap * jnp.tanh(s_ / soft_cap)
-      v = jnp.where(jnp.any(valid, axis=0)[None, :, None], v, 0)
+      v = jnp.where(any_valid[None, :, None], v, 0)
 
       def pv(p):
-        return jnp.einsum("qhgt,htd->qhgd", p, v,
+        return jnp.einsum("qhgt,htd->qhgd", quantization.scale_probs(p, vs), v,
                           preferred_element_type=jnp.float32)
 
       return _online_softmax_step(carry, s_, pv, vmask)

@@ -33,6 +33,8 @@ from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import quantization
+
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 _TRACER = jax.core.Tracer
 
@@ -52,7 +54,8 @@ def _i32_vector_error(name, x, length, what) -> str | None:
 def attention_input_error(q, k_pages, block_tables, *, v_pages=None,
                           kv_lens=None, cu_q_lens=None, num_seqs=None,
                           ragged: bool = False, soft_cap=None,
-                          sliding_window=None) -> str | None:
+                          sliding_window=None, k_scales=None,
+                          v_scales=None) -> str | None:
   """What is statically wrong with these attention inputs, or None.
 
   Only `.shape` and `.dtype` are read (arrays or `jax.ShapeDtypeStruct`s).
@@ -61,7 +64,8 @@ def attention_input_error(q, k_pages, block_tables, *, v_pages=None,
   Args:
     q: `[batch, num_q_heads, head_dim]` (decode) or `[num_tokens, ...]`
       (`ragged=True`), floating.
-    k_pages: `[num_kv_heads, num_blocks, block_size, head_dim]`, floating.
+    k_pages: `[num_kv_heads, num_blocks, block_size, head_dim]`, floating,
+      or int8 / float8_e4m3fn with scales (`pallas_kernels.quantization`).
     block_tables: `i32[batch or max_num_seqs, max_blocks_per_seq]`.
     v_pages: same shape and dtype as `k_pages`.
     kv_lens: `i32[block_tables.shape[0]]`.
@@ -71,6 +75,8 @@ def attention_input_error(q, k_pages, block_tables, *, v_pages=None,
       query per block-table row (decode).
     soft_cap: None or a positive number.
     sliding_window: None or a positive int.
+    k_scales, v_scales: `f32[num_kv_heads, num_blocks, block_size]` for
+      quantised pages, None for float pages (checked only with `v_pages`).
   """
   rows = "num_tokens" if ragged else "batch"
   if len(q.shape) != 3:
@@ -83,9 +89,15 @@ def attention_input_error(q, k_pages, block_tables, *, v_pages=None,
     return (f"v_pages must match k_pages: expected {_spec(k_pages)}, got"
             f" {_spec(v_pages)}")
   if not (jnp.issubdtype(q.dtype, jnp.floating)
-          and jnp.issubdtype(k_pages.dtype, jnp.floating)):
-    return (f"q and k_pages must be floating, got {jnp.dtype(q.dtype)} and"
-            f" {jnp.dtype(k_pages.dtype)}")
+          and (jnp.issubdtype(k_pages.dtype, jnp.floating)
+               or quantization.is_quantized(k_pages.dtype))):
+    return (f"q and k_pages must be floating (k_pages may also be int8), got"
+            f" {jnp.dtype(q.dtype)} and {jnp.dtype(k_pages.dtype)}")
+  if v_pages is not None:
+    for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+      error = quantization.scales_error(k_pages, scales, name)
+      if error is not None:
+        return error
   _, num_q_heads, head_dim = q.shape
   num_kv_heads = k_pages.shape[0]
   if k_pages.shape[3] != head_dim:

@@ -16,12 +16,31 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.block_manager import NULL_BLOCK
+from pallas_kernels import quantization
 
 # Tolerances per dtype, absolute and relative, for outputs of O(1) magnitude.
 TOLERANCES = {
     jnp.dtype(jnp.float32): dict(atol=2e-5, rtol=2e-5),
     jnp.dtype(jnp.bfloat16): dict(atol=2e-2, rtol=2e-2),
     jnp.dtype(jnp.float16): dict(atol=5e-3, rtol=5e-3),
+}
+
+
+# Quantised pages against the float32 reference on the *float* pages they were
+# made from (`assert_rows_close(..., quantized_from_float=True)`), N(0, 1)
+# K/V, head_dim 64, outputs O(1). int8 rounds each element to within half a
+# step, absmax / 254 (absmax of 64 N(0, 1) draws is about 2.5-3.5): V errors
+# of at most ~0.014 pass straight into the output (a convex combination of
+# V rows), K errors of the same size move each score by <= |q| * 0.014 * 8
+# * head_dim ** -0.5 ~ 0.01 (softmax weights by ~1%); measured max 0.011.
+# float8_e4m3fn keeps 3 mantissa bits: relative error <= 2 ** -4 per element,
+# up to ~0.2 on the largest |v|, averaged over the attended rows; measured max
+# 0.09. Both tolerances sit about 2x above what correct kernels measure; a
+# wrong scale (K scale applied to V, a scale dropped, a stale token's scale)
+# is off by O(1).
+QUANTIZED_TOLERANCES = {
+    jnp.dtype(jnp.int8): dict(atol=2.5e-2, rtol=0.0),
+    jnp.dtype(jnp.float8_e4m3fn): dict(atol=0.2, rtol=0.0),
 }
 
 
@@ -34,6 +53,37 @@ class PagedCase:
   kv_lens: jnp.ndarray  # i32[num_seqs]
   cu_q_lens: jnp.ndarray | None = None  # i32[num_seqs + 1] (ragged cases)
   num_seqs: jnp.ndarray | None = None  # i32[1] (ragged cases)
+  k_scales: jnp.ndarray | None = None  # f32[num_kv_heads, num_blocks, block_size]
+  v_scales: jnp.ndarray | None = None  # (quantised cases)
+
+  def scales(self) -> dict:
+    """`{k_scales, v_scales}` for the call (empty for float pages)."""
+    if self.k_scales is None:
+      return {}
+    return dict(k_scales=self.k_scales, v_scales=self.v_scales)
+
+
+# What an unowned slot of a quantised page holds: int8 cannot be NaN, so the
+# values are the extreme -128 (never written by `quantize`) and the slot's
+# scale is NaN; a read of either turns the output into NaN or garbage.
+INT8_POISON = -128
+
+
+def quantize_case(case: PagedCase, dtype) -> PagedCase:
+  """`case` with its float pages quantised to `dtype` (int8 / fp8) by the
+  library's one rule, keeping the poison: every NaN (unowned) slot gets a NaN
+  scale, and int8 values -128 there (fp8 values stay NaN)."""
+  out = dataclasses.replace(case)
+  for name in ("k", "v"):
+    pages = getattr(case, f"{name}_pages")
+    values, scales = quantization.quantize(pages, dtype)
+    poisoned = jnp.isnan(pages).any(axis=-1)  # [kvh, num_blocks, block_size]
+    scales = jnp.where(poisoned, jnp.nan, scales)
+    if jnp.dtype(dtype) == jnp.int8:
+      values = jnp.where(poisoned[..., None], jnp.int8(INT8_POISON), values)
+    setattr(out, f"{name}_pages", values)
+    setattr(out, f"{name}_scales", scales)
+  return out
 
 
 def ragged_lengths(rng: np.random.Generator, n: int, block_size: int,
@@ -125,12 +175,15 @@ def make_ragged_case(rng, *, q_lens, kv_lens, num_q_heads, num_kv_heads,
 
 
 def assert_rows_close(out, ref, dtype, *, rows=None):
-  """Row-by-row comparison against the float32 reference, with per-dtype tolerance."""
+  """Row-by-row comparison against the float32 reference, with per-dtype
+  tolerance: `TOLERANCES` for float dtypes, `QUANTIZED_TOLERANCES` for int8 /
+  fp8 (outputs from quantised pages against the reference on the float pages
+  they came from)."""
   out = np.asarray(jnp.asarray(out, jnp.float32))
   ref = np.asarray(ref, np.float32)
   assert out.shape == ref.shape, (out.shape, ref.shape)
   assert np.isfinite(out).all(), "output has NaN/inf: a stray read of poisoned K/V"
-  tol = TOLERANCES[jnp.dtype(dtype)]
+  tol = {**TOLERANCES, **QUANTIZED_TOLERANCES}[jnp.dtype(dtype)]
   rows = range(out.shape[0]) if rows is None else rows
   for r in rows:
     np.testing.assert_allclose(out[r], ref[r], err_msg=f"row {r}", **tol)

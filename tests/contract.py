@@ -5,6 +5,12 @@ them and says how to call its decode and ragged functions:
 
 * `StaticErrorContract`: every static mistake is a `ValueError` with the one
   message of `pallas_kernels.contract`, whichever backend is called;
+* `QuantizedContract`: int8 / float8_e4m3fn pages with their scales, on the
+  same NaN-poisoned malformed rows, against the float32 reference twice: on
+  the dequantised pages (float32 tolerance: only the order of the scale
+  multiplications differs) and on the float pages they were quantised from
+  (the 8-bit tolerance of `cases.QUANTIZED_TOLERANCES`); a backend that
+  cannot serve a dtype refuses it with a `ValueError` naming it;
 * `MalformedInputContract`: every row of the malformed-traced-input contract
   (lengths past the table's capacity or negative, table entries that are
   `NULL_BLOCK`, `num_blocks`, `2**30` or negative inside `kv_len`, ragged
@@ -213,6 +219,62 @@ class MalformedInputContract(MalformedDecodeContract):
     assert out.shape == q.shape and not np.asarray(out).any()
 
 
+QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
+
+
+class QuantizedContract:
+  """8-bit pages: served within tolerance, or refused by name.
+
+  Subclasses define `decode` and `ragged` as for `MalformedInputContract`
+  (taking `k_scales=` / `v_scales=`), and `refuses` (dtypes the backend must
+  refuse, with a message matching `refusal`).
+  """
+  refuses: tuple = ()
+  refusal: str = ""
+
+  def decode(self, *args, **kwargs):
+    raise NotImplementedError
+
+  def ragged(self, *args, **kwargs):
+    raise NotImplementedError
+
+  def check_after_call(self):
+    pass
+
+  def _check(self, fn, ref_fn, q_case, args, kwargs):
+    dtype = q_case.k_pages.dtype
+    qargs = (args[0], q_case.k_pages, q_case.v_pages) + args[3:]
+    if any(jnp.dtype(dtype) == jnp.dtype(d) for d in self.refuses):
+      with pytest.raises(ValueError, match=self.refusal.format(
+          dtype=jnp.dtype(dtype).name)):
+        fn(*qargs, **q_case.scales(), **kwargs)
+      return
+    out = jax.block_until_ready(fn(*qargs, **q_case.scales(), **kwargs))
+    self.check_after_call()
+    exact = ref_fn(*qargs, **q_case.scales(), **kwargs)
+    cases.assert_rows_close(out, exact, jnp.float32)
+    cases.assert_rows_close(out, ref_fn(*args, **kwargs), dtype)
+
+  @pytest.mark.parametrize("dtype", QUANTIZED_DTYPES, ids=["int8", "fp8"])
+  def test_quantized_decode_rows(self, dtype):
+    c = decode_case(seed=3)
+    args = (c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens)
+    self._check(self.decode, reference.paged_attention_reference,
+                cases.quantize_case(c, dtype), args,
+                dict(sliding_window=7, soft_cap=5.0))
+
+  # fp8's ragged row behind -m slow (interpret mode; decode covers fp8).
+  @pytest.mark.parametrize("dtype", [
+      jnp.int8, pytest.param(jnp.float8_e4m3fn, marks=pytest.mark.slow)],
+                           ids=["int8", "fp8"])
+  def test_quantized_ragged_rows(self, dtype):
+    c, _ = ragged_case(RAGGED_ROWS[0], seed=4)  # lengths and table entries
+    args = (c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens, c.cu_q_lens,
+            c.num_seqs)
+    self._check(self.ragged, reference.ragged_paged_attention_reference,
+                cases.quantize_case(c, dtype), args, {})
+
+
 # ----------------------------------------------------------------------------
 # Static errors: one table, one message each, every backend.
 
@@ -261,7 +323,8 @@ STATIC_ERRORS = [
      r"v_pages must match k_pages: expected float32\[2, 6, 8, 64\], got "
      r"bfloat16\[2, 6, 8, 64\]"),
     ("decode", dict(q=((2, 4, 64), i32)), {},
-     "q and k_pages must be floating, got int32 and float32"),
+     r"q and k_pages must be floating \(k_pages may also be int8\), got int32 "
+     "and float32"),
     ("decode", dict(q=((2, 4, 32), f32)), {},
      r"head_dim of q \(32\) must equal head_dim of k_pages \(64\)"),
     ("ragged", dict(q=((24, 3, 64), f32)), {},
@@ -293,6 +356,17 @@ STATIC_ERRORS = [
      r"soft_cap must be positive or None, got soft_cap=0.0"),
     ("ragged", {}, dict(soft_cap=-1.0),
      r"soft_cap must be positive or None, got soft_cap=-1.0"),
+    ("decode", dict(k=(KV, jnp.int8), v=(KV, jnp.int8)), {},
+     r"int8 pages need k_scales f32\[2, 6, 8\], got None"),
+    ("ragged", {}, dict(k_scales=jax.ShapeDtypeStruct(KV[:3], f32),
+                        v_scales=jax.ShapeDtypeStruct(KV[:3], f32)),
+     r"k_scales must be None for float32 pages \(only \['int8', "
+     r"'float8_e4m3fn'\] pages carry scales\)"),
+    ("decode", dict(k=(KV, jnp.float8_e4m3fn), v=(KV, jnp.float8_e4m3fn)),
+     dict(k_scales=jax.ShapeDtypeStruct(KV[:3], f32),
+          v_scales=jax.ShapeDtypeStruct((2, 6, 4), jnp.bfloat16)),
+     r"v_scales must be f32\[2, 6, 8\] \(the pages' \[num_kv_heads, "
+     r"num_blocks, block_size\]\), got bfloat16\[2, 6, 4\]"),
     ("decode", {}, dict(sliding_window=0),
      r"sliding_window must be a positive int or None, got sliding_window=0"),
     ("ragged", {}, dict(sliding_window=2.5),

@@ -99,9 +99,12 @@ class LlamaConfig:
     return rope_lib.RopeConfig(self.head_dim, self.rope_theta, self.rope_scaling)
 
   def kv_bytes_per_token(self, cache_dtype=None) -> int:
-    """Bytes of K and V one token takes in the cache, all layers."""
-    itemsize = jnp.dtype(cache_dtype or self.jnp_dtype).itemsize
-    return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+    """Bytes of K and V one token takes in the cache, all layers: the pages,
+    plus a float32 scale per KV head for int8 / fp8 (`cache_dtype` as
+    `kv_cache.cache_dtype`: a name, "auto" or None for the model's dtype)."""
+    dtype = kv_cache_lib.cache_dtype(cache_dtype, self.jnp_dtype)
+    return (2 * self.num_layers * self.num_kv_heads
+            * kv_cache_lib.token_bytes(dtype, self.head_dim))
 
 
 class RMSNorm(nnx.Module):
@@ -184,12 +187,14 @@ class Llama(nnx.Module):
 
   def make_cache(self, num_blocks: int, block_size: int,
                  dtype=None) -> kv_cache_lib.KVCache:
-    """A zeroed `KVCache` for this model (dtype defaults to the model's)."""
+    """A zeroed `KVCache` for this model: `dtype` a dtype or a name as
+    `kv_cache.cache_dtype` ("int8", "fp8" add scales; "auto" or None: the
+    model's dtype)."""
     c = self.config
     return kv_cache_lib.KVCache.create(
         num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
         num_blocks=num_blocks, block_size=block_size, head_dim=c.head_dim,
-        dtype=dtype or c.jnp_dtype)
+        dtype=kv_cache_lib.cache_dtype(dtype, c.jnp_dtype))
 
   def paged_forward(
       self,

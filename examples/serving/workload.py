@@ -272,5 +272,14 @@ def run_workload(
       "compile_seconds": compile_s + st.compile_seconds,
       "buckets_compiled": len(engine.compiled_buckets),
       "latency_seconds": st.latency_summary(),
+      "kv_cache": allocated_cache(engine.cache),
   }
   return stats, outputs
+
+
+def allocated_cache(cache) -> dict:
+  """What the engine's `KVCache` really holds, read from its arrays (so a
+  requested dtype that was not allocated shows): page dtype, whether it has
+  scales, total bytes and bytes per token slot (scales included)."""
+  return {"dtype": str(cache.dtype), "scales": cache.quantized,
+          "bytes": cache.nbytes, "bytes_per_token": cache.bytes_per_token}

@@ -81,7 +81,9 @@ class EngineConfig:
       `max_position_embeddings` capped at the pool size.
     max_beam_width: largest beam width served (fixes the log-prob rows).
     static_batching: admit only when nothing runs (the contiguous baseline).
-    cache_dtype: KV dtype name, default the model's.
+    cache_dtype: KV dtype name as `kv_cache.cache_dtype` ("auto",
+      "float32", "bfloat16", "float16", "int8", "fp8"); None: the model's.
+      int8 / fp8 store per-token scales beside the pages.
     min_bucket: smallest step shape (`buckets.py`): steps are padded to the
       powers of two (and midpoints) from `min_bucket` up to `max_batch`
       (decode), from `max(min_bucket, max_batch)` up to

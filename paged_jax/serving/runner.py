@@ -24,6 +24,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from paged_jax import block_manager as bm
+from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import sharding
 from paged_jax.serving import compiler
 from paged_jax.serving.buckets import Bucket
@@ -73,7 +74,8 @@ class Runner:
       self.cache = sharding.create_cache(
           mesh, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
           num_blocks_per_shard=config.num_blocks, block_size=bs,
-          head_dim=mc.head_dim, dtype=config.cache_dtype or mc.jnp_dtype)
+          head_dim=mc.head_dim,
+          dtype=kv_cache_lib.cache_dtype(config.cache_dtype, mc.jnp_dtype))
       self._x_sharding = NamedSharding(mesh, P(sharding.DATA))
       data = mesh.shape[sharding.DATA]
       self.last_tokens = jax.device_put(jnp.zeros((data, max_seqs), jnp.int32),

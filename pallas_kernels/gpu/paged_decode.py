@@ -35,6 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels import contract
+from pallas_kernels import quantization
 from pallas_kernels.gpu import _common
 
 DEFAULT_NUM_SMS = 132  # an H100/H200, when no GPU is attached
@@ -148,8 +149,10 @@ def _paged_decode_kernel(
     v_ref,  # [num_blocks * block_size, head_dim]
     table_ref,  # i32[max_blocks_per_seq]
     kv_len_ref,  # i32[]
-    o_ref,  # [block_h, head_dim]: normalised (one split) or f32 partial
-    *ml_refs,  # f32[block_h] m and l (only with several splits)
+    *refs,  # quantised pages: ks_ref, vs_ref f32[num_blocks * block_size];
+    # then o_ref [block_h, head_dim]: normalised (one split) or f32 partial,
+    # and (several splits only) m_ref, l_ref f32[block_h]
+    quantized: bool,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
@@ -157,6 +160,9 @@ def _paged_decode_kernel(
     pages_per_compute_block: int,
     k_splits: int,
 ):
+  scale_refs, (o_ref, *ml_refs) = (refs[:2], refs[2:]) if quantized else (
+      (None, None), refs)
+  ks_ref, vs_ref = scale_refs
   block_h, head_dim = q_ref.shape
   max_blocks_per_seq = table_ref.shape[0]
   num_blocks = k_ref.shape[0] // block_size
@@ -175,7 +181,7 @@ def _paged_decode_kernel(
   end = jnp.minimum(start + per_split, first + num_compute_blocks)
 
   q = q_ref[...]
-  compute_dtype = jnp.promote_types(q.dtype, k_ref.dtype)
+  compute_dtype = _common.compute_dtype(q.dtype, k_ref.dtype)
   q = q.astype(compute_dtype)
   precision = (lax.Precision.HIGHEST if compute_dtype == jnp.float32
                else None)
@@ -195,16 +201,23 @@ def _paged_decode_kernel(
     idx = (rows[:, None], lax.iota(jnp.int32, head_dim)[None, :])
     row_mask = jnp.broadcast_to(visible[:, None], (block_k, head_dim))
 
-    k = plgpu.load(k_ref.at[idx], mask=row_mask, other=0)
-    s = plgpu.dot(q, k.astype(compute_dtype), trans_b=True,
-                  precision=precision) * sm_scale  # f32[block_h, block_k]
+    k = plgpu.load(k_ref.at[idx], mask=row_mask,
+                   other=_common.zero(k_ref.dtype))
+    ks = vs = None
+    if quantized:  # invisible tokens' scales load as 0 (never NaN)
+      ks = plgpu.load(ks_ref.at[rows], mask=visible, other=0.0)[None, :]
+      vs = plgpu.load(vs_ref.at[rows], mask=visible, other=0.0)
+    s = quantization.scale_scores(
+        plgpu.dot(q, k.astype(compute_dtype), trans_b=True,
+                  precision=precision), ks) * sm_scale  # f32[block_h, block_k]
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(visible[None, :], s, -jnp.inf)
-    v = plgpu.load(v_ref.at[idx], mask=row_mask, other=0)
+    v = plgpu.load(v_ref.at[idx], mask=row_mask,
+                   other=_common.zero(v_ref.dtype))
     return _common.online_softmax_step(o, m, l, s, v,
                                        compute_dtype=compute_dtype,
-                                       precision=precision)
+                                       precision=precision, v_scales=vs)
 
   o = jnp.zeros((block_h, head_dim), jnp.float32)
   # A finite start keeps `exp(m - m_next)` a number when a row sees nothing.
@@ -221,8 +234,8 @@ def _paged_decode_kernel(
     o_ref[...] = _common.normalise(o, l).astype(o_ref.dtype)
 
 
-def _paged_decode_call(q, k_pages, v_pages, block_tables, kv_lens, *,
-                       sm_scale, soft_cap, sliding_window,
+def _paged_decode_call(q, k_pages, v_pages, block_tables, kv_lens, k_scales,
+                       v_scales, *, sm_scale, soft_cap, sliding_window,
                        config: PagedDecodeConfig, interpret: bool):
   batch, num_q_heads, head_dim = q.shape
   num_kv_heads, num_blocks, block_size, _ = k_pages.shape
@@ -238,8 +251,10 @@ def _paged_decode_call(q, k_pages, v_pages, block_tables, kv_lens, *,
   k_rows = k_pages.reshape(num_kv_heads, num_blocks * block_size, head_dim)
   v_rows = v_pages.reshape(num_kv_heads, num_blocks * block_size, head_dim)
 
+  quantized = k_scales is not None
   kernel = functools.partial(
-      _paged_decode_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
+      _paged_decode_kernel, quantized=quantized, sm_scale=sm_scale,
+      soft_cap=soft_cap,
       sliding_window=sliding_window, block_size=block_size,
       pages_per_compute_block=config.pages_per_compute_block,
       k_splits=k_splits)
@@ -253,6 +268,12 @@ def _paged_decode_call(q, k_pages, v_pages, block_tables, kv_lens, *,
       pl.BlockSpec((None, max_blocks_per_seq), lambda b, h, s: (b, 0)),  # table
       pl.BlockSpec((None,), lambda b, h, s: (b,)),  # kv_len
   ]
+  scales = ()
+  if quantized:  # one scale per token row: [num_kv_heads, num_blocks * bs]
+    scales = tuple(x.reshape(num_kv_heads, num_blocks * block_size)
+                   for x in (k_scales, v_scales))
+    in_specs += [pl.BlockSpec((None, num_blocks * block_size),
+                              lambda b, h, s: (h, 0))] * 2
   if k_splits == 1:
     out_shape = jax.ShapeDtypeStruct((batch, num_kv_heads, block_h, head_dim),
                                      q.dtype)
@@ -280,8 +301,9 @@ def _paged_decode_call(q, k_pages, v_pages, block_tables, kv_lens, *,
                                       num_stages=config.num_stages),
       interpret=interpret,
       name=(f"paged_decode_bh{block_h}_bk{config.pages_per_compute_block}"
-            f"x{block_size}_ks{k_splits}"),
-  )(q, k_rows, v_rows, block_tables, kv_lens)
+            f"x{block_size}_ks{k_splits}"
+            f"{'_' + jnp.dtype(k_pages.dtype).name if quantized else ''}"),
+  )(q, k_rows, v_rows, block_tables, kv_lens, *scales)
 
   if k_splits == 1:
     o = out
@@ -316,6 +338,8 @@ def paged_decode(
     sliding_window: int | None = None,
     config: PagedDecodeConfig | None = None,
     interpret: bool = False,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size]
+    v_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size]
 ) -> jax.Array:
   """Decode attention over a paged KV cache (GPU, Pallas/Triton).
 
@@ -324,7 +348,8 @@ def paged_decode(
 
   Args:
     q: `[batch, num_q_heads, head_dim]` queries (float32, bfloat16, float16).
-    k_pages: `[num_kv_heads, num_blocks, block_size, head_dim]` keys.
+    k_pages: `[num_kv_heads, num_blocks, block_size, head_dim]` keys: float,
+      or int8 / float8_e4m3fn (the latter on sm_89+) with `k_scales`.
     v_pages: values, same shape and dtype as `k_pages`.
     block_tables: `i32[batch, max_blocks_per_seq]`: logical block `i` of
       sequence `b` is physical block `block_tables[b, i]`; entries past the
@@ -340,6 +365,9 @@ def paged_decode(
       tokens (its own included).
     config: tuning knobs; `default_config(...)` when None.
     interpret: run the kernel in Pallas interpret mode (CPU tests).
+    k_scales, v_scales: quantised pages' per-token scales (see
+      `pallas_kernels.quantization`); the K scales multiply the scores, the V
+      scales the probabilities, inside the kernel.
 
   Returns:
     `[batch, num_q_heads, head_dim]` in `q.dtype`.
@@ -359,7 +387,8 @@ def paged_decode(
   """
   contract.check_attention_inputs(
       q, k_pages, block_tables, v_pages=v_pages, kv_lens=kv_lens,
-      soft_cap=soft_cap, sliding_window=sliding_window)
+      soft_cap=soft_cap, sliding_window=sliding_window, k_scales=k_scales,
+      v_scales=v_scales)
   reason = _limitation(q, k_pages, block_tables, config)
   if reason is not None:
     raise ValueError(f"paged_decode (GPU) cannot serve these inputs: {reason}")
@@ -372,7 +401,8 @@ def paged_decode(
   kv_lens = contract.clamp_kv_lens(kv_lens, block_tables.shape[1],
                                    k_pages.shape[2])
   return _paged_decode_call(
-      q, k_pages, v_pages, block_tables, kv_lens, sm_scale=float(sm_scale),
+      q, k_pages, v_pages, block_tables, kv_lens, k_scales, v_scales,
+      sm_scale=float(sm_scale),
       soft_cap=None if soft_cap is None else float(soft_cap),
       sliding_window=None if sliding_window is None else int(sliding_window),
       config=config, interpret=interpret)

@@ -31,6 +31,7 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels import contract
+from pallas_kernels import quantization
 from pallas_kernels.gpu import _common
 
 MIN_DOT_DIM = _common.MIN_DOT_DIM
@@ -121,8 +122,9 @@ def _ragged_kernel(
     kv_lens_ref,  # i32[max_num_seqs]
     cu_ref,  # i32[seqs_pad]: cu_q_lens padded to a power of two
     num_seqs_ref,  # i32[1]
-    o_ref,  # [num_tokens + 1, num_kv_heads, group_pad, head_dim]
-    *,
+    *refs,  # quantised pages: ks_ref, vs_ref f32[num_blocks * block_size];
+    # then o_ref [num_tokens + 1, num_kv_heads, group_pad, head_dim]
+    quantized: bool,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
@@ -130,6 +132,7 @@ def _ragged_kernel(
     pages_per_compute_block: int,
     block_q: int,
 ):
+  ks_ref, vs_ref, o_ref = refs if quantized else (None, None) + refs
   num_tokens, _, group, head_dim = q_ref.shape
   num_blocks = k_ref.shape[0] // block_size
   group_pad = o_ref.shape[2]
@@ -164,7 +167,7 @@ def _ragged_kernel(
     q_idx = (jnp.where(row_ok, tok, 0)[:, None], head,
              jnp.minimum(h, group - 1)[:, None], cols)
     q = plgpu.load(q_ref.at[q_idx], mask=row_mask, other=0)
-    compute_dtype = jnp.promote_types(q.dtype, k_ref.dtype)
+    compute_dtype = _common.compute_dtype(q.dtype, k_ref.dtype)
     q = q.astype(compute_dtype)
     precision = (lax.Precision.HIGHEST if compute_dtype == jnp.float32
                  else None)
@@ -190,19 +193,26 @@ def _ragged_kernel(
       kv_idx = (kv_rows[:, None], lax.iota(jnp.int32, head_dim)[None, :])
       kv_mask = jnp.broadcast_to(in_range[:, None], (block_k, head_dim))
 
-      k = plgpu.load(k_ref.at[kv_idx], mask=kv_mask, other=0)
-      s = plgpu.dot(q, k.astype(compute_dtype), trans_b=True,
-                    precision=precision) * sm_scale  # f32[rows, block_k]
+      k = plgpu.load(k_ref.at[kv_idx], mask=kv_mask,
+                     other=_common.zero(k_ref.dtype))
+      ks = vs = None
+      if quantized:  # unread tokens' scales load as 0 (never NaN)
+        ks = plgpu.load(ks_ref.at[kv_rows], mask=in_range, other=0.0)[None, :]
+        vs = plgpu.load(vs_ref.at[kv_rows], mask=in_range, other=0.0)
+      s = quantization.scale_scores(
+          plgpu.dot(q, k.astype(compute_dtype), trans_b=True,
+                    precision=precision), ks) * sm_scale  # f32[rows, block_k]
       if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
       visible = in_range[None, :] & (k_pos[None, :] <= q_pos[:, None])
       if sliding_window is not None:
         visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
       s = jnp.where(visible, s, -jnp.inf)
-      v = plgpu.load(v_ref.at[kv_idx], mask=kv_mask, other=0)
+      v = plgpu.load(v_ref.at[kv_idx], mask=kv_mask,
+                     other=_common.zero(v_ref.dtype))
       return _common.online_softmax_step(o, m, l, s, v,
                                          compute_dtype=compute_dtype,
-                                         precision=precision)
+                                         precision=precision, v_scales=vs)
 
     o = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32)
@@ -218,7 +228,7 @@ def _ragged_kernel(
 
 
 def _ragged_call(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
-                 num_seqs, *, sm_scale, soft_cap, sliding_window,
+                 num_seqs, k_scales, v_scales, *, sm_scale, soft_cap, sliding_window,
                  config: RaggedAttentionConfig, interpret: bool):
   num_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads, num_blocks, block_size, _ = k_pages.shape
@@ -241,23 +251,31 @@ def _ragged_call(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
                            lambda i, h: (h, 0, 0))
   out_shape = jax.ShapeDtypeStruct(
       (num_tokens + 1, num_kv_heads, group_pad, head_dim), q.dtype)
+  quantized = k_scales is not None
+  scales, scale_specs = (), []
+  if quantized:  # one scale per token row: [num_kv_heads, num_blocks * bs]
+    scales = tuple(x.reshape(num_kv_heads, num_blocks * block_size)
+                   for x in (k_scales, v_scales))
+    scale_specs = [pl.BlockSpec((None, num_blocks * block_size),
+                                lambda i, h: (h, 0))] * 2
   kernel = functools.partial(
-      _ragged_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
+      _ragged_kernel, quantized=quantized, sm_scale=sm_scale, soft_cap=soft_cap,
       sliding_window=sliding_window, block_size=block_size,
       pages_per_compute_block=config.pages_per_compute_block, block_q=block_q)
   o = pl.pallas_call(
       kernel,
       grid=(num_tiles, num_kv_heads),
       in_specs=[whole(q4), rows_spec, rows_spec, whole(block_tables),
-                whole(kv_lens), whole(cu), whole(num_seqs)],
+                whole(kv_lens), whole(cu), whole(num_seqs)] + scale_specs,
       out_specs=pl.BlockSpec(out_shape.shape, lambda i, h: (0, 0, 0, 0)),
       out_shape=out_shape,
       compiler_params=_common.CompilerParams(num_warps=config.num_warps,
                                       num_stages=config.num_stages),
       interpret=interpret,
       name=(f"ragged_attention_bq{block_q}xg{group_pad}"
-            f"_bk{config.pages_per_compute_block}x{block_size}"),
-  )(q4, k_rows, v_rows, block_tables, kv_lens, cu, num_seqs)
+            f"_bk{config.pages_per_compute_block}x{block_size}"
+            f"{'_' + jnp.dtype(k_pages.dtype).name if quantized else ''}"),
+  )(q4, k_rows, v_rows, block_tables, kv_lens, cu, num_seqs, *scales)
   o = o[:num_tokens, :, :group].reshape(num_tokens, num_q_heads, head_dim)
   # Rows past the last live sequence were never written.
   live = jnp.arange(num_tokens) < cu_q_lens[num_seqs[0]]
@@ -282,6 +300,8 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     config: RaggedAttentionConfig | None = None,
     interpret: bool = False,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size]
+    v_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size]
 ) -> jax.Array:
   """Causal attention of a ragged batch over a paged KV cache (GPU).
 
@@ -307,6 +327,8 @@ def ragged_paged_attention(
       `p - sliding_window + 1 .. p`.
     config: tuning knobs; `default_config(...)` when None.
     interpret: run in Pallas interpret mode (CPU tests).
+    k_scales, v_scales: int8 / float8_e4m3fn pages' per-token scales, as in
+      `paged_decode` (dequantised inside the kernel).
 
   Returns:
     `[num_tokens, num_q_heads, head_dim]` in `q.dtype`; padding rows are 0.
@@ -328,7 +350,7 @@ def ragged_paged_attention(
   contract.check_attention_inputs(
       q, k_pages, block_tables, v_pages=v_pages, kv_lens=kv_lens,
       cu_q_lens=cu_q_lens, num_seqs=num_seqs, ragged=True, soft_cap=soft_cap,
-      sliding_window=sliding_window)
+      sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
   reason = _limitation(q, k_pages, block_tables, config)
   if reason is not None:
     raise ValueError(
@@ -345,7 +367,7 @@ def ragged_paged_attention(
       cu_q_lens, num_seqs, q.shape[0])
   return _ragged_call(
       q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
-      sm_scale=float(sm_scale),
+      k_scales, v_scales, sm_scale=float(sm_scale),
       soft_cap=None if soft_cap is None else float(soft_cap),
       sliding_window=None if sliding_window is None else int(sliding_window),
       config=config, interpret=interpret)

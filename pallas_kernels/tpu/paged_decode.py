@@ -368,6 +368,8 @@ def paged_decode(
     sliding_window: int | None = None,
     config: PagedDecodeConfig | None = None,
     interpret: bool | Any = False,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size]
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
   """Decode attention of one query per sequence over its paged K/V (TPU).
 
@@ -392,6 +394,9 @@ def paged_decode(
     interpret: `False` to compile for TPU; `True` for TPU interpret mode with
       race detection on and uninitialised memory filled with NaN; or a
       `pltpu.InterpretParams`.
+    k_scales, v_scales: accepted for the one API; int8 / float8_e4m3fn pages
+      are refused (`unsupported_reason` says why), so they are always None
+      when the kernel runs.
 
   Returns:
     `[batch, num_q_heads, head_dim]` in `q.dtype`; rows with `kv_lens == 0`
@@ -413,7 +418,8 @@ def paged_decode(
   """
   contract.check_attention_inputs(
       q, k_pages, block_tables, v_pages=v_pages, kv_lens=kv_lens,
-      soft_cap=soft_cap, sliding_window=sliding_window)
+      soft_cap=soft_cap, sliding_window=sliding_window, k_scales=k_scales,
+      v_scales=v_scales)
   config = config or default_config(q, k_pages, block_tables)
   reason = _limitation(q, k_pages, block_tables, config)
   if reason is not None:

@@ -424,6 +424,8 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     config: RaggedAttentionConfig | None = None,
     interpret: bool | Any = False,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size]
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
   """Causal attention of a ragged batch of new tokens over paged K/V (TPU).
 
@@ -454,6 +456,9 @@ def ragged_paged_attention(
     interpret: `False` to compile for TPU; `True` for TPU interpret mode with
       race detection on and uninitialised memory filled with NaN; or a
       `pltpu.InterpretParams`.
+    k_scales, v_scales: accepted for the one API; int8 / float8_e4m3fn pages
+      are refused (`unsupported_reason` says why), so they are always None
+      when the kernel runs.
 
   Returns:
     `[num_tokens, num_q_heads, head_dim]` in `q.dtype`; padding rows (past
@@ -480,7 +485,7 @@ def ragged_paged_attention(
   contract.check_attention_inputs(
       q, k_pages, block_tables, v_pages=v_pages, kv_lens=kv_lens,
       cu_q_lens=cu_q_lens, num_seqs=num_seqs, ragged=True, soft_cap=soft_cap,
-      sliding_window=sliding_window)
+      sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
   config = config or default_config(q, k_pages, block_tables)
   reason = _limitation(q, k_pages, block_tables, config)
   if reason is not None:

@@ -13,6 +13,7 @@ from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
 from paged_jax import block_manager as bm
+from paged_jax import kv_cache
 from tests.examples.conftest import (BIG_POOL, SIZES, SMALL_POOL,
                                      assert_mirror_is_the_device_state,
                                      make_engine, random_requests, serve)
@@ -277,3 +278,21 @@ def test_samples_that_cannot_all_fit_take_turns(model):
   assert got["g"].completions == want["g"].completions
   assert got["g"].preemptions > 0
   assert_pool_empty(small)
+
+
+@pytest.mark.slow  # compiles every bucket of one more engine
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
+def test_quantized_cache_engine_serves_like_float(model, cache_dtype):
+  """The engine's donated steps (prefill, decode, copy-on-write) run over an
+  8-bit cache; on the tiny random model greedy outputs mostly agree with the
+  float32 cache's (8-bit noise may flip near-tied tokens, so the check is on
+  the first tokens and the share)."""
+  requests = random_requests(7, 4, new=(6, 10))
+  want = serve(make_engine(model), requests)
+  engine = make_engine(model, cache_dtype=cache_dtype)
+  assert engine.cache.dtype == kv_cache.cache_dtype(cache_dtype)
+  got = serve(engine, requests)
+  firsts = [got[r.request_id].completions[0].token_ids[0] ==
+            want[r.request_id].completions[0].token_ids[0] for r in requests]
+  assert sum(firsts) >= 3, firsts
+  assert_mirror_is_the_device_state(engine)

@@ -298,3 +298,39 @@ def test_poisson_arrivals_and_latency_report(tmp_path, capsys):
   assert abs(times[-1] / 999 - 1 / 40) < 0.1 / 40  # mean gap 1 / rate
   rc, _, err = run(SMALL + ["--request-rate", "0"], capsys)
   assert rc == 2 and "--request-rate" in err and err.count("\n") == 1
+
+
+def test_kv_cache_dtype_is_allocated_and_reported(model):
+  """--kv-cache-dtype reaches the engine's cache; with --kv-budget-mb fixed,
+  8-bit pages hold as many more tokens as their bytes (scales counted) allow;
+  what is reported is read from the allocated arrays, so a dtype the engine
+  ignored would show."""
+  from examples.serving import workload  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving.engine import Engine  # pylint: disable=import-outside-toplevel
+  cfg = model.config  # float32, head_dim 16, 2 layers, 2 KV heads
+  want = {"auto": "float32", "bfloat16": "bfloat16", "int8": "int8",
+          "fp8": "float8_e4m3fn"}
+  tokens = {}
+  for flag, dtype in want.items():
+    args = generate.parse_and_check(["--kv-cache-dtype", flag,
+                                     "--kv-budget-mb", "0.25"])
+    per_token = cfg.kv_bytes_per_token(args.kv_cache_dtype)
+    tokens[flag], _ = generate.kv_tokens_from_args(args, per_token)
+    config = workload.engine_config(
+        "paged", kv_tokens=tokens[flag], block_size=16, max_batch=2,
+        max_tokens_per_step=16, max_model_len=64,
+        cache_dtype=args.kv_cache_dtype)
+    kv = workload.allocated_cache(Engine(model, config).cache)
+    assert kv == {"dtype": dtype, "scales": flag in ("int8", "fp8"),
+                  "bytes": config.num_blocks * 16 * per_token,
+                  "bytes_per_token": per_token}, flag
+    line = generate.kv_cache_line(kv)
+    assert line.startswith(f"  KV cache allocated  {dtype}")
+    assert f"{per_token} bytes per token" in line
+  # 2 (K, V) x 2 layers x 2 heads x (16 x 4) bytes vs (16 x 1 + 4) bytes.
+  assert cfg.kv_bytes_per_token("float32") == 512
+  assert cfg.kv_bytes_per_token("int8") == cfg.kv_bytes_per_token("fp8") == 160
+  assert tokens["int8"] == tokens["fp8"] == 2**18 // 160
+  assert tokens["auto"] == 2**18 // 512 and tokens["bfloat16"] == 2**18 // 256
+  with pytest.raises(SystemExit):
+    generate.parse_and_check(["--kv-cache-dtype", "int4"])

@@ -199,7 +199,7 @@ def test_ragged_compiles_once_for_many_batch_mixes(impl):
 
 
 class TestXlaContract(contract.MalformedInputContract,
-                      contract.StaticErrorContract):
+                      contract.StaticErrorContract, contract.QuantizedContract):
   decode = staticmethod(functools.partial(attention.paged_attention,
                                           implementation="xla"))
   ragged = staticmethod(functools.partial(attention.ragged_paged_attention,
@@ -214,7 +214,14 @@ class TestPallasGpuApiStaticErrors(contract.StaticErrorContract):
       interpret=True))
 
 
-class TestPallasTpuApiStaticErrors(contract.StaticErrorContract):
+class TestPallasTpuApiStaticErrors(contract.StaticErrorContract,
+                                   contract.QuantizedContract):
+  # Refused through the registry before anything runs (see
+  # tests/pallas_kernels/test_tpu_contract.py for the kernels themselves).
+  refuses = contract.QUANTIZED_DTYPES
+  refusal = (r"implementation='pallas_tpu' cannot serve this call: {dtype} "
+             r"pages \(with per-token scales\) are not implemented in the TPU "
+             r"kernels yet; implementation='xla' serves them on TPU")
   decode = staticmethod(functools.partial(
       attention.paged_attention, implementation="pallas_tpu", interpret=True))
   ragged = staticmethod(functools.partial(

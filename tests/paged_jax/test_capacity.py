@@ -39,8 +39,11 @@ def test_worked_example_24gib_card():
 
 
 def test_bytes_per_block_formula():
-  # 2 x layers x block_size x kv_heads x head_dim x dtype bytes.
-  assert capacity.bytes_per_block(80, 8, 128, 32, "fp8") == 2 * 80 * 32 * 8 * 128
+  # 2 x layers x block_size x kv_heads x (head_dim x dtype bytes + scale).
+  assert capacity.bytes_per_block(80, 8, 128, 32, "fp8") == (
+      2 * 80 * 32 * 8 * (128 + 4))  # a float32 scale per token and KV head
+  assert capacity.bytes_per_block(80, 8, 128, 32, "float8_e5m2") == (
+      2 * 80 * 32 * 8 * 128)  # not a scaled dtype of paged-jax
   assert capacity.bytes_per_block(2, 3, 5, 7, "float32") == 2 * 2 * 7 * 3 * 5 * 4
 
 
@@ -306,3 +309,22 @@ def test_cli_tp_must_divide_kv_heads(capsys):
   assert capsys.readouterr().err == (
       "python -m paged_jax.capacity: error: --kv-heads 3 and --tp 2 must "
       "divide one another\n")
+
+
+@pytest.mark.parametrize("kv_dtype, name", [("int8", "int8"),
+                                            ("fp8", "float8_e4m3fn")])
+def test_cli_8bit_kv_counts_the_scales(capsys, kv_dtype, name):
+  """int8 / fp8 blocks hold 1-byte values plus a float32 scale per token and
+  KV head: (128 + 4) / 256 of a bf16 block for Llama 3.1 8B, so the same pool
+  holds 256 / 132 = 1.94x the blocks, not 2x."""
+  bf16 = _json(capsys, EXAMPLE_80)
+  out = _json(capsys, EXAMPLE_80 + f" --kv-dtype {kv_dtype}")
+  assert out["kv_dtype"] == name and bf16["kv_dtype"] == "bfloat16"
+  assert out["bytes_per_token"] == 2 * 32 * 8 * (128 + 4) == 67584
+  assert out["kv_scale_bytes_per_token"] == 2 * 32 * 8 * 4
+  assert bf16["kv_scale_bytes_per_token"] == 0
+  assert out["num_blocks"] == bf16["kv_pool_bytes"] // (16 * 67584) == 55606
+  assert 1.93 < out["num_blocks"] / bf16["num_blocks"] < 1.94
+  assert capacity.main((EXAMPLE_80 + f" --kv-dtype {kv_dtype}").split()) == 0
+  assert (f"KV dtype:         {name} (+2 KiB of float32 scales per token, "
+          "counted above)") in capsys.readouterr().out

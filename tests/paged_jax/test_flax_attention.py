@@ -47,9 +47,19 @@ def _module(num_heads, num_kv_heads, head_dim, seed=0):
       rngs=nnx.Rngs(seed))
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [
-    (4, 1, 16), (8, 2, 64), pytest.param(4, 4, 32, marks=pytest.mark.slow)])
-def test_chunked_prefill_and_decode_match_dense(num_heads, num_kv_heads, head_dim):
+# 8-bit caches against the float32 dense oracle: outputs within a share of
+# their largest magnitude (the 8-bit error budget of tests/cases.py:
+# QUANTIZED_TOLERANCES, for outputs of O(1)); the write quantises, the
+# attention dequantises, on both kernels' paths (ragged and decode).
+_QUANT_TOL = {"float32": 2e-5, "int8": 2.5e-2, "fp8": 0.1}
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,cache_dtype", [
+    (4, 1, 16, "float32"), (8, 2, 64, "float32"), (8, 2, 64, "int8"),
+    pytest.param(8, 2, 64, "fp8", marks=pytest.mark.slow),
+    pytest.param(4, 4, 32, "float32", marks=pytest.mark.slow)])
+def test_chunked_prefill_and_decode_match_dense(num_heads, num_kv_heads, head_dim,
+                                                cache_dtype):
   attn = _module(num_heads, num_kv_heads, head_dim)
   rng = np.random.default_rng(0)
   xa = rng.standard_normal((14, 32)).astype(np.float32)
@@ -61,7 +71,11 @@ def test_chunked_prefill_and_decode_match_dense(num_heads, num_kv_heads, head_di
   state = bm.init(num_blocks=12, block_size=4, max_seqs=3, max_blocks_per_seq=4)
   cache = kv_cache.KVCache.create(num_layers=1, num_kv_heads=num_kv_heads,
                                   num_blocks=12, block_size=4,
-                                  head_dim=head_dim, dtype=jnp.float32)
+                                  head_dim=head_dim, dtype=cache_dtype)
+  tol = _QUANT_TOL[cache_dtype]
+  close = functools.partial(
+      np.testing.assert_allclose, rtol=tol if cache_dtype == "float32" else 0,
+      atol=tol * max(1.0, float(np.abs(dense_a).max())))
 
   @functools.partial(jax.jit, static_argnames=("decode_only",))
   def step(params, state, cache, ids, lens, x, decode_only):
@@ -83,15 +97,17 @@ def test_chunked_prefill_and_decode_match_dense(num_heads, num_kv_heads, head_di
     return np.asarray(out)
 
   out = run([(0, xa[:5])], 16)  # chunk 1 of A
-  np.testing.assert_allclose(out[:5], dense_a[:5], rtol=2e-5, atol=2e-5)
+  close(out[:5], dense_a[:5])
   out = run([(0, xa[5:11]), (1, xb)], 16)  # chunk 2 of A with all of B
-  np.testing.assert_allclose(out[:6], dense_a[5:11], rtol=2e-5, atol=2e-5)
-  np.testing.assert_allclose(out[6:13], dense_b[:7], rtol=2e-5, atol=2e-5)
+  close(out[:6], dense_a[5:11])
+  close(out[6:13], dense_b[:7])
   np.testing.assert_array_equal(out[13:], 0.0)  # padding rows
   for p in range(11, 14):  # decode A, alternating the two kernels
     out = run([(0, xa[p:p + 1])], 3, decode_only=(p % 2 == 0))
-    np.testing.assert_allclose(out[0], dense_a[p], rtol=2e-5, atol=2e-5)
+    close(out[0], dense_a[p])
   bm.check_invariants(state)
+  assert cache.dtype == kv_cache.cache_dtype(cache_dtype)
+  assert cache.quantized == (cache_dtype != "float32")
 
 
 def test_inactive_entries_write_nothing():

@@ -13,6 +13,7 @@ from paged_jax import block_manager as bm
 from paged_jax import kv_cache
 from paged_jax import reference
 from paged_jax.block_manager import NULL_BLOCK
+from pallas_kernels import quantization
 
 
 def _rand(rng, shape, dtype=jnp.float32):
@@ -84,7 +85,7 @@ def test_create_and_errors():
                      "num_blocks=0"):
     kv_cache.KVCache.create(num_layers=2, num_kv_heads=4, num_blocks=0,
                             block_size=16, head_dim=64)
-  with pytest.raises(ValueError, match="dtype must be a floating dtype, got int32"):
+  with pytest.raises(ValueError, match="dtype must be a floating dtype or int8, got int32"):
     kv_cache.KVCache.create(num_layers=2, num_kv_heads=4, num_blocks=1,
                             block_size=16, head_dim=64, dtype=jnp.int32)
   pages = cache.k_pages[0]
@@ -92,7 +93,8 @@ def test_create_and_errors():
                      r"head_dim\]=\(3, 4, 64\)"):
     kv_cache.write_kv(pages, pages, jnp.zeros((3, 4, 32)), jnp.zeros((3, 4, 32)),
                       jnp.zeros((3,), jnp.int32))
-  with pytest.raises(ValueError, match=r"v_pages.shape=.* must equal"):
+  with pytest.raises(ValueError, match=r"v_pages \(bfloat16\[2, 10, 16, 64\]\) must match k_pages "
+                     r"\(bfloat16\[4, 10, 16, 64\]\)"):
     kv_cache.write_kv(pages, pages[:2], jnp.zeros((3, 4, 64)),
                       jnp.zeros((3, 4, 64)), jnp.zeros((3,), jnp.int32))
   with pytest.raises(ValueError, match=r"k_pages must be \[num_kv_heads"):
@@ -238,3 +240,104 @@ def test_empty_batches_change_nothing():
   np.testing.assert_array_equal(same.k_pages, cache.k_pages)
   got = kv_cache.gather_kv(pages, jnp.zeros((0, 2), jnp.int32), none, max_len=4)
   assert got.shape == (0, 4, 1, 1)
+
+
+# ----------------------------------------------------------------------------
+# Quantised caches: int8 / fp8 pages with per-token, per-KV-head scales.
+
+
+@pytest.mark.parametrize("name, dtype", [("int8", jnp.int8),
+                                         ("fp8", jnp.float8_e4m3fn)])
+def test_quantized_write_copy_gather_round_trip(name, dtype):
+  """One jitted, donated write quantises and scatters values and scales;
+  copy-on-write and gather carry the scales; the result is within half a
+  quantisation step of what was written (relative to each row's absmax)."""
+  rng = np.random.default_rng(2)
+  kvh, d, bs = 2, 16, 4
+  cache = kv_cache.KVCache.create(num_layers=2, num_kv_heads=kvh,
+                                  num_blocks=8, block_size=bs, head_dim=d,
+                                  dtype=name)
+  assert cache.dtype == jnp.dtype(dtype) and cache.quantized
+  assert cache.k_scales.shape == (2, kvh, 8, bs)
+  assert cache.k_scales.dtype == jnp.float32
+  # Bytes per token read from the arrays: 2 layers x (K, V) x kvh x (d + 4).
+  assert cache.bytes_per_token == 2 * 2 * kvh * (d + 4)
+  k = _rand(rng, (5, kvh, d)) * jnp.array([1.0, 100.0])[None, :, None]
+  v = _rand(rng, (5, kvh, d))
+  slots = jnp.array([0, 1, 5, 6, -1])  # block 0: 2 tokens, block 1: 2, padding
+  write = jax.jit(kv_cache.write_kv, donate_argnums=(0, 1))
+  cache = cache.set_layer(1, *write(**cache.layer(1), k=k, v=v, slots=slots))
+  cache = jax.jit(kv_cache.copy_blocks, donate_argnums=0)(
+      cache, jnp.array([1]), jnp.array([3]))  # block 1 -> 3, every layer
+  tables = jnp.array([[0, 3]], jnp.int32)
+  got = kv_cache.gather_kv(cache.k_pages[1], tables, jnp.array([7]), 7,
+                           scales=cache.k_scales[1])
+  assert got.dtype == jnp.float32
+  step = np.abs(np.asarray(k)).max(-1) / quantization.max_value(dtype)
+  rel = 0.5 if name == "int8" else 2.0**-4 * quantization.max_value(dtype)
+  # Tokens 0, 1 in block 0 (positions 0, 1); tokens 2, 3 at slots 5, 6 of
+  # block 1, copied to block 3 (positions 5, 6).
+  for rows, pos in ((slice(0, 2), slice(0, 2)), (slice(2, 4), slice(5, 7))):
+    err = np.abs(np.asarray(got[0, pos]) - np.asarray(k)[rows])
+    assert (err <= rel * step[rows][..., None] + 1e-7).all(), err.max()
+  assert not np.asarray(got[0, 2:5]).any()  # never written: zero pages, scales
+  assert cache.k_scales[1, 1, 3, 1] > cache.k_scales[1, 0, 3, 1] * 10  # per head
+  # The untouched layer is still all zeros, scales too.
+  assert not np.asarray(cache.k_scales[0]).any()
+
+
+def test_quantized_cache_checks_and_errors():
+  state = bm.init(num_blocks=4, block_size=4, max_seqs=1, max_blocks_per_seq=2)
+  cache = kv_cache.KVCache.create(num_layers=1, num_kv_heads=1, num_blocks=4,
+                                  block_size=4, head_dim=8, dtype="int8")
+  kv_cache.check_compatible(cache, state)
+  with pytest.raises(ValueError, match=r"the KV cache's int8 pages need "
+                     r"v_scales f32\[1, 4, 4\], got None"):
+    kv_cache.check_compatible(cache.replace(v_scales=None), state)
+  with pytest.raises(ValueError, match=r"the KV cache's k_scales must be None "
+                     r"for float32 pages"):
+    kv_cache.check_compatible(
+        kv_cache.KVCache(cache.k_pages.astype(jnp.float32),
+                         cache.v_pages.astype(jnp.float32), cache.k_scales),
+        state)
+  with pytest.raises(ValueError, match=r"k_scales must have num_layers=1 "
+                     r"layers, got shape \(2, 1, 4, 4\)"):
+    kv_cache.check_compatible(
+        cache.replace(k_scales=jnp.zeros((2, 1, 4, 4))), state)
+  k = jnp.ones((1, 1, 8))
+  with pytest.raises(ValueError, match=r"int8 pages need k_scales f32\[1, 4, "
+                     r"4\], got None"):
+    kv_cache.write_kv(cache.k_pages[0], cache.v_pages[0], k, k, jnp.array([0]))
+  with pytest.raises(ValueError, match=r"scales must be f32\[1, 4, 4\]"):
+    kv_cache.gather_kv(cache.k_pages[0], jnp.zeros((1, 2), jnp.int32),
+                       jnp.array([1]), 1, scales=jnp.zeros((1, 4)))
+  with pytest.raises(ValueError, match=r"cache dtype must be one of \['auto', "
+                     r"'float32'.*, got 'int4'"):
+    kv_cache.cache_dtype("int4")
+  with pytest.raises(ValueError, match="cache dtype 'auto' needs the model's "
+                     "dtype"):
+    kv_cache.cache_dtype("auto")
+  assert kv_cache.cache_dtype("fp8") == jnp.float8_e4m3fn
+  assert kv_cache.cache_dtype("auto", jnp.bfloat16) == jnp.bfloat16
+
+
+def test_float_cache_has_no_scale_leaves():
+  cache = kv_cache.KVCache.create(num_layers=1, num_kv_heads=1, num_blocks=2,
+                                  block_size=4, head_dim=8)
+  assert cache.k_scales is None and len(jax.tree.leaves(cache)) == 2
+  assert cache.bytes_per_token == 2 * 8 * 2  # bf16 K and V, no scales
+
+
+def test_quantize_rule():
+  x = jnp.array([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [1e4, -1e-3, 3.0]])
+  for dtype in (jnp.int8, jnp.float8_e4m3fn):
+    values, scales = quantization.quantize(x, dtype)
+    assert values.dtype == dtype and scales.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(scales) * quantization.max_value(dtype),
+                               [2.0, 0.0, 1e4], rtol=1e-6)
+    back = np.asarray(quantization.dequantize(values, scales))
+    assert np.isfinite(back).all() and not back[1].any()
+    np.testing.assert_allclose(back[:, 0], [1.0, 0.0, 1e4], rtol=2**-4)
+  with pytest.raises(ValueError, match=r"dtype must be one of \['int8', "
+                     r"'float8_e4m3fn'\], got float32"):
+    quantization.quantize(x, jnp.float32)

@@ -240,3 +240,55 @@ def test_sharded_kernels_lower_for_their_targets(target):
     with context:
       text = jax.jit(f).trace(*args).lower(lowering_platforms=(target,)).as_text()
     assert ("tpu_custom_call" if target == "tpu" else "triton") in text
+
+
+@pytest.mark.parametrize("data, model", [(2, 2)])
+def test_quantized_cache_on_a_mesh(data, model):
+  """An int8 cache's scales are created, written, copied and attended on the
+  mesh sharded like their pages, with the single-device answer."""
+  mesh = ps.make_mesh(data, model)
+  cache = ps.create_cache(mesh, num_layers=1, num_kv_heads=HKV,
+                          num_blocks_per_shard=8, block_size=BS, head_dim=D,
+                          dtype="int8")
+  assert cache.dtype == jnp.int8 and cache.k_scales.shape == (1, HKV, 16, BS)
+  assert cache.k_scales.sharding.is_equivalent_to(
+      NamedSharding(mesh, ps.scales_spec()), 4)
+  per_device = ps.per_device_cache_bytes(cache)
+  assert sum(per_device.values()) == cache.nbytes  # scales counted
+  # Every shard writes its own 12 tokens into blocks 0, 1 of its own pool.
+  rng = np.random.default_rng(5)
+  k = jnp.asarray(rng.standard_normal((data * 12, HKV, D), np.float32))
+  slots = jnp.tile(jnp.arange(12, dtype=jnp.int32), data)
+  layer = cache.layer(0)
+  write = jax.jit(lambda kp, vp, kk, ks, vs, s: ps.write_kv_sharded(
+      mesh, kp, vp, kk, kk, s, k_scales=ks, v_scales=vs))
+  arrays = write(layer["k_pages"], layer["v_pages"], k, layer["k_scales"],
+                 layer["v_scales"], slots)
+  cache = cache.set_layer(0, *arrays)
+  src = np.array([[1], [1]], np.int32)
+  dst = np.array([[2], [2]], np.int32)
+  cache = jax.jit(lambda c, s, d: ps.copy_blocks_sharded(mesh, c, s, d))(
+      cache, src, dst)
+  assert cache.k_scales.sharding.is_equivalent_to(
+      NamedSharding(mesh, ps.scales_spec()), 4)
+  np.testing.assert_array_equal(np.asarray(cache.k_scales[0, :, 2]),
+                                np.asarray(cache.k_scales[0, :, 1]))
+  np.testing.assert_array_equal(np.asarray(cache.k_scales[0, :, 10]),
+                                np.asarray(cache.k_scales[0, :, 9]))  # shard 1
+  q = jnp.asarray(rng.standard_normal((data * SEQS, HQ, D), np.float32))
+  tables = jnp.tile(jnp.array([[0, 1, -1, -1], [0, 2, -1, -1]], jnp.int32),
+                    (data, 1))
+  lens = jnp.tile(jnp.array([12, 10], jnp.int32), data)
+  layer = cache.layer(0)
+  out = jax.jit(lambda *a: ps.sharded_paged_attention(
+      mesh, *a[:5], k_scales=a[5], v_scales=a[6]))(
+          q, layer["k_pages"], layer["v_pages"], tables, lens,
+          layer["k_scales"], layer["v_scales"])
+  nb = 8
+  for i in range(data):
+    pool = slice(i * nb, (i + 1) * nb)
+    ref = reference.paged_attention_reference(
+        q[i * SEQS:(i + 1) * SEQS], layer["k_pages"][:, pool],
+        layer["v_pages"][:, pool], tables[:SEQS], lens[:SEQS],
+        k_scales=layer["k_scales"][:, pool], v_scales=layer["v_scales"][:, pool])
+    cases.assert_rows_close(out[i * SEQS:(i + 1) * SEQS], ref, jnp.float32)

@@ -13,7 +13,7 @@ from tests import contract
 
 
 class TestGpuContract(contract.MalformedInputContract,
-                      contract.StaticErrorContract):
+                      contract.StaticErrorContract, contract.QuantizedContract):
   decode = staticmethod(functools.partial(pd.paged_decode, interpret=True))
   ragged = staticmethod(functools.partial(ra.ragged_paged_attention,
                                           interpret=True))

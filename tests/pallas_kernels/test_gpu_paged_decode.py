@@ -345,3 +345,21 @@ def test_matches_reference_sweep(p):
   c = _case(p)
   lower_for_cuda(functools.partial(pd.paged_decode, config=p.config(),
                                    **p.kwargs()), *shape_structs(*_args(c)))
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn],
+                         ids=["int8", "fp8"])
+@pytest.mark.parametrize("k_splits", [1, 4])
+def test_quantized_pages_lower_for_cuda(kv_dtype, k_splits):
+  """bf16 queries over 8-bit pages with their f32 scales, one split and
+  several (the benchmark's shape class; the kernel names its page dtype)."""
+  s = jax.ShapeDtypeStruct
+  pages = s((8, 512, 16, 128), kv_dtype)
+  scales = s((8, 512, 16), jnp.float32)
+  args = (s((4, 32, 128), jnp.bfloat16), pages, pages, s((4, 64), jnp.int32),
+          s((4,), jnp.int32))
+  config = pd.PagedDecodeConfig(k_splits=k_splits, pages_per_compute_block=4)
+  text = lower_for_cuda(
+      lambda *a: pd.paged_decode(*a[:5], k_scales=a[5], v_scales=a[6],
+                                 config=config), *args, scales, scales)
+  assert jnp.dtype(kv_dtype).name in text

@@ -234,3 +234,18 @@ def test_matches_reference_sweep(m):
   lower_for_cuda(functools.partial(ra.ragged_paged_attention,
                                    config=m.config(), **m.kwargs()),
                  *shape_structs(*_args(c)))
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn],
+                         ids=["int8", "fp8"])
+def test_quantized_pages_lower_for_cuda(kv_dtype):
+  s = jax.ShapeDtypeStruct
+  pages = s((8, 512, 16, 128), kv_dtype)
+  scales = s((8, 512, 16), jnp.float32)
+  args = (s((64, 32, 128), jnp.bfloat16), pages, pages, s((4, 64), jnp.int32),
+          s((4,), jnp.int32), s((5,), jnp.int32), s((1,), jnp.int32))
+  text = lower_for_cuda(
+      lambda *a: ra.ragged_paged_attention(*a[:7], k_scales=a[7],
+                                           v_scales=a[8]), *args, scales,
+      scales)
+  assert jnp.dtype(kv_dtype).name in text

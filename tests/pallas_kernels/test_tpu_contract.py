@@ -24,7 +24,10 @@ def _fresh_interpreter():
 
 
 class TestTpuContract(contract.MalformedInputContract,
-                      contract.StaticErrorContract):
+                      contract.StaticErrorContract, contract.QuantizedContract):
+  refuses = contract.QUANTIZED_DTYPES
+  refusal = (r"\(TPU\) cannot serve these inputs: {dtype} pages \(with "
+             r"per-token scales\) are not implemented in the TPU kernels")
   decode = staticmethod(functools.partial(pd.paged_decode, interpret=True))
   ragged = staticmethod(functools.partial(ra.ragged_paged_attention,
                                           interpret=True))
