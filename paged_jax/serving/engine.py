@@ -190,6 +190,19 @@ class Engine:
   def has_unfinished(self) -> bool:
     return any(p.has_unfinished() for p in self._pools)
 
+  def abort_request(self, request_id) -> bool:
+    """Drops a waiting or running request (a client went away): its sequences
+    leave the queues and their blocks are released by the next step (`flush`
+    when idle). Its `RequestOutput` (finish reason "abort") comes from the
+    next `step` / `take_deltas`. False if unknown or already finished."""
+    return any(p.abort_request(request_id) for p in self._pools)
+
+  def stop_sequence(self, request_id, index: int = 0) -> bool:
+    """Finishes sample `index` of a running request now (finish reason
+    "stop": a stop string the host matched); blocks go back next step.
+    False if there is no such live sequence (or it is a beam search)."""
+    return any(p.stop_sequence(request_id, index) for p in self._pools)
+
   @property
   def num_running(self) -> int:
     return sum(p.num_running for p in self._pools)

@@ -23,13 +23,17 @@ class Completion:
 
   Attributes:
     token_ids: generated ids (the EOS token included when it stopped there).
-    finish_reason: "stop" (an EOS token) or "length" (the output budget).
+    finish_reason: "stop" (an EOS or stop token, or `Engine.stop_sequence`),
+      "length" (the output budget) or "abort" (`Engine.abort_request`).
     logprob: summed log-probability (beam search only).
+    token_logprobs: log-probability of each generated token under the model
+      (before temperature; not for beam search).
   """
 
   token_ids: list[int]
   finish_reason: str
   logprob: float | None = None
+  token_logprobs: list[float] | None = None
 
 
 @dataclasses.dataclass
@@ -91,6 +95,7 @@ class RequestDelta:
       hypothesis, once, when the request finishes).
     finish_reason: "stop" or "length" on a sequence's last delta, else None.
     output: the final `RequestOutput`, on the request's last delta only.
+    logprobs: the log-probability of each of `token_ids` (not beam search).
   """
 
   request_id: Hashable
@@ -98,6 +103,7 @@ class RequestDelta:
   token_ids: list[int]
   finish_reason: str | None = None
   output: RequestOutput | None = None
+  logprobs: list[float] | None = None
 
 
 class Group:
@@ -135,7 +141,7 @@ class Seq:
   """One sequence: prompt plus generated tokens, and where its K/V lives."""
 
   __slots__ = ("group", "index", "tokens", "num_cached", "slot", "fork_from",
-               "logprob", "last_token_time")
+               "logprob", "last_token_time", "token_logprobs")
 
   def __init__(self, group: Group, index: int, tokens: list[int]):
     self.group = group
@@ -146,6 +152,7 @@ class Seq:
     self.fork_from = -1  # slot to fork from at the next step, -1 = none
     self.logprob = 0.0  # beam score
     self.last_token_time = None  # perf_counter() of its last sampled token
+    self.token_logprobs: list[float] = []  # per generated token (not beam)
 
   @property
   def order(self) -> tuple[int, int]:

@@ -83,7 +83,7 @@ class EngineStats:
     generated_tokens: output tokens of finished requests.
     computed_tokens: real token rows run (prompt, recompute and decode).
     padded_rows: token rows computed, padding included (the buckets' sizes).
-    preemptions, refused_reservations, finished, rejected: counts.
+    preemptions, refused_reservations, finished, rejected, aborted: counts.
     host_seconds: scheduling, input building and applying results.
     device_seconds: from dispatch until the results are on the host.
     decode_device_seconds: the part of it in decode steps.
@@ -104,6 +104,7 @@ class EngineStats:
   refused_reservations: int = 0
   finished: int = 0
   rejected: int = 0
+  aborted: int = 0
   host_seconds: float = 0.0
   device_seconds: float = 0.0
   decode_device_seconds: float = 0.0
