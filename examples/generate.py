@@ -112,17 +112,11 @@ DEFAULT_KV_TOKENS = 1024    # the KV memory when no budget is given: 64 x 16
 NEVER_SAMPLED = (-1,)       # --ignore-eos: a stop token no step can produce
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  """The flags, each range-checked while parsing (one `error:` line, exit 2).
-
-  Where vLLM has a flag of the same meaning its name is an alias
-  (`--max-num-seqs`, `--max-num-batched-tokens`); messages name the one typed.
-  """
-  p = _cli.OneLineParser(
-      description=__doc__.split("\n\n")[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def add_engine_flags(p: argparse.ArgumentParser):
+  """The model and engine flags, shared by generate.py and serve.py (one
+  definition); returns the "engine" argument group."""
   count = _cli.int_in
-  src = p.add_argument_group("model and prompts")
+  src = p.add_argument_group("model")
   src.add_argument("--checkpoint", metavar="DIR",
                    help="Hugging Face Llama checkpoint (config.json + *.safetensors); "
                    "default: the tiny model with seeded random weights")
@@ -130,31 +124,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seed of the tiny model's random weights")
   src.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="parameter/compute dtype (default: the checkpoint's)")
-  src.add_argument("--prompt-ids", metavar="FILE",
-                   help="JSON list of prompts, each a token-id list or an object "
-                   '{"prompt_ids": [...], "max_new_tokens": n}; default: a '
-                   "synthetic workload")
-  src.add_argument("--num-requests", type=count(1, MAX_REQUESTS), default=48,
-                   help="size of the synthetic workload")
-  src.add_argument("--workload-seed", type=count(0, 2**63 - 1), default=0)
-  gen = p.add_argument_group("sampling")
-  gen.add_argument("--max-new-tokens", type=count(1, MAX_MODEL_LEN),
-                   help="output budget per request (default: drawn per request "
-                   "for the synthetic workload; for --prompt-ids, the entry's "
-                   "max_new_tokens, else 32)")
-  gen.add_argument("--ignore-eos", action="store_true",
-                   help="generate exactly the output budget: stop tokens do "
-                   "not end a sequence (fixed output lengths, for benchmarks)")
-  gen.add_argument("--temperature", type=_cli.number_in(0, 10**6), default=0.0,
-                   help="0 = greedy")
-  gen.add_argument("--top-k", type=count(0, INT31), default=0, help="0 = off")
-  gen.add_argument("--top-p", type=_cli.number_in(0, 1, lo_open=True), default=1.0)
-  gen.add_argument("--n", type=count(1, MAX_SEQS), default=1, help="samples per prompt")
-  gen.add_argument("--beam-width", type=count(1, MAX_SEQS), default=1,
-                   help="> 1: beam search")
-  gen.add_argument("--seed", type=count(0, INT31), default=0,
-                   help="sampling seed (request i uses seed + i * n, wrapped to "
-                   "stay within int32)")
   eng = p.add_argument_group("engine")
   eng.add_argument("--block-size", type=count(1, MAX_BLOCK_SIZE), default=16,
                    help="tokens per KV block; the KV memory stays the same "
@@ -186,6 +155,54 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="serve on a D x M device mesh: M-way tensor parallelism, "
                    "D data shards each with its own KV pool and --max-batch "
                    "sequences (on CPU, D * M host devices are simulated)")
+  eng.add_argument("--implementation", choices=["xla", "pallas_tpu", "pallas_gpu"],
+                   help="attention backend (default: the best for the platform)")
+  eng.add_argument("--compile-cache-dir", metavar="DIR",
+                   default=str(pathlib.Path.home() / ".cache" / "paged_jax" / "jax_cache"),
+                   help="JAX's persistent compilation cache, so that a second run "
+                   "does not recompile")
+  eng.add_argument("--no-compile-cache", action="store_true",
+                   help="do not use the persistent compilation cache")
+  return eng
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  """The flags, each range-checked while parsing (one `error:` line, exit 2).
+
+  Where vLLM has a flag of the same meaning its name is an alias
+  (`--max-num-seqs`, `--max-num-batched-tokens`); messages name the one typed.
+  """
+  p = _cli.OneLineParser(
+      description=__doc__.split("\n\n")[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  count = _cli.int_in
+  eng = add_engine_flags(p)
+  src = p.add_argument_group("prompts")
+  src.add_argument("--prompt-ids", metavar="FILE",
+                   help="JSON list of prompts, each a token-id list or an object "
+                   '{"prompt_ids": [...], "max_new_tokens": n}; default: a '
+                   "synthetic workload")
+  src.add_argument("--num-requests", type=count(1, MAX_REQUESTS), default=48,
+                   help="size of the synthetic workload")
+  src.add_argument("--workload-seed", type=count(0, 2**63 - 1), default=0)
+  gen = p.add_argument_group("sampling")
+  gen.add_argument("--max-new-tokens", type=count(1, MAX_MODEL_LEN),
+                   help="output budget per request (default: drawn per request "
+                   "for the synthetic workload; for --prompt-ids, the entry's "
+                   "max_new_tokens, else 32)")
+  gen.add_argument("--ignore-eos", action="store_true",
+                   help="generate exactly the output budget: stop tokens do "
+                   "not end a sequence (fixed output lengths, for benchmarks)")
+  gen.add_argument("--temperature", type=_cli.number_in(0, 10**6), default=0.0,
+                   help="0 = greedy")
+  gen.add_argument("--top-k", type=count(0, INT31), default=0, help="0 = off")
+  gen.add_argument("--top-p", type=_cli.number_in(0, 1, lo_open=True), default=1.0)
+  gen.add_argument("--n", type=count(1, MAX_SEQS), default=1, help="samples per prompt")
+  gen.add_argument("--beam-width", type=count(1, MAX_SEQS), default=1,
+                   help="> 1: beam search")
+  gen.add_argument("--seed", type=count(0, INT31), default=0,
+                   help="sampling seed (request i uses seed + i * n, wrapped to "
+                   "stay within int32)")
   eng.add_argument("--coordinator", metavar="HOST:PORT",
                    help="several hosts: the address of process 0; every process "
                    "runs this same command with its own --process-id "
@@ -194,18 +211,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="processes (hosts) taking part, with --coordinator")
   eng.add_argument("--process-id", type=count(0, MAX_SEQS), default=0,
                    help="this process' index, with --coordinator")
-  eng.add_argument("--implementation", choices=["xla", "pallas_tpu", "pallas_gpu"],
-                   help="attention backend (default: the best for the platform)")
   eng.add_argument("--request-rate", type=_cli.number_in(0, 10**9, lo_open=True),
                    metavar="R",
                    help="requests per second, Poisson arrivals (seeded by "
                    "--workload-seed); default: all requests at once")
-  eng.add_argument("--compile-cache-dir", metavar="DIR",
-                   default=str(pathlib.Path.home() / ".cache" / "paged_jax" / "jax_cache"),
-                   help="JAX's persistent compilation cache, so that a second run "
-                   "does not recompile")
-  eng.add_argument("--no-compile-cache", action="store_true",
-                   help="do not use the persistent compilation cache")
   out = p.add_argument_group("output")
   out.add_argument("--output", metavar="FILE",
                    help="write requests' generated ids and finish reasons (JSON)")
@@ -222,13 +231,8 @@ def _flag(args, dest: str) -> str:
 
 def check_args(args) -> None:
   """Checks between flags that need no model; ValueError naming the flags."""
-  batch, step = _flag(args, "max_batch"), _flag(args, "max_tokens_per_step")
-  if args.max_tokens_per_step < args.max_batch:
-    raise ValueError(f"{step} {args.max_tokens_per_step} must be >= {batch} "
-                     f"{args.max_batch} (every decode must fit one step)")
-  if args.block_size > args.max_model_len:
-    raise ValueError(f"--block-size {args.block_size} must be <= "
-                     f"--max-model-len {args.max_model_len}")
+  check_engine_args(args)
+  batch = _flag(args, "max_batch")
   if args.max_new_tokens is not None and args.max_new_tokens >= args.max_model_len:
     raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be < "
                      f"--max-model-len {args.max_model_len} (room for a prompt)")
@@ -244,10 +248,6 @@ def check_args(args) -> None:
   if args.seed > 2**31 - span:
     raise ValueError(f"--seed {args.seed} must be <= {2**31 - span} (sample i "
                      "of a request uses its seed + i, an int32)")
-  if args.num_blocks is not None and args.kv_budget_mb is not None:
-    raise ValueError("give --num-blocks or --kv-budget-mb, not both")
-  if args.mesh:
-    _parse_mesh(args.mesh)
   if args.coordinator:
     host, colon, port = args.coordinator.rpartition(":")
     if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
@@ -258,6 +258,21 @@ def check_args(args) -> None:
                        f"got {args.process_id}")
   if args.output is not None:
     check_output_path(args.output)
+
+
+def check_engine_args(args) -> None:
+  """Checks between the `add_engine_flags` flags; ValueError naming them."""
+  batch, step = _flag(args, "max_batch"), _flag(args, "max_tokens_per_step")
+  if args.max_tokens_per_step < args.max_batch:
+    raise ValueError(f"{step} {args.max_tokens_per_step} must be >= {batch} "
+                     f"{args.max_batch} (every decode must fit one step)")
+  if args.block_size > args.max_model_len:
+    raise ValueError(f"--block-size {args.block_size} must be <= "
+                     f"--max-model-len {args.max_model_len}")
+  if args.num_blocks is not None and args.kv_budget_mb is not None:
+    raise ValueError("give --num-blocks or --kv-budget-mb, not both")
+  if args.mesh:
+    _parse_mesh(args.mesh)
 
 
 def parse_and_check(argv=None) -> argparse.Namespace:
@@ -453,8 +468,9 @@ def check_implementation(implementation, cfg, block_size: int) -> None:
                      f"model here: {why}") from None
 
 
-def build(args):
-  """Model, requests and KV budget from the arguments (raises ValueError)."""
+def load_model(args):
+  """The model the `add_engine_flags` flags name, checked against them
+  (raises ValueError)."""
   if args.checkpoint:
     model = checkpoint_lib.load_checkpoint(
         args.checkpoint, dtype=args.dtype, implementation=args.implementation)
@@ -467,6 +483,34 @@ def build(args):
     raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's "
                      f"max_position_embeddings {cfg.max_position_embeddings}")
   check_implementation(args.implementation, cfg, args.block_size)
+  return model
+
+
+def engine_memory(args, cfg):
+  """`(kv_tokens per data shard, mesh or None)` from the engine flags, the
+  KV pool checked against the devices' free memory (raises ValueError)."""
+  per_token = cfg.kv_bytes_per_token()
+  kv_tokens, source = kv_tokens_from_args(args, per_token)
+  mesh = None
+  shards, tp = 1, 1
+  if args.mesh:
+    data, tp = _parse_mesh(args.mesh)
+    mesh = sharding.make_mesh(data, tp)
+    tensor_parallel.check_model_axis(cfg, tp)
+    shards = data
+  import jax  # pylint: disable=import-outside-toplevel
+  heads = sharding.cache_kv_heads(cfg.num_kv_heads, tp)
+  pool_bytes = (kv_tokens // args.block_size) * args.block_size * per_token
+  stored = pool_bytes * heads // cfg.num_kv_heads  # with replicated heads
+  devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()
+  check_kv_memory(stored // tp, stored * shards, source, devices)
+  return kv_tokens, mesh
+
+
+def build(args):
+  """Model, requests and KV budget from the arguments (raises ValueError)."""
+  model = load_model(args)
+  cfg = model.config
   default_new = args.max_new_tokens or 32
   if args.prompt_ids:
     entries = load_prompts(args.prompt_ids)
@@ -484,21 +528,7 @@ def build(args):
   # Distinct seeds per request so that samples differ across requests.
   requests = [Request(r.request_id, r.prompt, _reseed(r.params, request_seed(args, i)))
               for i, r in enumerate(requests)]
-  per_token = cfg.kv_bytes_per_token()
-  kv_tokens, source = kv_tokens_from_args(args, per_token)
-  mesh = None
-  shards, tp = 1, 1
-  if args.mesh:
-    data, tp = _parse_mesh(args.mesh)
-    mesh = sharding.make_mesh(data, tp)
-    tensor_parallel.check_model_axis(cfg, tp)
-    shards = data
-  import jax  # pylint: disable=import-outside-toplevel
-  heads = sharding.cache_kv_heads(cfg.num_kv_heads, tp)
-  pool_bytes = (kv_tokens // args.block_size) * args.block_size * per_token
-  stored = pool_bytes * heads // cfg.num_kv_heads  # with replicated heads
-  devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()
-  check_kv_memory(stored // tp, stored * shards, source, devices)
+  kv_tokens, mesh = engine_memory(args, cfg)
   return model, requests, kv_tokens, mesh
 
 
