@@ -119,7 +119,6 @@ def test_streamed_chat_matches_the_unstreamed_answer(server):
 def test_stop_string_cuts_the_text(server):
   kw = dict(model="tiny", prompt="abc", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
   full = server.client.completions.create(**kw).choices[0].text
-  chars = [c for c in full if c != "\ufffd"]
   if len(full) < 3:
     pytest.skip("the random model decoded too little text here")
   stop = full[2:4] if len(full) >= 4 else full[2]
@@ -128,7 +127,6 @@ def test_stop_string_cuts_the_text(server):
   assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
   streamed = server.client.completions.create(**kw, stop=[stop], stream=True)
   assert "".join(c.choices[0].text for c in streamed) == want
-  assert chars is not None
   server.wait_idle()
 
 
@@ -172,7 +170,8 @@ def test_past_the_waiting_limit_is_503_then_serving_goes_on(server):
     return await asyncio.gather(*(one(i) for i in range(16)))
 
   codes = asyncio.run(burst())
-  assert codes.count(200) >= 4 and 503 in codes
+  # Every request is answered or refused; the burst outruns admission.
+  assert set(codes) == {200, 503}
   m = server.wait_idle()
   assert m['paged_jax_requests_refused_total{status="503"}'] == codes.count(503)
   assert m["paged_jax_time_to_first_token_seconds_count"] >= codes.count(200)
