@@ -97,6 +97,7 @@ from examples.serving import workload  # noqa: E402
 from paged_jax import _cli  # noqa: E402
 from paged_jax.serving.requests import Request  # noqa: E402
 from paged_jax.serving.sampling import SamplingParams  # noqa: E402
+from paged_jax.serving.tokenizer import load_tokenizer  # noqa: E402
 from paged_jax import sharding  # noqa: E402
 
 
@@ -182,6 +183,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="JSON list of prompts, each a token-id list or an object "
                    '{"prompt_ids": [...], "max_new_tokens": n}; default: a '
                    "synthetic workload")
+  src.add_argument("--prompt", action="append", metavar="TEXT",
+                   help="a text prompt (repeatable); the output is shown as "
+                   "text (the tiny model: byte-level tokenizer, random text)")
+  src.add_argument("--prompts-file", metavar="FILE",
+                   help="text prompts: one a line, or JSONL objects with "
+                   '"prompt" (and optionally "max_new_tokens")')
   src.add_argument("--num-requests", type=count(1, MAX_REQUESTS), default=48,
                    help="size of the synthetic workload")
   src.add_argument("--workload-seed", type=count(0, 2**63 - 1), default=0)
@@ -200,6 +207,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   gen.add_argument("--n", type=count(1, MAX_SEQS), default=1, help="samples per prompt")
   gen.add_argument("--beam-width", type=count(1, MAX_SEQS), default=1,
                    help="> 1: beam search")
+  gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string (repeatable; text prompts): the text ends "
+                   "before it")
+  gen.add_argument("--stop-token-ids", type=_token_ids, default=(), metavar="IDS",
+                   help="comma-separated token ids that also end a sequence")
+  gen.add_argument("--min-tokens", type=count(0, MAX_MODEL_LEN), default=0,
+                   help="no EOS or stop token before this many tokens")
   gen.add_argument("--seed", type=count(0, INT31), default=0,
                    help="sampling seed (request i uses seed + i * n, wrapped to "
                    "stay within int32)")
@@ -222,6 +236,49 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="skip the contiguous-cache comparison")
   out.add_argument("--no-progress", action="store_true", help="no progress bar")
   return p.parse_args(argv)
+
+
+def _token_ids(text: str) -> tuple[int, ...]:
+  parts = [t.strip() for t in text.split(",") if t.strip()]
+  if not parts or not all(t.isascii() and t.isdigit() and len(t) < 10 for t in parts):
+    raise argparse.ArgumentTypeError(
+        f"expected comma-separated token ids, got {_cli.shown(text)}")
+  return tuple(int(t) for t in parts)
+
+
+def load_text_prompts(path: str) -> list[tuple[str, int | None]]:
+  """Text prompts of `--prompts-file`: a JSONL file (every non-empty line an
+  object with "prompt", optionally "max_new_tokens") or plain text (one
+  prompt a line); `(prompt, max_new_tokens or None)` each.
+
+  Raises:
+    FileNotFoundError: missing file.
+    ValueError: unreadable, empty, or a JSONL line without a "prompt" string.
+  """
+  f = pathlib.Path(path)
+  if not f.is_file():
+    raise FileNotFoundError(f"prompts file {_cli.shown(path)} not found")
+  try:
+    lines = [ln for ln in f.read_text(encoding="utf-8").splitlines() if ln.strip()]
+  except (ValueError, OSError) as e:
+    raise ValueError(f"{path}: cannot read it ({e})") from None
+  if not lines:
+    raise ValueError(f"{path}: no prompts (expected one a line, or JSONL)")
+  if not lines[0].lstrip().startswith("{"):
+    return [(ln, None) for ln in lines]
+  out = []
+  for i, ln in enumerate(lines):
+    try:
+      d = json.loads(ln)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}: line {i + 1}: not valid JSON ({e})") from None
+    new = d.get("max_new_tokens") if isinstance(d, dict) else None
+    if (not isinstance(d, dict) or not isinstance(d.get("prompt"), str)
+        or new is not None and (not _is_int(new) or new < 1)):
+      raise ValueError(f"{path}: line {i + 1}: expected an object with a "
+                       '"prompt" string and optionally "max_new_tokens" >= 1')
+    out.append((d["prompt"], new))
+  return out
 
 
 def _flag(args, dest: str) -> str:
@@ -258,6 +315,13 @@ def check_args(args) -> None:
                        f"got {args.process_id}")
   if args.output is not None:
     check_output_path(args.output)
+  if sum(x is not None for x in (args.prompt, args.prompts_file, args.prompt_ids)) > 1:
+    raise ValueError("give one of --prompt, --prompts-file and --prompt-ids")
+  if args.stop and not (args.prompt or args.prompts_file):
+    raise ValueError("--stop needs text prompts (--prompt or --prompts-file)")
+  if args.max_new_tokens is not None and args.min_tokens > args.max_new_tokens:
+    raise ValueError(f"--min-tokens {args.min_tokens} must be <= "
+                     f"--max-new-tokens {args.max_new_tokens}")
 
 
 def check_engine_args(args) -> None:
@@ -372,7 +436,9 @@ def sampling_params(args, max_new_tokens: int) -> SamplingParams:
       max_new_tokens=max_new_tokens, temperature=args.temperature,
       top_k=args.top_k, top_p=args.top_p, seed=args.seed, n=args.n,
       beam_width=args.beam_width,
-      eos_token_ids=NEVER_SAMPLED if args.ignore_eos else ())
+      eos_token_ids=NEVER_SAMPLED if args.ignore_eos else (),
+      stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids),
+      min_tokens=min(args.min_tokens, max_new_tokens))
 
 
 def request_seed(args, i: int) -> int:
@@ -512,7 +578,13 @@ def build(args):
   model = load_model(args)
   cfg = model.config
   default_new = args.max_new_tokens or 32
-  if args.prompt_ids:
+  if args.prompt or args.prompts_file:
+    tokenizer = load_tokenizer(args.checkpoint)
+    entries = ([(t, None) for t in args.prompt] if args.prompt
+               else load_text_prompts(args.prompts_file))
+    requests = [Request(i, tokenizer.encode(text), sampling_params(args, new or default_new))
+                for i, (text, new) in enumerate(entries)]
+  elif args.prompt_ids:
     entries = load_prompts(args.prompt_ids)
     check_vocab([ids for ids, _ in entries], cfg.vocab_size)
     requests = [Request(i, ids, sampling_params(args, new or default_new))
@@ -607,6 +679,54 @@ def _fmt(stats: dict) -> list[str]:
   ]
 
 
+def _short(text: str, limit: int) -> str:
+  text = text.replace("\n", "\\n")
+  return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def run_text(model, requests, config, mesh, tokenizer):
+  """Serves text requests (stop strings applied), printing each request's
+  text: streamed as it arrives for one request, else each request's (cut to
+  fit a line for many) when it finishes. Returns `(stats, outputs, texts)`,
+  `texts[request_id]` the completions' texts."""
+  from paged_jax.serving.engine import Engine  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving.text import TextEngine  # pylint: disable=import-outside-toplevel
+  engine = Engine(model, config, mesh=mesh)
+  compile_s = workload.warmup(engine)
+  te = TextEngine(engine, tokenizer)
+  limit = 200 if len(requests) <= 16 else 72
+  single = len(requests) == 1
+  t0 = time.perf_counter()
+  for r in requests:
+    te.add_request(r)
+  outputs, texts = [], {}
+  if single:
+    print(f"[{requests[0].request_id}] ", end="", flush=True)
+  while te.has_unfinished():
+    for d in te.step():
+      if d.output is None:
+        if single and d.text:
+          print(d.text, end="", flush=True)
+        continue
+      outputs.append(d.output)
+      texts[d.request_id] = [c.text for c in d.completions]
+      if d.output.rejected:
+        continue
+      for i, c in enumerate(d.completions):
+        tag = f"[{d.request_id}]" if len(d.completions) == 1 else f"[{d.request_id}.{i}]"
+        if single:
+          print(f"  ({c.finish_reason}, {len(c.token_ids)} tokens)")
+        else:
+          print(f"{tag} {_short(c.text, limit)!r} ({c.finish_reason}, "
+                f"{len(c.token_ids)} tokens)")
+  engine.flush()
+  wall = time.perf_counter() - t0
+  order = {r.request_id: i for i, r in enumerate(requests)}
+  outputs.sort(key=lambda o: order[o.request_id])
+  return (workload.workload_stats("paged", engine, len(requests), wall, compile_s),
+          outputs, texts)
+
+
 def _start_distributed(args) -> bool:
   """Joins the other processes (`--coordinator`); True on process 0."""
   if not args.coordinator:
@@ -688,7 +808,15 @@ def main(argv=None) -> int:
              if heads > cfg.num_kv_heads else ""))
   results = {}
   t0 = time.perf_counter()
+  texts = None
+  if args.prompt or args.prompts_file:  # text: streamed, no baseline
+    kinds = ["paged"]
+    stats, outputs, texts = run_text(model, requests, configs["paged"], mesh,
+                                     load_tokenizer(args.checkpoint))
+    results["paged"] = (stats, outputs)
   for kind in kinds:
+    if kind in results:
+      continue
     stats, outputs = workload.run_workload(kind, model, requests, **common)
     results[kind] = (stats, outputs)
 
@@ -733,9 +861,11 @@ def main(argv=None) -> int:
             "request_id": o.request_id, "prompt_len": o.prompt_len,
             "rejected": o.rejected,
             "completions": [{"token_ids": comp.token_ids,
+                             **({"text": texts[o.request_id][j]} if texts else {}),
+                             "token_logprobs": comp.token_logprobs,
                              "finish_reason": comp.finish_reason,
                              **({"logprob": comp.logprob} if comp.logprob is not None else {})}
-                            for comp in o.completions]}
+                            for j, comp in enumerate(o.completions)]}
                      for o in outputs],
         "stats": {k: v[0] for k, v in results.items()},
         # Per request, in seconds (apart from "requests": timings vary by run).

@@ -225,6 +225,13 @@ def run_workload(
     bar.close()
   order = {r.request_id: i for i, r in enumerate(requests)}
   outputs.sort(key=lambda o: order[o.request_id])
+  return workload_stats(kind, engine, len(requests), wall, compile_s), outputs
+
+
+def workload_stats(kind: str, engine: Engine, num_requests: int, wall: float,
+                   compile_s: float) -> dict:
+  """`run_workload`'s JSON-able stats of a served engine."""
+  config = engine.config
   st = engine.stats
   steps = max(st.steps, 1)
   shards = engine.data_shards
@@ -233,7 +240,7 @@ def run_workload(
   devices = sharding.per_device_cache_bytes(engine.cache)
   stats = {
       "kind": kind,
-      "requests": len(requests),
+      "requests": num_requests,
       "served": st.finished,
       "rejected": st.rejected,
       "generated_tokens": st.generated_tokens,
@@ -268,4 +275,4 @@ def run_workload(
       "buckets_compiled": len(engine.compiled_buckets),
       "latency_seconds": st.latency_summary(),
   }
-  return stats, outputs
+  return stats
