@@ -27,13 +27,14 @@ class Completion:
       "length" (the output budget) or "abort" (`Engine.abort_request`).
     logprob: summed log-probability (beam search only).
     token_logprobs: log-probability of each generated token under the model
-      (before temperature; not for beam search).
+      (before temperature; not for beam search); left out of `==`.
   """
 
   token_ids: list[int]
   finish_reason: str
   logprob: float | None = None
-  token_logprobs: list[float] | None = None
+  # Not compared: float noise varies with the batch a token was sampled in.
+  token_logprobs: list[float] | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass

@@ -22,9 +22,9 @@ from paged_jax.serving import Engine, EngineConfig  # noqa: E402
 from paged_jax.serving.tokenizer import ByteTokenizer  # noqa: E402
 
 NUM_BLOCKS = 32
-# Two compiled shapes only: decode 4 rows, mixed 16 rows.
+# Two compiled shapes only (decode 4 rows, mixed 16), as test_generate.SMALL.
 CONFIG = dict(num_blocks=NUM_BLOCKS, block_size=4, max_batch=4, max_tokens_per_step=16,
-              max_model_len=64, min_bucket=4, bucket_midpoints=False)
+              max_model_len=64, min_bucket=16, bucket_midpoints=False)
 
 
 def _free_port() -> int:
