@@ -97,6 +97,7 @@ from examples.serving import workload  # noqa: E402
 from paged_jax import _cli  # noqa: E402
 from paged_jax.serving.requests import Request  # noqa: E402
 from paged_jax.serving.sampling import SamplingParams  # noqa: E402
+from paged_jax.serving.tokenizer import load_tokenizer  # noqa: E402
 from paged_jax import sharding  # noqa: E402
 
 
@@ -114,17 +115,11 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 NEVER_SAMPLED = (-1,)       # --ignore-eos: a stop token no step can produce
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  """The flags, each range-checked while parsing (one `error:` line, exit 2).
-
-  Where vLLM has a flag of the same meaning its name is an alias
-  (`--max-num-seqs`, `--max-num-batched-tokens`); messages name the one typed.
-  """
-  p = _cli.OneLineParser(
-      description=__doc__.split("\n\n")[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def add_engine_flags(p: argparse.ArgumentParser):
+  """The model and engine flags, shared by generate.py and serve.py (one
+  definition); returns the "engine" argument group."""
   count = _cli.int_in
-  src = p.add_argument_group("model and prompts")
+  src = p.add_argument_group("model")
   src.add_argument("--checkpoint", metavar="DIR",
                    help="Hugging Face Llama checkpoint (config.json + *.safetensors); "
                    "default: the tiny model with seeded random weights")
@@ -132,31 +127,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seed of the tiny model's random weights")
   src.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="parameter/compute dtype (default: the checkpoint's)")
-  src.add_argument("--prompt-ids", metavar="FILE",
-                   help="JSON list of prompts, each a token-id list or an object "
-                   '{"prompt_ids": [...], "max_new_tokens": n}; default: a '
-                   "synthetic workload")
-  src.add_argument("--num-requests", type=count(1, MAX_REQUESTS), default=48,
-                   help="size of the synthetic workload")
-  src.add_argument("--workload-seed", type=count(0, 2**63 - 1), default=0)
-  gen = p.add_argument_group("sampling")
-  gen.add_argument("--max-new-tokens", type=count(1, MAX_MODEL_LEN),
-                   help="output budget per request (default: drawn per request "
-                   "for the synthetic workload; for --prompt-ids, the entry's "
-                   "max_new_tokens, else 32)")
-  gen.add_argument("--ignore-eos", action="store_true",
-                   help="generate exactly the output budget: stop tokens do "
-                   "not end a sequence (fixed output lengths, for benchmarks)")
-  gen.add_argument("--temperature", type=_cli.number_in(0, 10**6), default=0.0,
-                   help="0 = greedy")
-  gen.add_argument("--top-k", type=count(0, INT31), default=0, help="0 = off")
-  gen.add_argument("--top-p", type=_cli.number_in(0, 1, lo_open=True), default=1.0)
-  gen.add_argument("--n", type=count(1, MAX_SEQS), default=1, help="samples per prompt")
-  gen.add_argument("--beam-width", type=count(1, MAX_SEQS), default=1,
-                   help="> 1: beam search")
-  gen.add_argument("--seed", type=count(0, INT31), default=0,
-                   help="sampling seed (request i uses seed + i * n, wrapped to "
-                   "stay within int32)")
   eng = p.add_argument_group("engine")
   eng.add_argument("--block-size", type=count(1, MAX_BLOCK_SIZE), default=16,
                    help="tokens per KV block; the KV memory stays the same "
@@ -198,6 +168,67 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="serve on a D x M device mesh: M-way tensor parallelism, "
                    "D data shards each with its own KV pool and --max-batch "
                    "sequences (on CPU, D * M host devices are simulated)")
+  eng.add_argument("--implementation", choices=["xla", "pallas_tpu", "pallas_gpu"],
+                   help="attention backend (default: the best for the platform)")
+  eng.add_argument("--compile-cache-dir", metavar="DIR",
+                   default=str(pathlib.Path.home() / ".cache" / "paged_jax" / "jax_cache"),
+                   help="JAX's persistent compilation cache, so that a second run "
+                   "does not recompile")
+  eng.add_argument("--no-compile-cache", action="store_true",
+                   help="do not use the persistent compilation cache")
+  return eng
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  """The flags, each range-checked while parsing (one `error:` line, exit 2).
+
+  Where vLLM has a flag of the same meaning its name is an alias
+  (`--max-num-seqs`, `--max-num-batched-tokens`); messages name the one typed.
+  """
+  p = _cli.OneLineParser(
+      description=__doc__.split("\n\n")[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  count = _cli.int_in
+  eng = add_engine_flags(p)
+  src = p.add_argument_group("prompts")
+  src.add_argument("--prompt-ids", metavar="FILE",
+                   help="JSON list of prompts, each a token-id list or an object "
+                   '{"prompt_ids": [...], "max_new_tokens": n}; default: a '
+                   "synthetic workload")
+  src.add_argument("--prompt", action="append", metavar="TEXT",
+                   help="a text prompt (repeatable); the output is shown as "
+                   "text (the tiny model: byte-level tokenizer, random text)")
+  src.add_argument("--prompts-file", metavar="FILE",
+                   help="text prompts: one a line, or JSONL objects with "
+                   '"prompt" (and optionally "max_new_tokens")')
+  src.add_argument("--num-requests", type=count(1, MAX_REQUESTS), default=48,
+                   help="size of the synthetic workload")
+  src.add_argument("--workload-seed", type=count(0, 2**63 - 1), default=0)
+  gen = p.add_argument_group("sampling")
+  gen.add_argument("--max-new-tokens", type=count(1, MAX_MODEL_LEN),
+                   help="output budget per request (default: drawn per request "
+                   "for the synthetic workload; for --prompt-ids, the entry's "
+                   "max_new_tokens, else 32)")
+  gen.add_argument("--ignore-eos", action="store_true",
+                   help="generate exactly the output budget: stop tokens do "
+                   "not end a sequence (fixed output lengths, for benchmarks)")
+  gen.add_argument("--temperature", type=_cli.number_in(0, 10**6), default=0.0,
+                   help="0 = greedy")
+  gen.add_argument("--top-k", type=count(0, INT31), default=0, help="0 = off")
+  gen.add_argument("--top-p", type=_cli.number_in(0, 1, lo_open=True), default=1.0)
+  gen.add_argument("--n", type=count(1, MAX_SEQS), default=1, help="samples per prompt")
+  gen.add_argument("--beam-width", type=count(1, MAX_SEQS), default=1,
+                   help="> 1: beam search")
+  gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string (repeatable; text prompts): the text ends "
+                   "before it")
+  gen.add_argument("--stop-token-ids", type=_token_ids, default=(), metavar="IDS",
+                   help="comma-separated token ids that also end a sequence")
+  gen.add_argument("--min-tokens", type=count(0, MAX_MODEL_LEN), default=0,
+                   help="no EOS or stop token before this many tokens")
+  gen.add_argument("--seed", type=count(0, INT31), default=0,
+                   help="sampling seed (request i uses seed + i * n, wrapped to "
+                   "stay within int32)")
   eng.add_argument("--coordinator", metavar="HOST:PORT",
                    help="several hosts: the address of process 0; every process "
                    "runs this same command with its own --process-id "
@@ -206,18 +237,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="processes (hosts) taking part, with --coordinator")
   eng.add_argument("--process-id", type=count(0, MAX_SEQS), default=0,
                    help="this process' index, with --coordinator")
-  eng.add_argument("--implementation", choices=["xla", "pallas_tpu", "pallas_gpu"],
-                   help="attention backend (default: the best for the platform)")
   eng.add_argument("--request-rate", type=_cli.number_in(0, 10**9, lo_open=True),
                    metavar="R",
                    help="requests per second, Poisson arrivals (seeded by "
                    "--workload-seed); default: all requests at once")
-  eng.add_argument("--compile-cache-dir", metavar="DIR",
-                   default=str(pathlib.Path.home() / ".cache" / "paged_jax" / "jax_cache"),
-                   help="JAX's persistent compilation cache, so that a second run "
-                   "does not recompile")
-  eng.add_argument("--no-compile-cache", action="store_true",
-                   help="do not use the persistent compilation cache")
   out = p.add_argument_group("output")
   out.add_argument("--output", metavar="FILE",
                    help="write requests' generated ids and finish reasons (JSON)")
@@ -227,6 +250,49 @@ def parse_args(argv=None) -> argparse.Namespace:
   return p.parse_args(argv)
 
 
+def _token_ids(text: str) -> tuple[int, ...]:
+  parts = [t.strip() for t in text.split(",") if t.strip()]
+  if not parts or not all(t.isascii() and t.isdigit() and len(t) < 10 for t in parts):
+    raise argparse.ArgumentTypeError(
+        f"expected comma-separated token ids, got {_cli.shown(text)}")
+  return tuple(int(t) for t in parts)
+
+
+def load_text_prompts(path: str) -> list[tuple[str, int | None]]:
+  """Text prompts of `--prompts-file`: a JSONL file (every non-empty line an
+  object with "prompt", optionally "max_new_tokens") or plain text (one
+  prompt a line); `(prompt, max_new_tokens or None)` each.
+
+  Raises:
+    FileNotFoundError: missing file.
+    ValueError: unreadable, empty, or a JSONL line without a "prompt" string.
+  """
+  f = pathlib.Path(path)
+  if not f.is_file():
+    raise FileNotFoundError(f"prompts file {_cli.shown(path)} not found")
+  try:
+    lines = [ln for ln in f.read_text(encoding="utf-8").splitlines() if ln.strip()]
+  except (ValueError, OSError) as e:
+    raise ValueError(f"{path}: cannot read it ({e})") from None
+  if not lines:
+    raise ValueError(f"{path}: no prompts (expected one a line, or JSONL)")
+  if not lines[0].lstrip().startswith("{"):
+    return [(ln, None) for ln in lines]
+  out = []
+  for i, ln in enumerate(lines):
+    try:
+      d = json.loads(ln)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}: line {i + 1}: not valid JSON ({e})") from None
+    new = d.get("max_new_tokens") if isinstance(d, dict) else None
+    if (not isinstance(d, dict) or not isinstance(d.get("prompt"), str)
+        or new is not None and (not _is_int(new) or new < 1)):
+      raise ValueError(f"{path}: line {i + 1}: expected an object with a "
+                       '"prompt" string and optionally "max_new_tokens" >= 1')
+    out.append((d["prompt"], new))
+  return out
+
+
 def _flag(args, dest: str) -> str:
   """The flag the user typed for `dest` (an alias if that is what was typed)."""
   return _cli.typed_flag(args, dest, "--" + dest.replace("_", "-"))
@@ -234,13 +300,8 @@ def _flag(args, dest: str) -> str:
 
 def check_args(args) -> None:
   """Checks between flags that need no model; ValueError naming the flags."""
-  batch, step = _flag(args, "max_batch"), _flag(args, "max_tokens_per_step")
-  if args.max_tokens_per_step < args.max_batch:
-    raise ValueError(f"{step} {args.max_tokens_per_step} must be >= {batch} "
-                     f"{args.max_batch} (every decode must fit one step)")
-  if args.block_size > args.max_model_len:
-    raise ValueError(f"--block-size {args.block_size} must be <= "
-                     f"--max-model-len {args.max_model_len}")
+  check_engine_args(args)
+  batch = _flag(args, "max_batch")
   if args.max_new_tokens is not None and args.max_new_tokens >= args.max_model_len:
     raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be < "
                      f"--max-model-len {args.max_model_len} (room for a prompt)")
@@ -256,10 +317,6 @@ def check_args(args) -> None:
   if args.seed > 2**31 - span:
     raise ValueError(f"--seed {args.seed} must be <= {2**31 - span} (sample i "
                      "of a request uses its seed + i, an int32)")
-  if args.num_blocks is not None and args.kv_budget_mb is not None:
-    raise ValueError("give --num-blocks or --kv-budget-mb, not both")
-  if args.mesh:
-    _parse_mesh(args.mesh)
   if args.coordinator:
     host, colon, port = args.coordinator.rpartition(":")
     if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
@@ -270,6 +327,28 @@ def check_args(args) -> None:
                        f"got {args.process_id}")
   if args.output is not None:
     check_output_path(args.output)
+  if sum(x is not None for x in (args.prompt, args.prompts_file, args.prompt_ids)) > 1:
+    raise ValueError("give one of --prompt, --prompts-file and --prompt-ids")
+  if args.stop and not (args.prompt or args.prompts_file):
+    raise ValueError("--stop needs text prompts (--prompt or --prompts-file)")
+  if args.max_new_tokens is not None and args.min_tokens > args.max_new_tokens:
+    raise ValueError(f"--min-tokens {args.min_tokens} must be <= "
+                     f"--max-new-tokens {args.max_new_tokens}")
+
+
+def check_engine_args(args) -> None:
+  """Checks between the `add_engine_flags` flags; ValueError naming them."""
+  batch, step = _flag(args, "max_batch"), _flag(args, "max_tokens_per_step")
+  if args.max_tokens_per_step < args.max_batch:
+    raise ValueError(f"{step} {args.max_tokens_per_step} must be >= {batch} "
+                     f"{args.max_batch} (every decode must fit one step)")
+  if args.block_size > args.max_model_len:
+    raise ValueError(f"--block-size {args.block_size} must be <= "
+                     f"--max-model-len {args.max_model_len}")
+  if args.num_blocks is not None and args.kv_budget_mb is not None:
+    raise ValueError("give --num-blocks or --kv-budget-mb, not both")
+  if args.mesh:
+    _parse_mesh(args.mesh)
 
 
 def parse_and_check(argv=None) -> argparse.Namespace:
@@ -369,7 +448,9 @@ def sampling_params(args, max_new_tokens: int) -> SamplingParams:
       max_new_tokens=max_new_tokens, temperature=args.temperature,
       top_k=args.top_k, top_p=args.top_p, seed=args.seed, n=args.n,
       beam_width=args.beam_width,
-      eos_token_ids=NEVER_SAMPLED if args.ignore_eos else ())
+      eos_token_ids=NEVER_SAMPLED if args.ignore_eos else (),
+      stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids),
+      min_tokens=min(args.min_tokens, max_new_tokens))
 
 
 def request_seed(args, i: int) -> int:
@@ -465,8 +546,9 @@ def check_implementation(implementation, cfg, block_size: int) -> None:
                      f"model here: {why}") from None
 
 
-def build(args):
-  """Model, requests and KV budget from the arguments (raises ValueError)."""
+def load_model(args):
+  """The model the `add_engine_flags` flags name, checked against them
+  (raises ValueError)."""
   if args.checkpoint:
     model = checkpoint_lib.load_checkpoint(
         args.checkpoint, dtype=args.dtype, implementation=args.implementation)
@@ -479,23 +561,12 @@ def build(args):
     raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's "
                      f"max_position_embeddings {cfg.max_position_embeddings}")
   check_implementation(args.implementation, cfg, args.block_size)
-  default_new = args.max_new_tokens or 32
-  if args.prompt_ids:
-    entries = load_prompts(args.prompt_ids)
-    check_vocab([ids for ids, _ in entries], cfg.vocab_size)
-    requests = [Request(i, ids, sampling_params(args, new or default_new))
-                for i, (ids, new) in enumerate(entries)]
-  else:
-    params = sampling_params(args, default_new)
-    requests = workload.synthetic_requests(
-        args.num_requests, vocab_size=cfg.vocab_size,
-        max_model_len=args.max_model_len, seed=args.workload_seed,
-        params=params, exclude_ids=cfg.eos_token_ids)
-    if args.max_new_tokens is not None:
-      requests = [Request(r.request_id, r.prompt, params) for r in requests]
-  # Distinct seeds per request so that samples differ across requests.
-  requests = [Request(r.request_id, r.prompt, _reseed(r.params, request_seed(args, i)))
-              for i, r in enumerate(requests)]
+  return model
+
+
+def engine_memory(args, cfg):
+  """`(kv_tokens per data shard, mesh or None)` from the engine flags, the
+  KV pool checked against the devices' free memory (raises ValueError)."""
   per_token = cfg.kv_bytes_per_token(args.kv_cache_dtype)
   kv_tokens, source = kv_tokens_from_args(args, per_token)
   mesh = None
@@ -511,6 +582,37 @@ def build(args):
   stored = pool_bytes * heads // cfg.num_kv_heads  # with replicated heads
   devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()
   check_kv_memory(stored // tp, stored * shards, source, devices)
+  return kv_tokens, mesh
+
+
+def build(args):
+  """Model, requests and KV budget from the arguments (raises ValueError)."""
+  model = load_model(args)
+  cfg = model.config
+  default_new = args.max_new_tokens or 32
+  if args.prompt or args.prompts_file:
+    tokenizer = load_tokenizer(args.checkpoint)
+    entries = ([(t, None) for t in args.prompt] if args.prompt
+               else load_text_prompts(args.prompts_file))
+    requests = [Request(i, tokenizer.encode(text), sampling_params(args, new or default_new))
+                for i, (text, new) in enumerate(entries)]
+  elif args.prompt_ids:
+    entries = load_prompts(args.prompt_ids)
+    check_vocab([ids for ids, _ in entries], cfg.vocab_size)
+    requests = [Request(i, ids, sampling_params(args, new or default_new))
+                for i, (ids, new) in enumerate(entries)]
+  else:
+    params = sampling_params(args, default_new)
+    requests = workload.synthetic_requests(
+        args.num_requests, vocab_size=cfg.vocab_size,
+        max_model_len=args.max_model_len, seed=args.workload_seed,
+        params=params, exclude_ids=cfg.eos_token_ids)
+    if args.max_new_tokens is not None:
+      requests = [Request(r.request_id, r.prompt, params) for r in requests]
+  # Distinct seeds per request so that samples differ across requests.
+  requests = [Request(r.request_id, r.prompt, _reseed(r.params, request_seed(args, i)))
+              for i, r in enumerate(requests)]
+  kv_tokens, mesh = engine_memory(args, cfg)
   return model, requests, kv_tokens, mesh
 
 
@@ -601,6 +703,54 @@ def _fmt(stats: dict) -> list[str]:
   ]
 
 
+def _short(text: str, limit: int) -> str:
+  text = text.replace("\n", "\\n")
+  return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def run_text(model, requests, config, mesh, tokenizer):
+  """Serves text requests (stop strings applied), printing each request's
+  text: streamed as it arrives for one request, else each request's (cut to
+  fit a line for many) when it finishes. Returns `(stats, outputs, texts)`,
+  `texts[request_id]` the completions' texts."""
+  from paged_jax.serving.engine import Engine  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving.text import TextEngine  # pylint: disable=import-outside-toplevel
+  engine = Engine(model, config, mesh=mesh)
+  compile_s = workload.warmup(engine)
+  te = TextEngine(engine, tokenizer)
+  limit = 200 if len(requests) <= 16 else 72
+  single = len(requests) == 1
+  t0 = time.perf_counter()
+  for r in requests:
+    te.add_request(r)
+  outputs, texts = [], {}
+  if single:
+    print(f"[{requests[0].request_id}] ", end="", flush=True)
+  while te.has_unfinished():
+    for d in te.step():
+      if d.output is None:
+        if single and d.text:
+          print(d.text, end="", flush=True)
+        continue
+      outputs.append(d.output)
+      texts[d.request_id] = [c.text for c in d.completions]
+      if d.output.rejected:
+        continue
+      for i, c in enumerate(d.completions):
+        tag = f"[{d.request_id}]" if len(d.completions) == 1 else f"[{d.request_id}.{i}]"
+        if single:
+          print(f"  ({c.finish_reason}, {len(c.token_ids)} tokens)")
+        else:
+          print(f"{tag} {_short(c.text, limit)!r} ({c.finish_reason}, "
+                f"{len(c.token_ids)} tokens)")
+  engine.flush()
+  wall = time.perf_counter() - t0
+  order = {r.request_id: i for i, r in enumerate(requests)}
+  outputs.sort(key=lambda o: order[o.request_id])
+  return (workload.workload_stats("paged", engine, len(requests), wall, compile_s),
+          outputs, texts)
+
+
 def _start_distributed(args) -> bool:
   """Joins the other processes (`--coordinator`); True on process 0."""
   if not args.coordinator:
@@ -686,7 +836,15 @@ def main(argv=None) -> int:
              if heads > cfg.num_kv_heads else ""))
   results = {}
   t0 = time.perf_counter()
+  texts = None
+  if args.prompt or args.prompts_file:  # text: streamed, no baseline
+    kinds = ["paged"]
+    stats, outputs, texts = run_text(model, requests, configs["paged"], mesh,
+                                     load_tokenizer(args.checkpoint))
+    results["paged"] = (stats, outputs)
   for kind in kinds:
+    if kind in results:
+      continue
     stats, outputs = workload.run_workload(kind, model, requests, **common)
     results[kind] = (stats, outputs)
 
@@ -732,9 +890,11 @@ def main(argv=None) -> int:
             "request_id": o.request_id, "prompt_len": o.prompt_len,
             "rejected": o.rejected,
             "completions": [{"token_ids": comp.token_ids,
+                             **({"text": texts[o.request_id][j]} if texts else {}),
+                             "token_logprobs": comp.token_logprobs,
                              "finish_reason": comp.finish_reason,
                              **({"logprob": comp.logprob} if comp.logprob is not None else {})}
-                            for comp in o.completions]}
+                            for j, comp in enumerate(o.completions)]}
                      for o in outputs],
         "stats": {k: v[0] for k, v in results.items()},
         # Per request, in seconds (apart from "requests": timings vary by run).

@@ -226,6 +226,13 @@ def run_workload(
     bar.close()
   order = {r.request_id: i for i, r in enumerate(requests)}
   outputs.sort(key=lambda o: order[o.request_id])
+  return workload_stats(kind, engine, len(requests), wall, compile_s), outputs
+
+
+def workload_stats(kind: str, engine: Engine, num_requests: int, wall: float,
+                   compile_s: float) -> dict:
+  """`run_workload`'s JSON-able stats of a served engine."""
+  config = engine.config
   st = engine.stats
   steps = max(st.steps, 1)
   shards = engine.data_shards
@@ -234,7 +241,7 @@ def run_workload(
   devices = sharding.per_device_cache_bytes(engine.cache)
   stats = {
       "kind": kind,
-      "requests": len(requests),
+      "requests": num_requests,
       "served": st.finished,
       "rejected": st.rejected,
       "generated_tokens": st.generated_tokens,
@@ -274,7 +281,7 @@ def run_workload(
       "latency_seconds": st.latency_summary(),
       "kv_cache": allocated_cache(engine.cache),
   }
-  return stats, outputs
+  return stats
 
 
 def allocated_cache(cache) -> dict:

@@ -11,7 +11,9 @@ Files, by concern:
 * `step.py`: the jitted device step; `runner.py`: the device arrays and the
   compiled steps;
 * `engine.py`: `Engine` and `EngineConfig`; `stats.py`: `EngineStats`;
-* `llm.py`: `LLM`, the offline (`generate`) and streaming (`stream`) API.
+* `llm.py`: `LLM`, the offline (`generate`) and streaming (`stream`) API;
+* `tokenizer.py`: tokenizers (byte-level, Hugging Face `tokenizer.json`);
+  `text.py`: `TextEngine`, text deltas and stop strings.
 
 Example:
   >>> from paged_jax.serving import LLM, SamplingParams

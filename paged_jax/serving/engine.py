@@ -208,7 +208,23 @@ class Engine:
 
   def has_unfinished(self) -> bool:
     """Requests waiting or running, or a step's results still to apply."""
-    return self._pending is not None or any(p.has_unfinished() for p in self._pools)
+    if self._pending is not None and any(
+        rec.live() for rec in self._pending[1]):
+      return True
+    return any(p.has_unfinished() for p in self._pools)
+
+  def abort_request(self, request_id) -> bool:
+    """Drops a waiting or running request (a client went away): its sequences
+    leave the queues and their blocks are released by the next step (`flush`
+    when idle). Its `RequestOutput` (finish reason "abort") comes from the
+    next `step` / `take_deltas`. False if unknown or already finished."""
+    return any(p.abort_request(request_id) for p in self._pools)
+
+  def stop_sequence(self, request_id, index: int = 0) -> bool:
+    """Finishes sample `index` of a running request now (finish reason
+    "stop": a stop string the host matched); blocks go back next step.
+    False if there is no such live sequence (or it is a beam search)."""
+    return any(p.stop_sequence(request_id, index) for p in self._pools)
 
   @property
   def num_running(self) -> int:
@@ -412,7 +428,7 @@ class Engine:
     else:
       raise RuntimeError(f"requests still unfinished after {max_steps} steps")
     self.flush()
-    return outputs
+    return outputs + self._take_outputs()
 
   def flush(self):
     """Applies the step still in flight and runs the releases still queued

@@ -23,13 +23,18 @@ class Completion:
 
   Attributes:
     token_ids: generated ids (the EOS token included when it stopped there).
-    finish_reason: "stop" (an EOS token) or "length" (the output budget).
+    finish_reason: "stop" (an EOS or stop token, or `Engine.stop_sequence`),
+      "length" (the output budget) or "abort" (`Engine.abort_request`).
     logprob: summed log-probability (beam search only).
+    token_logprobs: log-probability of each generated token under the model
+      (before temperature; not for beam search); left out of `==`.
   """
 
   token_ids: list[int]
   finish_reason: str
   logprob: float | None = None
+  # Not compared: float noise varies with the batch a token was sampled in.
+  token_logprobs: list[float] | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass
@@ -91,6 +96,7 @@ class RequestDelta:
       hypothesis, once, when the request finishes).
     finish_reason: "stop" or "length" on a sequence's last delta, else None.
     output: the final `RequestOutput`, on the request's last delta only.
+    logprobs: the log-probability of each of `token_ids` (not beam search).
   """
 
   request_id: Hashable
@@ -98,6 +104,7 @@ class RequestDelta:
   token_ids: list[int]
   finish_reason: str | None = None
   output: RequestOutput | None = None
+  logprobs: list[float] | None = None
 
 
 class Group:
@@ -116,6 +123,7 @@ class Group:
     self.beam_finished: list = []  # (logprob, tokens, reason) for beam search
     self.live: list[Seq] = []
     self.unborn = 0  # sequences still to be forked from the prompt
+    self.aborted = False  # `Engine.abort_request`: results in flight ignored
     self.restart()
 
   @property
@@ -138,7 +146,7 @@ class Seq:
   """One sequence: prompt plus generated tokens, and where its K/V lives."""
 
   __slots__ = ("group", "index", "tokens", "num_cached", "slot", "fork_from",
-               "logprob", "last_token_time", "final", "done")
+               "logprob", "last_token_time", "final", "done", "token_logprobs")
 
   def __init__(self, group: Group, index: int, tokens: list[int]):
     self.group = group
@@ -153,6 +161,7 @@ class Seq:
     # reached the host yet is `PENDING` in `tokens` (always the last one).
     self.final = False  # its last token in flight reaches max_new_tokens
     self.done = False  # finished: its completion is recorded
+    self.token_logprobs: list[float] = []  # per generated token (not beam)
 
   @property
   def order(self) -> tuple[int, int]:

@@ -32,6 +32,12 @@ class SamplingParams:
     eos_token_ids: stop tokens; the model's when empty.
     length_penalty: beam hypotheses are ranked by
       `sum_logprob / num_generated ** length_penalty`.
+    stop_token_ids: more tokens that end a sequence (besides the EOS ones);
+      finish reason "stop", the token kept in `token_ids`.
+    min_tokens: the EOS and stop tokens are masked out of the first
+      `min_tokens` generated tokens (at most `MAX_BANNED` such ids).
+    stop: stop strings, matched on the decoded text by the text layer
+      (`paged_jax.serving.text`); the engine itself ignores them.
   """
 
   max_new_tokens: int = 16
@@ -43,6 +49,9 @@ class SamplingParams:
   beam_width: int = 1
   eos_token_ids: tuple[int, ...] = ()
   length_penalty: float = 1.0
+  stop_token_ids: tuple[int, ...] = ()
+  min_tokens: int = 0
+  stop: tuple[str, ...] = ()
 
   def __post_init__(self):
     if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -59,6 +68,12 @@ class SamplingParams:
       raise ValueError(f"n must be >= 1, got {self.n!r}")
     if not isinstance(self.beam_width, int) or self.beam_width < 1:
       raise ValueError(f"beam_width must be >= 1, got {self.beam_width!r}")
+    if (not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
+        or not 0 <= self.min_tokens <= self.max_new_tokens):
+      raise ValueError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}]"
+                       f", got {self.min_tokens!r}")
+    if any(not isinstance(t, str) or not t for t in self.stop):
+      raise ValueError(f"stop strings must be non-empty str, got {self.stop!r}")
     if self.n > 1 and self.beam_width > 1:
       raise ValueError(f"use n or beam_width, not both (got n={self.n}, "
                        f"beam_width={self.beam_width})")
@@ -67,6 +82,25 @@ class SamplingParams:
   def num_seqs(self) -> int:
     """Sequences the request runs at once."""
     return max(self.n, self.beam_width)
+
+
+# Token ids one sample row may mask (min_tokens: the EOS and stop tokens).
+MAX_BANNED = 8
+
+
+def ban_tokens(logits: jax.Array, banned: jax.Array) -> jax.Array:
+  """`logits` (f32[rows, vocab]) with the ids `banned` (i32[rows, MAX_BANNED],
+  -1 = none) of each row set to -inf."""
+  rows, vocab = logits.shape
+  ids = jnp.where(banned >= 0, banned, vocab)  # out of range: dropped
+  return logits.at[jnp.arange(rows)[:, None], ids].set(-jnp.inf, mode="drop")
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """f32[rows]: log-probability of `tokens` (i32[rows]) under `logits`
+  (f32[rows, vocab], before temperature)."""
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  return jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
 
 
 def _filtered_logits(logits, temperature, top_k, top_p):

@@ -42,6 +42,7 @@ import numpy as np
 from paged_jax import block_manager as bm
 from paged_jax.serving import beam as beam_lib
 from paged_jax.serving import compiler
+from paged_jax.serving import sampling as sampling_lib
 from paged_jax.serving import step as step_lib
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.requests import (PENDING, Completion, Group, Request,
@@ -69,6 +70,12 @@ class Pending:
     self.beam = beam
     self.num_entries = num_entries  # rows of `ok` that were real entries
     self.num_forks = num_forks  # rows of `fork_ok` that were real forks
+
+  def live(self) -> bool:
+    """Whether applying the results still changes a request (a token of an
+    unfinished sequence, a beam step of a group not aborted)."""
+    return (any(not t.done for _, t, _ in self.records)
+            or any(not s.group.aborted for _, s in self.beam))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -130,7 +137,8 @@ class Scheduler:
       if self.collect_deltas:
         self._deltas.append(RequestDelta(request.request_id, -1, [], output=out))
       return out
-    eos = frozenset(request.params.eos_token_ids or self.model_config.eos_token_ids)
+    eos = frozenset(request.params.eos_token_ids or self.model_config.eos_token_ids
+                    ) | frozenset(request.params.stop_token_ids)
     group = Group(request, self._orders, eos, self._step, time.perf_counter())
     self._orders += 1
     self._insert(self._waiting, group.live[0])
@@ -153,6 +161,10 @@ class Scheduler:
       return f"needs {p.num_seqs} sequences at once, max_batch is {c.max_batch}"
     if p.beam_width > c.max_beam_width:
       return f"beam_width={p.beam_width} exceeds the engine's max_beam_width={c.max_beam_width}"
+    stops = set(p.eos_token_ids or self.model_config.eos_token_ids) | set(p.stop_token_ids)
+    if p.min_tokens and len(stops) > sampling_lib.MAX_BANNED:
+      return (f"min_tokens needs at most {sampling_lib.MAX_BANNED} EOS and stop "
+              f"token ids, got {len(stops)}")
     # Beam groups are preempted whole, so all beams must fit together (at
     # worst each beam owns all its blocks; retired beams are released before
     # the next forks and reservations).
@@ -376,7 +388,8 @@ class Scheduler:
         sample_slots=np.full(S, -1, np.int32),
         sample_rows=np.zeros(S, np.int32), temperature=np.zeros(S, np.float32),
         top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32),
-        seeds=np.zeros(S, np.int32), positions=np.zeros(S, np.int32))
+        seeds=np.zeros(S, np.int32), positions=np.zeros(S, np.int32),
+        banned=np.full((S, sampling_lib.MAX_BANNED), -1, np.int32))
     row = 0
     for s, n in plan:
       chunk = s.tokens[s.num_cached:s.num_cached + n]
@@ -401,6 +414,9 @@ class Scheduler:
       a["top_p"][r] = p.top_p
       a["seeds"][r] = p.seed + lane
       a["positions"][r] = len(s.tokens)
+      if len(s.tokens) - s.group.prompt_len < p.min_tokens:  # EOS masked
+        ban = sorted(s.group.eos)
+        a["banned"][r, :len(ban)] = ban
     return StepInputs(**a), samples
 
   def begin_step(self) -> list[tuple[Seq, int]] | None:
@@ -536,10 +552,13 @@ class Scheduler:
         continue
       tok = int(out.tokens[r])
       t.tokens[idx] = tok
+      t.token_logprobs.append(float(out.token_logprobs[r]))
       self._first_token(t.group)
       self._on_token(t, tok, idx)
     rows: dict[int, list] = {}
     for r, s in pending.beam:
+      if s.group.aborted:
+        continue
       rows.setdefault(id(s.group), [s.group, {}])[1][id(s)] = (
           out.top_logprobs[r], out.top_ids[r])
     for g, by_seq in rows.values():
@@ -565,15 +584,80 @@ class Scheduler:
       reason = "length"
     if self.collect_deltas:
       self._deltas.append(RequestDelta(g.request.request_id, seq.index, [tok],
-                                       reason))
+                                       reason, logprobs=[seq.token_logprobs[-1]]))
     if reason is None:
       return
     del seq.tokens[idx + 1:]  # a token sampled after the EOS is void
+    self._finish_seq(seq, reason)
+
+  def _finish_seq(self, seq: Seq, reason: str):
+    """`seq` is done (`reason`): its completion, its blocks back next step.
+    Tokens still in flight (`PENDING`) after the decision are void."""
+    g = seq.group
+    while seq.tokens and seq.tokens[-1] == PENDING:
+      seq.tokens.pop()
     seq.done = True
-    g.done[seq.index] = Completion(list(seq.generated), reason)
+    g.done[seq.index] = Completion(list(seq.generated), reason,
+                                   token_logprobs=list(seq.token_logprobs))
     self._retire(seq)
     if len(g.done) == g.params.n:
       self._finish_group(g)
+
+  def _find(self, request_id) -> Group | None:
+    for seq in self._running + self._waiting:
+      if seq.group.request.request_id == request_id:
+        return seq.group
+    return None
+
+  def stop_sequence(self, request_id, index: int) -> bool:
+    """Finishes sample `index` of a running (non-beam) request now, with
+    finish reason "stop" (the host decided, e.g. a stop string); its blocks
+    are released by the next step, like those of a sequence that sampled
+    EOS. Returns False when there is no such live sequence."""
+    g = self._find(request_id)
+    if g is None or g.is_beam:
+      return False
+    seq = next((s for s in g.live if s.index == index), None)
+    if seq is None or index in g.done:
+      return False
+    self._finish_seq(seq, "stop")
+    return True
+
+  def abort_request(self, request_id) -> bool:
+    """Drops a request (waiting or running): every sequence leaves the queues
+    and its slot is queued for release by the next step, as preemption and
+    finishing do. Its `RequestOutput` (completions so far, finish reason
+    "abort") ends its stream. Returns False when the request is unknown or
+    already finished."""
+    g = self._find(request_id)
+    if g is None:
+      return False
+    for seq in list(g.live):
+      if seq in self._running:
+        self._running.remove(seq)
+      if seq in self._waiting:
+        self._waiting.remove(seq)
+    for seq in list(g.live):  # children first: a pending fork holds no state
+      if seq.fork_from >= 0:
+        self._release(seq)
+    for seq in list(g.live):
+      self._release(seq)
+      while seq.tokens and seq.tokens[-1] == PENDING:  # in flight: void
+        seq.tokens.pop()
+      seq.done = True  # results still in flight for it are ignored
+      if not g.is_beam and seq.index not in g.done:
+        g.done[seq.index] = Completion(list(seq.generated), "abort",
+                                       token_logprobs=list(seq.token_logprobs))
+    g.live = []
+    g.aborted = True
+    out = g.output
+    out.finish_step, out.finish_time = self._step, time.perf_counter()
+    out.completions = [g.done[i] for i in sorted(g.done)]
+    self.stats.aborted += 1
+    self._outputs.append(out)
+    if self.collect_deltas:
+      self._deltas.append(RequestDelta(out.request_id, -1, [], output=out))
+    return True
 
   def _retire(self, seq: Seq):
     """Drops a finished sequence (once); its blocks go back at the next step

@@ -83,7 +83,7 @@ class EngineStats:
     generated_tokens: output tokens of finished requests.
     computed_tokens: real token rows run (prompt, recompute and decode).
     padded_rows: token rows computed, padding included (the buckets' sizes).
-    preemptions, refused_reservations, finished, rejected: counts.
+    preemptions, refused_reservations, finished, rejected, aborted: counts.
     host_seconds: the host's own work per step (scheduling, input building,
       dispatching, applying results), compilation excluded.
     wait_seconds: the host waiting for a step's results.
@@ -113,6 +113,7 @@ class EngineStats:
   refused_reservations: int = 0
   finished: int = 0
   rejected: int = 0
+  aborted: int = 0
   host_seconds: float = 0.0
   wait_seconds: float = 0.0
   exposed_host_seconds: float = 0.0

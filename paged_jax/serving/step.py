@@ -89,6 +89,7 @@ class StepInputs:
   top_p: jax.Array  # f32[num_seqs]
   seeds: jax.Array  # i32[num_seqs]
   positions: jax.Array  # i32[num_seqs]  position of the token being sampled
+  banned: jax.Array  # i32[num_seqs, sampling.MAX_BANNED]  masked ids, -1 = none
 
 
 @flax.struct.dataclass
@@ -98,6 +99,7 @@ class StepOutputs:
   top_ids: jax.Array  # i32[num_seqs, num_logprobs]
   ok: jax.Array  # bool[num_seqs]  reservation per entry (the host knew it)
   fork_ok: jax.Array  # bool[max_batch]  (the host knew it too)
+  token_logprobs: jax.Array  # f32[num_seqs]  log-prob of each sampled token
 
 
 def device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
@@ -126,11 +128,11 @@ def device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
       state, x.seq_ids, x.q_lens, num_tokens=x.tokens.shape[0], active=res.ok,
       decode_only=decode_only)
   hidden, cache = model.paged_forward(input_tokens(last_tokens, x), meta, cache)
-  tokens, top_lp, top_ids = _sample(model.logits(hidden[x.sample_rows]), x,
-                                    num_logprobs)
+  tokens, top_lp, top_ids, token_lp = _sample(model.logits(hidden[x.sample_rows]),
+                                              x, num_logprobs)
   last_tokens = store_tokens(last_tokens, x.sample_slots, tokens)
   return cache, state, last_tokens, StepOutputs(tokens, top_lp, top_ids, res.ok,
-                                                fork_ok)
+                                                fork_ok, token_lp)
 
 
 def input_tokens(last_tokens: jax.Array, x: StepInputs) -> jax.Array:
@@ -195,7 +197,7 @@ def mesh_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
     return jax.tree.map(lambda a: a[None], _sample(logits[0], x, num_logprobs))
 
   by_data = P(sharding.DATA)
-  tokens, top_lp, top_ids = jax.shard_map(
+  tokens, top_lp, top_ids, token_lp = jax.shard_map(
       local_sample, mesh=mesh, in_specs=(by_data, by_data), out_specs=by_data,
       check_vma=False)(logits, x)
   cache = jax.lax.with_sharding_constraint(
@@ -205,7 +207,7 @@ def mesh_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
       jax.vmap(store_tokens)(last_tokens, x.sample_slots, tokens),
       NamedSharding(mesh, by_data))
   return cache, states, last_tokens, StepOutputs(tokens, top_lp, top_ids, res.ok,
-                                                 fork_ok)
+                                                 fork_ok, token_lp)
 
 
 def bookkeeping(state: bm.BlockState, release_early, fork_parents, fork_children,
@@ -245,8 +247,10 @@ def _bookkeeping(state: bm.BlockState, x: StepInputs):
 
 
 def _sample(logits, x: StepInputs, num_logprobs: int):
-  """Sampled tokens and top log-probs of the sample rows' logits."""
+  """Sampled tokens, top log-probs and the sampled tokens' log-probs of the
+  sample rows' logits (banned ids masked first)."""
+  logits = sampling.ban_tokens(logits, x.banned)
   tokens = sampling.sample_tokens(logits, x.temperature, x.top_k, x.top_p,
                                   x.seeds, x.positions)
   top_lp, top_ids = sampling.top_logprobs(logits, num_logprobs)
-  return tokens, top_lp, top_ids
+  return tokens, top_lp, top_ids, sampling.token_logprobs(logits, tokens)

@@ -1,0 +1,187 @@
+"""Text in, text out over an `Engine`: streaming decode and stop strings.
+
+`TextEngine` wraps an `Engine` and a tokenizer (`tokenizer.py`). Each step it
+turns the engine's token deltas into `TextDelta`s: the new text of each
+sequence (multi-byte characters complete), its tokens and their log-probs.
+Stop strings (`SamplingParams.stop`) are matched on the decoded text: the
+text is cut where a stop string starts, the sequence is finished at once
+(`Engine.stop_sequence`, its blocks back at the next step) with finish reason
+"stop". While a stop string might still be forming, the last
+`len(longest stop) - 1` characters are held back. An EOS or stop token ends
+the text and is not decoded (it stays in `token_ids`).
+
+Example:
+  >>> te = TextEngine(engine, ByteTokenizer())
+  >>> te.add_request(Request("a", te.tokenizer.encode("Hi"), SamplingParams(stop=("\\n",))))
+  >>> while te.has_unfinished():
+  ...   for d in te.step():
+  ...     print(d.text, end="")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable
+
+from paged_jax.serving.engine import Engine
+from paged_jax.serving.requests import Request, RequestOutput
+from paged_jax.serving.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class TextCompletion:
+  text: str
+  token_ids: list[int]
+  logprobs: list[float] | None
+  finish_reason: str | None
+
+
+@dataclasses.dataclass
+class TextDelta:
+  """New text of one sequence, or (index -1, `output` set) a request's end.
+
+  Attributes:
+    request_id, index: as in `RequestDelta`.
+    text: the new text (may be empty while characters or a possible stop
+      string are held back).
+    token_ids, logprobs: the new tokens and their log-probabilities.
+    finish_reason: "stop", "length" or "abort" on a sequence's last delta.
+    output: the `RequestOutput` (completions' token ids) on the last delta;
+      `completions` then holds each sequence's `TextCompletion`.
+  """
+
+  request_id: Hashable
+  index: int
+  text: str = ""
+  token_ids: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] | None = None
+  finish_reason: str | None = None
+  output: RequestOutput | None = None
+  completions: list[TextCompletion] | None = None
+
+
+class _SeqText:
+  def __init__(self, decoder):
+    self.decoder = decoder
+    self.text = ""
+    self.emitted = 0
+    self.searched = 0
+    self.token_ids: list[int] = []
+    self.logprobs: list[float] = []
+    self.finish_reason: str | None = None
+
+
+class _Req:
+  def __init__(self, request: Request, stop_ids: frozenset[int]):
+    self.request = request
+    self.stop = request.params.stop
+    self.hold = max((len(s) for s in self.stop), default=1) - 1
+    self.stop_ids = stop_ids
+    self.seqs: dict[int, _SeqText] = {}
+
+
+class TextEngine:
+  """An `Engine` with text deltas and stop strings (see the module docstring).
+
+  Args:
+    engine: the `Engine` (its deltas are turned on).
+    tokenizer: a `tokenizer.Tokenizer`.
+  """
+
+  def __init__(self, engine: Engine, tokenizer: Tokenizer):
+    self.engine = engine
+    self.tokenizer = tokenizer
+    self._reqs: dict[Hashable, _Req] = {}
+    engine.stream_deltas(True)
+
+  def add_request(self, request: Request) -> RequestOutput | None:
+    """`Engine.add_request`; the rejection (if any) also ends the stream."""
+    p = request.params
+    eos = p.eos_token_ids or tuple(self.engine.model_config.eos_token_ids)
+    self._reqs[request.request_id] = _Req(request, frozenset(eos) | frozenset(p.stop_token_ids))
+    return self.engine.add_request(request)
+
+  def abort_request(self, request_id) -> bool:
+    return self.engine.abort_request(request_id)
+
+  def has_unfinished(self) -> bool:
+    return self.engine.has_unfinished() or bool(self._reqs)
+
+  def step(self) -> list[TextDelta]:
+    """One engine step when there is work (else the releases still queued);
+    returns the text deltas since the last call."""
+    if self.engine.has_unfinished():
+      self.engine.step()
+    else:
+      self.engine.flush()
+    return self.take()
+
+  def take(self) -> list[TextDelta]:
+    """The text deltas of the engine's deltas since the last call."""
+    out = []
+    for d in self.engine.take_deltas():
+      r = self._reqs.get(d.request_id)
+      if r is None:
+        continue
+      if d.output is not None:
+        out.append(self._final(r, d.output))
+        continue
+      if r.request.params.beam_width > 1:
+        s = self._seq(r, d.index)
+        s.token_ids = list(d.token_ids)
+        s.text = self.tokenizer.decode([t for t in d.token_ids if t not in r.stop_ids])
+        s.finish_reason = d.finish_reason
+        s.logprobs = None
+        out.append(TextDelta(d.request_id, d.index, s.text, list(d.token_ids),
+                             None, d.finish_reason))
+        continue
+      delta = self._tokens(r, d.index, d.token_ids, d.logprobs, d.finish_reason)
+      if delta is not None:
+        out.append(delta)
+    return out
+
+  def _seq(self, r: _Req, index: int) -> _SeqText:
+    if index not in r.seqs:
+      r.seqs[index] = _SeqText(self.tokenizer.stream_decoder())
+    return r.seqs[index]
+
+  def _tokens(self, r: _Req, index, token_ids, logprobs, finish_reason):
+    s = self._seq(r, index)
+    if s.finish_reason is not None:  # stopped by a stop string: drop the rest
+      return None
+    s.token_ids += token_ids
+    s.logprobs += logprobs or []
+    ids = list(token_ids)
+    if finish_reason == "stop" and ids and ids[-1] in r.stop_ids:
+      ids = ids[:-1]
+    s.text += s.decoder.add(ids)
+    if finish_reason is not None:
+      s.text += s.decoder.flush()
+    if r.stop:
+      start = max(0, s.searched - r.hold)
+      hits = [i for i in (s.text.find(stop, start) for stop in r.stop) if i >= 0]
+      s.searched = len(s.text)
+      if hits:
+        s.text = s.text[:min(hits)]
+        if finish_reason is None:
+          self.engine.stop_sequence(r.request.request_id, index)
+        finish_reason = "stop"
+    s.finish_reason = finish_reason
+    upto = len(s.text) if finish_reason else max(s.emitted, len(s.text) - r.hold)
+    text, s.emitted = s.text[s.emitted:upto], upto
+    return TextDelta(r.request.request_id, index, text, list(token_ids),
+                     list(logprobs) if logprobs is not None else None, finish_reason)
+
+  def _final(self, r: _Req, output: RequestOutput) -> TextDelta:
+    del self._reqs[output.request_id]
+    comps = []
+    for i, c in enumerate(output.completions):
+      s = r.seqs.get(i)
+      if s is None:
+        s = self._seq(r, i)
+      if s.finish_reason is None:  # aborted: what was decoded so far
+        s.text += s.decoder.flush()
+        s.finish_reason = c.finish_reason
+      comps.append(TextCompletion(s.text, list(c.token_ids), s.logprobs or
+                                  c.token_logprobs, s.finish_reason))
+    return TextDelta(output.request_id, -1, output=output, completions=comps)

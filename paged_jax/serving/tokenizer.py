@@ -1,0 +1,252 @@
+"""Tokenizers: text <-> token ids, streaming decode, chat templates.
+
+A tokenizer here is anything with the methods of `Tokenizer`. Two ship:
+
+* `ByteTokenizer`: pure Python, UTF-8 bytes offset by 3 special ids (0 pad,
+  1 BOS, 2 EOS; ids 3..258 are the bytes 0..255). It fits the built-in tiny
+  Llama (vocab 512, EOS 2), so text in and out works with no download.
+* `HFTokenizer`: a checkpoint directory's `tokenizer.json` through Hugging
+  Face `tokenizers`, with the chat template of `tokenizer_config.json`
+  rendered by jinja2 as transformers does (both optional imports, needed only
+  for such a directory).
+
+Streaming decode (`Tokenizer.stream_decoder()`): `add(token_ids)` returns the
+text those tokens complete, holding back a multi-byte character until its
+last byte arrives; `flush()` returns what is left. The pieces concatenate to
+the whole decode.
+
+Example:
+  >>> tok = ByteTokenizer()
+  >>> ids = tok.encode("héllo")
+  >>> d = tok.stream_decoder()
+  >>> [d.add([i]) for i in ids[:3]]
+  ['', 'h', '']
+  >>> tok.decode(ids)
+  'héllo'
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import pathlib
+from typing import Protocol, Sequence
+
+
+class StreamDecoder(Protocol):
+  def add(self, token_ids: Sequence[int]) -> str: ...
+  def flush(self) -> str: ...
+
+
+class Tokenizer(Protocol):
+  """What the text layer needs (`paged_jax.serving.text`)."""
+
+  eos_token_ids: tuple[int, ...]
+
+  def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+  def decode(self, token_ids: Sequence[int]) -> str: ...
+  def stream_decoder(self) -> StreamDecoder: ...
+  def apply_chat_template(self, messages: list[dict],
+                          add_generation_prompt: bool = True) -> str: ...
+
+
+# The byte tokenizer's chat format (plain text, no special tokens needed).
+BYTE_CHAT_ROLES = ("system", "user", "assistant")
+
+
+def _check_messages(messages) -> None:
+  if not isinstance(messages, list) or not messages:
+    raise ValueError(f"messages must be a non-empty list, got {messages!r:.80}")
+  for m in messages:
+    if not isinstance(m, dict) or not isinstance(m.get("content"), str) or \
+        not isinstance(m.get("role"), str):
+      raise ValueError("each message must be {\"role\": str, \"content\": str}, "
+                       f"got {m!r:.80}")
+
+
+class _ByteStream:
+  def __init__(self):
+    self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+  def add(self, token_ids: Sequence[int]) -> str:
+    return self._dec.decode(ByteTokenizer.to_bytes(token_ids))
+
+  def flush(self) -> str:
+    return self._dec.decode(b"", final=True)
+
+
+class ByteTokenizer:
+  """UTF-8 bytes as ids 3..258; 0 pad, 1 BOS, 2 EOS (other ids decode to
+  nothing)."""
+
+  OFFSET = 3
+  PAD, BOS, EOS = 0, 1, 2
+  eos_token_ids = (2,)
+  vocab_size = 259
+
+  def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    ids = [b + self.OFFSET for b in text.encode("utf-8")]
+    return [self.BOS] + ids if add_special_tokens else ids
+
+  @classmethod
+  def to_bytes(cls, token_ids: Sequence[int]) -> bytes:
+    return bytes(t - cls.OFFSET for t in token_ids
+                 if cls.OFFSET <= t < cls.OFFSET + 256)
+
+  def decode(self, token_ids: Sequence[int]) -> str:
+    return self.to_bytes(token_ids).decode("utf-8", errors="replace")
+
+  def stream_decoder(self) -> StreamDecoder:
+    return _ByteStream()
+
+  def apply_chat_template(self, messages: list[dict],
+                          add_generation_prompt: bool = True) -> str:
+    _check_messages(messages)
+    text = "".join(f"<{m['role']}>\n{m['content']}\n" for m in messages)
+    return text + ("<assistant>\n" if add_generation_prompt else "")
+
+
+class _WindowStream:
+  """Incremental decode for tokenizers that only decode whole id lists (the
+  prefix-window method of vLLM and TGI): decode a short window before the new
+  tokens and with them, emit the difference once it does not end in an
+  incomplete character (U+FFFD)."""
+
+  def __init__(self, decode, window: int = 6):
+    self._decode = decode
+    self._ids: list[int] = []
+    self._prefix = 0  # window start
+    self._read = 0  # tokens already emitted
+    self._window = window
+
+  def _step(self, final: bool) -> str:
+    prefix_text = self._decode(self._ids[self._prefix:self._read])
+    text = self._decode(self._ids[self._prefix:])
+    if len(text) <= len(prefix_text) or (text.endswith("\ufffd") and not final):
+      return ""
+    new = text[len(prefix_text):]
+    self._read = len(self._ids)
+    self._prefix = max(0, self._read - self._window)
+    return new
+
+  def add(self, token_ids: Sequence[int]) -> str:
+    self._ids.extend(int(t) for t in token_ids)
+    return self._step(final=False)
+
+  def flush(self) -> str:
+    return self._step(final=True)
+
+
+def _token_text(value) -> str | None:
+  """A special token in `tokenizer_config.json`: a string or an AddedToken
+  object `{"content": ...}`."""
+  if isinstance(value, dict):
+    value = value.get("content")
+  return value if isinstance(value, str) else None
+
+
+class HFTokenizer:
+  """A Hugging Face `tokenizer.json` (+ `tokenizer_config.json`).
+
+  Args:
+    tokenizer_json: path of `tokenizer.json`.
+    config: the `tokenizer_config.json` dict (chat template, BOS/EOS tokens).
+    extra_eos_ids: more EOS ids (e.g. `generation_config.json`'s).
+
+  Raises:
+    ImportError: without the `tokenizers` package.
+  """
+
+  def __init__(self, tokenizer_json, config: dict | None = None,
+               extra_eos_ids: Sequence[int] = ()):
+    try:
+      import tokenizers  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+      raise ImportError("reading tokenizer.json needs the `tokenizers` package "
+                        "(pip install tokenizers, or the `serve` extra)") from e
+    self._tok = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+    self.config = dict(config or {})
+    self.special = {k: _token_text(self.config.get(k))
+                    for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    eos = list(extra_eos_ids)
+    eos_text = self.special["eos_token"]
+    if eos_text is not None and self._tok.token_to_id(eos_text) is not None:
+      eos.append(self._tok.token_to_id(eos_text))
+    self.eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos))
+    template = self.config.get("chat_template")
+    if isinstance(template, list):  # named templates: take "default"
+      named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+      template = named.get("default")
+    self.chat_template = template if isinstance(template, str) else None
+    self._compiled = None
+
+  @classmethod
+  def from_directory(cls, path) -> "HFTokenizer":
+    """The tokenizer of a checkpoint directory (`tokenizer.json`, optional
+    `tokenizer_config.json` and `generation_config.json`).
+
+    Raises:
+      FileNotFoundError: no `tokenizer.json` there.
+    """
+    d = pathlib.Path(path)
+    if not (d / "tokenizer.json").is_file():
+      raise FileNotFoundError(f"{d}: no tokenizer.json")
+    config = {}
+    if (d / "tokenizer_config.json").is_file():
+      config = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+    eos = []
+    if (d / "generation_config.json").is_file():
+      g = json.loads((d / "generation_config.json").read_text(encoding="utf-8"))
+      e = g.get("eos_token_id")
+      eos = e if isinstance(e, list) else [e] if isinstance(e, int) else []
+    return cls(d / "tokenizer.json", config, eos)
+
+  def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+  def decode(self, token_ids: Sequence[int]) -> str:
+    return self._tok.decode([int(t) for t in token_ids], skip_special_tokens=True)
+
+  def stream_decoder(self) -> StreamDecoder:
+    return _WindowStream(self.decode)
+
+  def apply_chat_template(self, messages: list[dict],
+                          add_generation_prompt: bool = True) -> str:
+    """Renders the chat template as transformers does (jinja2 sandbox,
+    `trim_blocks`, `lstrip_blocks`, `raise_exception`, `tojson`); the result
+    already holds the special tokens, so encode it with
+    `add_special_tokens=False`.
+
+    Raises:
+      ValueError: no chat template, bad messages, or the template raised.
+    """
+    _check_messages(messages)
+    if self.chat_template is None:
+      raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
+    if self._compiled is None:
+      try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # pylint: disable=import-outside-toplevel
+      except ImportError as e:
+        raise ImportError("chat templates need the `jinja2` package") from e
+
+      def raise_exception(message):
+        raise ValueError(f"chat template: {message}")
+
+      env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                          extensions=["jinja2.ext.loopcontrols"])
+      env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(
+          x, ensure_ascii=False, indent=indent)
+      env.globals["raise_exception"] = raise_exception
+      self._compiled = env.from_string(self.chat_template)
+    tokens = {k: v or "" for k, v in self.special.items()}
+    return self._compiled.render(messages=messages,
+                                 add_generation_prompt=add_generation_prompt,
+                                 **tokens)
+
+
+def load_tokenizer(checkpoint: str | None) -> Tokenizer:
+  """`ByteTokenizer()` for the built-in tiny model (`checkpoint=None`), else
+  the checkpoint directory's `HFTokenizer`."""
+  if checkpoint is None:
+    return ByteTokenizer()
+  return HFTokenizer.from_directory(checkpoint)
