@@ -85,6 +85,13 @@ Example:
   >>> state, res = reserve(state, jnp.array([1]), jnp.array([1]))  # copy-on-write
   >>> int(res.copy_src[0]), int(res.copy_dst[0])
   (1, 2)
+  >>> state, ok = register(state, jnp.array([0]), jnp.array([0]))  # full, hashed
+  >>> state, ok = release(state, jnp.array([0, 1]))
+  >>> int(state.num_free), int(state.num_cached), cached_blocks(state)
+  (7, 1, [0])
+  >>> state, ok = share(state, jnp.array([1]), jnp.array([[0]]), jnp.array([1]))
+  >>> bool(ok[0]), int(state.seq_lens[1]), int(state.num_cached)  # a hit
+  (True, 4, 0)
 """
 
 from __future__ import annotations
@@ -778,7 +785,7 @@ def check_invariants(state: BlockState) -> None:
   """Checks the pool's bookkeeping on the host (tests and debugging).
 
   Checked: every block is exactly one of free, cached or referenced; refcounts
-  equal the number of table references; free + used = `num_blocks`; no block
+  equal the number of table references; no block
   appears twice in one row or twice in the free list; each row holds exactly
   `ceil(seq_len / block_size)` blocks followed by `NULL_BLOCK`; lengths lie
   within the table's capacity; every array is int32 with the pool's shapes.
