@@ -517,9 +517,9 @@ def _compact_if_full(state: BlockState, num_new) -> BlockState:
   entries fit the `2 * num_blocks` slots.
   """
   size = state.lru.shape[0]
-  cols = jnp.arange(size, dtype=jnp.int32)
 
   def compact(st):
+    cols = jnp.arange(size, dtype=jnp.int32)
     ent = st.lru[_ring_slot(st.lru_head, cols, size)]
     live = (cols < st.lru_len) & (ent >= 0)
     pos = jnp.cumsum(live, dtype=jnp.int32) - 1

@@ -447,3 +447,53 @@ def test_init_refuses_a_ring_past_int32():
                      r"2147483648 must be < 2\*\*31 \(int32 cached-block ring "
                      r"slots\)"):
     bm.init(num_blocks=2**30, block_size=1, max_seqs=1, max_blocks_per_seq=1)
+
+
+_POOL_WIDE = ("reduce_sum", "reduce_max", "reduce_min", "reduce_or",
+              "reduce_and", "argmin", "argmax", "cumsum", "cummax", "sort",
+              "scan")
+
+
+def _pool_wide_ops(jaxpr, sizes, skip_compaction):
+  """Primitives that scan, sort or reduce an operand with a pool-sized axis."""
+  found = []
+  for eqn in jaxpr.eqns:
+    subs = [p for v in eqn.params.values()
+            for p in (v if isinstance(v, (tuple, list)) else [v])
+            if hasattr(p, "jaxpr") or hasattr(p, "eqns")]
+    if eqn.primitive.name == "while" and skip_compaction:
+      body = eqn.params["body_jaxpr"].jaxpr
+      if any(e.primitive.name == "iota" and e.params["shape"][0] == sizes[1]
+             for e in body.eqns):
+        continue  # `_compact_if_full`: at most once per num_blocks hits
+    for sub in subs:
+      found += _pool_wide_ops(getattr(sub, "jaxpr", sub), sizes,
+                              skip_compaction)
+    if eqn.primitive.name in _POOL_WIDE:
+      shapes = [getattr(v.aval, "shape", ()) for v in eqn.invars]
+      if any(set(s) & set(sizes) for s in shapes):
+        found.append((eqn.primitive.name, shapes))
+  return found
+
+
+def test_no_operation_scans_the_pool():
+  """The cost claim, checked on the traced programs: no reduction, cumsum,
+  sort or scan over a pool-sized axis (num_blocks or the ring's 2 x
+  num_blocks) in any operation, except the ring's rare compaction."""
+  n = 1009  # a size no other axis has
+  state = bm.init(num_blocks=n, block_size=4, max_seqs=6, max_blocks_per_seq=5)
+  ids, cnt = jnp.zeros(3, jnp.int32), jnp.ones(3, jnp.int32)
+  calls = {
+      "reserve": (bm.reserve, (state, ids, cnt)),
+      "release": (bm.release, (state, ids)),
+      "fork": (bm.fork, (state, ids, ids)),
+      "register": (bm.register, (state, ids, ids)),
+      "share": (bm.share, (state, ids, jnp.zeros((3, 5), jnp.int32), cnt)),
+      "slot_mapping": (bm.slot_mapping, (state, ids, ids)),
+  }
+  for name, (fn, args) in calls.items():
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    assert not _pool_wide_ops(jaxpr, (n, 2 * n), True), name
+  # The detector itself sees a pool scan: the compaction is one.
+  jaxpr = jax.make_jaxpr(bm.release)(state, ids).jaxpr
+  assert _pool_wide_ops(jaxpr, (n, 2 * n), False)
