@@ -272,7 +272,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 TestPrefixCacheModel = PrefixCacheMachine.TestCase
 TestPrefixCacheModel.settings = hypothesis.settings(
-    max_examples=30, stateful_step_count=30, deadline=None,
+    max_examples=20, stateful_step_count=30, deadline=None,
     derandomize=True, suppress_health_check=list(hypothesis.HealthCheck))
 
 
