@@ -113,7 +113,8 @@ def simulate(scaled: Scaled, *, num_blocks: int, block_size: int,
   width = max(-(-(len(p) + scaled.output_len(i)) // block_size)
               for i, p in enumerate(prompts))
   state = bm.init(num_blocks=num_blocks, block_size=block_size,
-                  max_seqs=max_seqs, max_blocks_per_seq=width)
+                  max_seqs=max_seqs, max_blocks_per_seq=width,
+                  prefix_caching=True)
   index = prefix_cache.PrefixIndex(block_size)
   share = jax.jit(bm.share, donate_argnums=0)
   reserve = jax.jit(bm.reserve, donate_argnums=0)

@@ -17,10 +17,12 @@ Layout of the state:
 * `refcounts` `i32[num_blocks]`: how many block-table entries point at each block.
 * `free_stack` `i32[num_blocks]`, `num_free` `i32[]`: `free_stack[:num_free]`
   are the empty blocks; allocation pops from the top, release pushes.
-* Prefix caching (`register`, `share`; see "Cached blocks" below):
-  `cacheable` `bool[num_blocks]`, the cached-block ring `lru` `i32[2 *
-  num_blocks]` with `lru_head`, `lru_len`, `num_cached` `i32[]`, and its index
-  `lru_pos` `i32[num_blocks]`.
+* Prefix caching (`init(..., prefix_caching=True)`; `register`, `share`; see
+  "Cached blocks" below): `cacheable` `bool[num_blocks]`, the cached-block
+  ring `lru` `i32[2 * num_blocks]` with `lru_head`, `lru_len`, `num_cached`
+  `i32[]`, and its index `lru_pos` `i32[num_blocks]`. Without prefix caching
+  (the default) these fields are `None` and every operation runs the plain
+  allocator: no sort by release order, no eviction loop, no ring updates.
 
 Cached blocks (automatic prefix caching). The host says which full blocks hold
 hashed content (`register`); such a block is *cacheable*. When a cacheable
@@ -31,7 +33,8 @@ stack), cached (in the ring) or live (refcount > 0). Allocation takes empty
 blocks first, then evicts cached blocks least recently released first; within
 one released sequence its last blocks go first (vLLM's order: a request's
 tail is the least likely to be shared). Nothing registered means nothing
-cached: every operation then behaves exactly as without prefix caching.
+cached: every operation then gives the same results as without prefix
+caching (at the cost of the ring bookkeeping; switch it off to skip that).
 
 The evictable set is a FIFO ring of block ids in release order. A release
 appends at the tail, an allocation pops from the head, both vectorised (one
@@ -85,6 +88,11 @@ Example:
   >>> state, res = reserve(state, jnp.array([1]), jnp.array([1]))  # copy-on-write
   >>> int(res.copy_src[0]), int(res.copy_dst[0])
   (1, 2)
+  >>> state = init(num_blocks=8, block_size=4, max_seqs=2, max_blocks_per_seq=4,
+  ...              prefix_caching=True)
+  >>> state, res = reserve(state, jnp.array([0]), jnp.array([6]))
+  >>> state, ok = fork(state, jnp.array([0]), jnp.array([1]))
+  >>> state, res = reserve(state, jnp.array([1]), jnp.array([1]))
   >>> state, ok = register(state, jnp.array([0]), jnp.array([0]))  # full, hashed
   >>> state, ok = release(state, jnp.array([0, 1]))
   >>> int(state.num_free), int(state.num_cached), cached_blocks(state)
@@ -122,7 +130,8 @@ class BlockState:
     free_stack: `i32[num_blocks]`; `free_stack[:num_free]` are the empty blocks.
     num_free: `i32[]` number of empty blocks (not counting cached ones).
     cacheable: `bool[num_blocks]` blocks holding registered (hashed, full,
-      immutable) content: live ones and cached ones.
+      immutable) content: live ones and cached ones. This and the five
+      fields below are `None` without prefix caching.
     lru: `i32[2 * num_blocks]` ring of cached block ids in release order;
       slots `lru_head .. lru_head + lru_len - 1` (mod its size) are in use,
       `NULL_BLOCK` there is a tombstone (a block shared out by a hit).
@@ -139,13 +148,19 @@ class BlockState:
   refcounts: jax.Array
   free_stack: jax.Array
   num_free: jax.Array
-  cacheable: jax.Array
-  lru: jax.Array
-  lru_pos: jax.Array
-  lru_head: jax.Array
-  lru_len: jax.Array
-  num_cached: jax.Array
+  cacheable: jax.Array | None
+  lru: jax.Array | None
+  lru_pos: jax.Array | None
+  lru_head: jax.Array | None
+  lru_len: jax.Array | None
+  num_cached: jax.Array | None
   block_size: int = flax.struct.field(pytree_node=False)
+
+  @property
+  def prefix_caching(self) -> bool:
+    """Whether this state caches released registered blocks (static: part
+    of the pytree's structure, so operations branch on it in Python)."""
+    return self.lru is not None
 
   @property
   def num_blocks(self) -> int:
@@ -172,11 +187,15 @@ class BlockState:
   @property
   def num_used(self) -> jax.Array:
     """`i32[]` blocks currently referenced by at least one sequence."""
+    if not self.prefix_caching:
+      return self.num_blocks - self.num_free
     return self.num_blocks - self.num_free - self.num_cached
 
   @property
   def num_available(self) -> jax.Array:
     """`i32[]` blocks an allocation can take: empty plus cached (evictable)."""
+    if not self.prefix_caching:
+      return self.num_free
     return self.num_free + self.num_cached
 
 
@@ -190,17 +209,18 @@ class Reservation:
     copy_dst: `i32[n]` copy-on-write destination block, `NULL_BLOCK` if none.
     evicted: `i32[n, max_blocks_per_seq]` the cached blocks this call evicted
       (their old content is gone: drop them from the prefix index), at the
-      table entries they were given to; `NULL_BLOCK` elsewhere.
+      table entries they were given to; `NULL_BLOCK` elsewhere. `None`
+      without prefix caching (nothing is ever evicted).
   """
 
   ok: jax.Array
   copy_src: jax.Array
   copy_dst: jax.Array
-  evicted: jax.Array
+  evicted: jax.Array | None
 
 
 def init(*, num_blocks: int, block_size: int, max_seqs: int,
-         max_blocks_per_seq: int) -> BlockState:
+         max_blocks_per_seq: int, prefix_caching: bool = False) -> BlockState:
   """An empty pool: every block free, every sequence slot empty.
 
   Sizes are keyword-only, as in `KVCache.create`: their orders differ.
@@ -211,6 +231,10 @@ def init(*, num_blocks: int, block_size: int, max_seqs: int,
     max_seqs: sequence slots (rows of the block table).
     max_blocks_per_seq: block-table width; a sequence holds at most
       `max_blocks_per_seq * block_size` tokens.
+    prefix_caching: keep released registered blocks cached (`register`,
+      `share`). Off (the default), the cache fields are `None`, `register`
+      and `share` refuse the state, and the other operations cost what they
+      cost without prefix caching.
 
   Returns:
     A `BlockState`. Blocks are handed out lowest id first from a fresh pool.
@@ -220,8 +244,9 @@ def init(*, num_blocks: int, block_size: int, max_seqs: int,
   Raises:
     ValueError: if a size is not a positive int, or if a sequence
       (`max_blocks_per_seq * block_size` tokens), the pool's flat slots
-      (`num_blocks * block_size`), the cached-block ring (`2 * num_blocks`
-      slots) or `max_seqs` would not fit int32 (< 2**31).
+      (`num_blocks * block_size`), `max_seqs` or, with prefix caching, the
+      cached-block ring (`2 * num_blocks` slots) would not fit int32
+      (< 2**31); if `prefix_caching` is not a bool.
   """
   num_blocks = _int32.positive_int("num_blocks", num_blocks)
   block_size = _int32.positive_int("block_size", block_size)
@@ -233,8 +258,20 @@ def init(*, num_blocks: int, block_size: int, max_seqs: int,
   _int32.check_fits("cache slots", num_blocks=num_blocks,
                     block_size=block_size)
   _int32.check_fits("sequence ids", max_seqs=max_seqs)
-  _int32.check_fits("cached-block ring slots", ring_per_block=2,
-                    num_blocks=num_blocks)
+  if not isinstance(prefix_caching, (bool, np.bool_)):
+    raise ValueError(f"prefix_caching must be a bool, got {prefix_caching!r}")
+  cache = dict.fromkeys(("cacheable", "lru", "lru_pos", "lru_head", "lru_len",
+                         "num_cached"))
+  if prefix_caching:
+    _int32.check_fits("cached-block ring slots", ring_per_block=2,
+                      num_blocks=num_blocks)
+    cache = dict(
+        cacheable=jnp.zeros((num_blocks,), bool),
+        lru=jnp.full((2 * num_blocks,), NULL_BLOCK, jnp.int32),
+        lru_pos=jnp.full((num_blocks,), -1, jnp.int32),
+        lru_head=jnp.zeros((), jnp.int32),
+        lru_len=jnp.zeros((), jnp.int32),
+        num_cached=jnp.zeros((), jnp.int32))
   return BlockState(
       block_tables=jnp.full((max_seqs, max_blocks_per_seq), NULL_BLOCK,
                             jnp.int32),
@@ -242,14 +279,16 @@ def init(*, num_blocks: int, block_size: int, max_seqs: int,
       refcounts=jnp.zeros((num_blocks,), jnp.int32),
       free_stack=jnp.arange(num_blocks - 1, -1, -1, dtype=jnp.int32),
       num_free=jnp.asarray(num_blocks, jnp.int32),
-      cacheable=jnp.zeros((num_blocks,), bool),
-      lru=jnp.full((2 * num_blocks,), NULL_BLOCK, jnp.int32),
-      lru_pos=jnp.full((num_blocks,), -1, jnp.int32),
-      lru_head=jnp.zeros((), jnp.int32),
-      lru_len=jnp.zeros((), jnp.int32),
-      num_cached=jnp.zeros((), jnp.int32),
       block_size=block_size,
+      **cache,
   )
+
+
+def _require_caching(op: str, state: BlockState) -> None:
+  if not state.prefix_caching:
+    raise ValueError(
+        f"{op} needs a state with prefix caching (init(..., "
+        f"prefix_caching=True)), got one without (its cache fields are None)")
 
 
 _as_ids = _int32.as_int32  # values outside int32 become -1: invalid everywhere
@@ -363,9 +402,10 @@ def reserve(state: BlockState, seq_ids, num_new_tokens
   n = seq_ids.shape[0]
   if n == 0:  # static: the scan below cannot index an empty batch
     none = jnp.zeros((0,), jnp.int32)
+    evicted = (jnp.zeros((0, width), jnp.int32) if state.prefix_caching
+               else None)
     return state, Reservation(ok=jnp.zeros((0,), bool), copy_src=none,
-                              copy_dst=none,
-                              evicted=jnp.zeros((0, width), jnp.int32))
+                              copy_dst=none, evicted=evicted)
   valid = ((seq_ids >= 0) & (seq_ids < max_seqs) & (num_new_tokens >= 0)
            & _first_occurrence(seq_ids))
   sid = jnp.clip(seq_ids, 0, max_seqs - 1)
@@ -394,24 +434,29 @@ def reserve(state: BlockState, seq_ids, num_new_tokens
     return (num_free, copied), (ok, cow & ok, jnp.where(ok, need, 0))
 
   init = (state.num_available, jnp.full((n,), NULL_BLOCK, jnp.int32))
-  (_, _), (ok, cow, need) = jax.lax.scan(
+  (num_left, _), (ok, cow, need) = jax.lax.scan(
       step, init, jnp.arange(n, dtype=jnp.int32))
 
-  # Hand out blocks in request order: the top of the free stack first, then
-  # cached blocks from the ring's head (evictions).
   offset = jnp.cumsum(need) - need  # blocks taken by earlier requests
-  total = jnp.sum(need, dtype=jnp.int32)  # <= n * width, fits int32
-  from_cache = jnp.maximum(total - state.num_free, 0)
-  evicted_ids, head, length = _evict(state, from_cache, n * width)
   first = cur_blocks - cow.astype(jnp.int32)  # first table column to fill
   k = jnp.arange(width, dtype=jnp.int32)[None, :] - first[:, None]
   taking = ok[:, None] & (k >= 0) & (k < need[:, None])
-  g = offset[:, None] + k  # this block's rank among the call's allocations
-  from_stack = g < state.num_free
-  stack_ids = state.free_stack[jnp.clip(state.num_free - 1 - g, 0,
-                                        num_blocks - 1)]
-  cache_ids = evicted_ids[jnp.clip(g - state.num_free, 0, n * width - 1)]
-  new_ids = jnp.where(from_stack, stack_ids, cache_ids)
+  if state.prefix_caching:
+    # Hand out blocks in request order: the top of the free stack first, then
+    # cached blocks from the ring's head (evictions).
+    total = jnp.sum(need, dtype=jnp.int32)  # <= n * width, fits int32
+    from_cache = jnp.maximum(total - state.num_free, 0)
+    evicted_ids, head, length = _evict(state, from_cache, n * width)
+    g = offset[:, None] + k  # this block's rank among the call's allocations
+    from_stack = g < state.num_free
+    stack_ids = state.free_stack[jnp.clip(state.num_free - 1 - g, 0,
+                                          num_blocks - 1)]
+    cache_ids = evicted_ids[jnp.clip(g - state.num_free, 0, n * width - 1)]
+    new_ids = jnp.where(from_stack, stack_ids, cache_ids)
+  else:
+    # Hand out blocks from the top of the free stack, in request order.
+    pos = state.num_free - 1 - offset[:, None] - k
+    new_ids = state.free_stack[jnp.clip(pos, 0, num_blocks - 1)]
   new_rows = jnp.where(taking, new_ids, rows)
   refs = _scatter_add(state.refcounts, new_ids, taking, 1)
   refs = _scatter_add(refs, last, cow, -1)
@@ -420,18 +465,22 @@ def reserve(state: BlockState, seq_ids, num_new_tokens
   lens = state.seq_lens.at[write].set(new_len, mode="drop")
   dst = jnp.take_along_axis(new_rows, jnp.maximum(first, 0)[:, None],
                             axis=1)[:, 0]
-  # Handed-out blocks get new content: no longer cacheable, no longer cached.
-  cacheable = state.cacheable.at[jnp.where(taking, new_ids, num_blocks)].set(
-      False, mode="drop")
-  lru_pos = state.lru_pos.at[jnp.where(evicted_ids >= 0, evicted_ids,
-                                       num_blocks)].set(-1, mode="drop")
-  num_cached = state.num_cached - from_cache
-  new_state = state.replace(
-      block_tables=tables, seq_lens=lens, refcounts=refs,
-      num_free=state.num_free - (total - from_cache), cacheable=cacheable,
-      lru_pos=lru_pos, lru_head=head,
-      lru_len=jnp.where(num_cached == 0, 0, length), num_cached=num_cached)
-  evicted = jnp.where(taking & ~from_stack, new_ids, NULL_BLOCK)
+  new_state = state.replace(block_tables=tables, seq_lens=lens, refcounts=refs,
+                            num_free=num_left)
+  evicted = None
+  if state.prefix_caching:
+    # Handed-out blocks get new content: no longer cacheable, no longer cached.
+    cacheable = state.cacheable.at[jnp.where(taking, new_ids,
+                                             num_blocks)].set(False,
+                                                              mode="drop")
+    lru_pos = state.lru_pos.at[jnp.where(evicted_ids >= 0, evicted_ids,
+                                         num_blocks)].set(-1, mode="drop")
+    num_cached = state.num_cached - from_cache
+    new_state = new_state.replace(
+        num_free=state.num_free - (total - from_cache), cacheable=cacheable,
+        lru_pos=lru_pos, lru_head=head,
+        lru_len=jnp.where(num_cached == 0, 0, length), num_cached=num_cached)
+    evicted = jnp.where(taking & ~from_stack, new_ids, NULL_BLOCK)
   return new_state, Reservation(ok=ok,
                                 copy_src=jnp.where(cow, last, NULL_BLOCK),
                                 copy_dst=jnp.where(cow, dst, NULL_BLOCK),
@@ -471,6 +520,33 @@ def release(state: BlockState, seq_ids) -> tuple[BlockState, jax.Array]:
   cols = jnp.arange(width, dtype=jnp.int32)
   owned = ok[:, None] & (cols[None, :] < _cdiv(length, bs)[:, None])
   refs = _scatter_add(state.refcounts, rows, owned, -1)
+  write = jnp.where(ok, sid, max_seqs)
+  tables = state.block_tables.at[write].set(NULL_BLOCK, mode="drop")
+  lens = state.seq_lens.at[write].set(0, mode="drop")
+  state = state.replace(block_tables=tables, seq_lens=lens, refcounts=refs)
+  if state.prefix_caching:
+    return _free_or_cache(state, rows, owned), ok
+  # Blocks whose count reached zero go back on the stack, once each even when
+  # several released sequences shared them: sort, keep first of each run.
+  flat = jnp.sort(jnp.where(owned, rows, num_blocks).reshape(-1))
+  fresh = jnp.concatenate([jnp.ones((1,), bool), flat[1:] != flat[:-1]])
+  freed = fresh & (flat < num_blocks)
+  freed &= refs[jnp.clip(flat, 0, num_blocks - 1)] == 0
+  pos = state.num_free + jnp.cumsum(freed.astype(jnp.int32)) - 1
+  stack = state.free_stack.at[jnp.where(freed, pos, num_blocks)].set(
+      flat, mode="drop")
+  num_free = state.num_free + jnp.sum(freed, dtype=jnp.int32)
+  return state.replace(free_stack=stack, num_free=num_free), ok
+
+
+def _free_or_cache(state: BlockState, rows, owned) -> BlockState:
+  """`release` with prefix caching, after the refcounts dropped: blocks at
+  zero go to the free stack, cacheable ones to the ring's tail instead.
+
+  `rows` `i32[n, width]` are the released rows, `owned` `bool[n, width]` their
+  entries that held a reference.
+  """
+  num_blocks, refs = state.num_blocks, state.refcounts
   # Release order: sequences as given, each one's blocks last first.
   order = jnp.where(owned, rows, num_blocks)[:, ::-1].reshape(-1)
   idx = jnp.arange(order.shape[0], dtype=jnp.int32)
@@ -497,13 +573,9 @@ def release(state: BlockState, seq_ids) -> tuple[BlockState, jax.Array]:
   lru = state.lru.at[jnp.where(to_ring, slot, size)].set(order, mode="drop")
   lru_pos = state.lru_pos.at[jnp.where(to_ring, order, num_blocks)].set(
       slot, mode="drop")
-  write = jnp.where(ok, sid, max_seqs)
-  tables = state.block_tables.at[write].set(NULL_BLOCK, mode="drop")
-  lens = state.seq_lens.at[write].set(0, mode="drop")
-  return state.replace(block_tables=tables, seq_lens=lens, refcounts=refs,
-                       free_stack=stack, num_free=num_free, lru=lru,
+  return state.replace(free_stack=stack, num_free=num_free, lru=lru,
                        lru_pos=lru_pos, lru_len=state.lru_len + num_new,
-                       num_cached=state.num_cached + num_new), ok
+                       num_cached=state.num_cached + num_new)
 
 
 def _compact_if_full(state: BlockState, num_new) -> BlockState:
@@ -600,8 +672,10 @@ def register(state: BlockState, seq_ids, block_cols
     (`(col + 1) * block_size > seq_len`).
 
   Raises:
-    ValueError: if the arguments are not 1-D integer arrays of equal length.
+    ValueError: if the state has no prefix caching, or the arguments are not
+      1-D integer arrays of equal length.
   """
+  _require_caching("register", state)
   seq_ids = _as_ids("seq_ids", seq_ids)
   block_cols = _as_ids("block_cols", block_cols)
   _same_length("seq_ids", seq_ids, "block_cols", block_cols)
@@ -641,10 +715,11 @@ def share(state: BlockState, seq_ids, block_ids, num_shared
     is out of range, not cacheable, or listed twice in its row.
 
   Raises:
-    ValueError: if `seq_ids`, `num_shared` are not 1-D integer arrays of equal
-      length, or `block_ids` is not `[len(seq_ids), m]` with
+    ValueError: if the state has no prefix caching, if `seq_ids`,
+      `num_shared` are not 1-D integer arrays of equal length, or `block_ids` is not `[len(seq_ids), m]` with
       `m <= max_blocks_per_seq`.
   """
+  _require_caching("share", state)
   seq_ids = _as_ids("seq_ids", seq_ids)
   num_shared = _as_ids("num_shared", num_shared)
   block_ids = _as_ids("block_ids", block_ids, ndim=2)
@@ -696,7 +771,10 @@ def share(state: BlockState, seq_ids, block_ids, num_shared
 
 
 def cached_blocks(state: BlockState) -> list[int]:
-  """Host side: the cached blocks in eviction order (next evicted first)."""
+  """Host side: the cached blocks in eviction order (next evicted first);
+  `[]` without prefix caching."""
+  if not state.prefix_caching:
+    return []
   size = state.lru.shape[0]
   head, length = int(state.lru_head), int(state.lru_len)
   ring = np.asarray(state.lru)
@@ -736,7 +814,9 @@ def slot_mapping(state: BlockState, seq_ids, positions) -> jax.Array:
   col = jnp.clip(positions // bs, 0, state.max_blocks_per_seq - 1)
   block = state.block_tables[sid, col]
   safe = jnp.clip(block, 0, state.num_blocks - 1)
-  valid &= (block >= 0) & (state.refcounts[safe] == 1) & ~state.cacheable[safe]
+  valid &= (block >= 0) & (state.refcounts[safe] == 1)
+  if state.prefix_caching:
+    valid &= ~state.cacheable[safe]
   return jnp.where(valid, block * bs + positions % bs, -1)
 
 
@@ -789,7 +869,7 @@ def check_invariants(state: BlockState) -> None:
   appears twice in one row or twice in the free list; each row holds exactly
   `ceil(seq_len / block_size)` blocks followed by `NULL_BLOCK`; lengths lie
   within the table's capacity; every array is int32 with the pool's shapes.
-  The cached set: each cached block has refcount 0, is cacheable and sits at
+  With prefix caching, the cached set: each cached block has refcount 0, is cacheable and sits at
   its `lru_pos` slot inside the ring's window; the window holds no other
   entry (no stale id of a reused block); empty blocks are not cacheable; no
   sequence's partial last block is cacheable; free + cached + used =
@@ -807,9 +887,13 @@ def check_invariants(state: BlockState) -> None:
       except AssertionError as e:
         raise AssertionError(f"data shard {shard}: {e}") from None
     return
+  cache_fields = ("cacheable", "lru", "lru_pos", "lru_head", "lru_len",
+                  "num_cached")
+  absent = [f for f in cache_fields if getattr(state, f) is None]
+  assert len(absent) in (0, len(cache_fields)), (
+      f"prefix-caching fields {absent} are None but the others are not")
   for name in ("block_tables", "seq_lens", "refcounts", "free_stack",
-               "num_free", "lru", "lru_pos", "lru_head", "lru_len",
-               "num_cached"):
+               "num_free") + (cache_fields[1:] if state.prefix_caching else ()):
     dtype = getattr(state, name).dtype
     assert dtype == jnp.int32, f"{name} has dtype {dtype}, expected int32"
   assert state.free_stack.shape == state.refcounts.shape, (
@@ -842,13 +926,19 @@ def check_invariants(state: BlockState) -> None:
   assert np.all((free >= 0) & (free < n)), f"bad ids in the free list: {free}"
   assert np.all(refs[free] == 0), (
       f"blocks both free and referenced: {free[refs[free] != 0].tolist()}")
-  _check_cache_invariants(state, tables, lens, refs, free)
+  num_cached = 0
+  if state.prefix_caching:
+    num_cached = int(state.num_cached)
+    _check_cache_invariants(state, tables, lens, refs, free)
+  used = int(np.sum(refs > 0))
+  assert used + num_cached + num_free == n, (
+      f"free ({num_free}) + cached ({num_cached}) + used ({used}) != "
+      f"num_blocks ({n})")
 
 
 def _check_cache_invariants(state, tables, lens, refs, free):
   """The cached set and its ring (see `check_invariants`)."""
   n, bs = state.num_blocks, state.block_size
-  num_free = len(free)
   assert state.cacheable.dtype == bool, (
       f"cacheable has dtype {state.cacheable.dtype}, expected bool")
   assert state.lru.shape == (2 * n,) and state.lru_pos.shape == (n,), (
@@ -883,10 +973,6 @@ def _check_cache_invariants(state, tables, lens, refs, free):
   assert np.sum(ent >= 0) == num_cached, (
       f"ring window holds {int(np.sum(ent >= 0))} entries (stale ones?), "
       f"expected num_cached={num_cached}")
-  live = np.nonzero(refs > 0)[0]
-  assert len(live) + num_cached + num_free == n, (
-      f"free ({num_free}) + cached ({num_cached}) + used ({len(live)}) != "
-      f"num_blocks ({n})")
   for s, row in enumerate(tables):  # registered content is full everywhere
     tail = row[lens[s] // bs:-(-lens[s] // bs)]
     assert not np.any(cacheable[tail]), (

@@ -140,7 +140,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
   def __init__(self):
     super().__init__()
     self.state = bm.init(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-                         max_seqs=MAX_SEQS, max_blocks_per_seq=WIDTH)
+                         max_seqs=MAX_SEQS, max_blocks_per_seq=WIDTH,
+                         prefix_caching=True)
     self.model = CacheModel()
 
   @rule(reqs=st.lists(st.tuples(seq_id, st.integers(-1, 8)), min_size=1,
@@ -278,7 +279,8 @@ TestPrefixCacheModel.settings = hypothesis.settings(
 
 def _pool(num_blocks=8, block_size=2, max_seqs=4, width=4):
   return bm.init(num_blocks=num_blocks, block_size=block_size,
-                 max_seqs=max_seqs, max_blocks_per_seq=width)
+                 max_seqs=max_seqs, max_blocks_per_seq=width,
+                 prefix_caching=True)
 
 
 def _cached_seq(state, sid, num_tokens):
@@ -414,7 +416,8 @@ def test_a_step_with_caching_compiles_once():
     return state, (res.ok, res.evicted, hit, reg)
 
   step = jax.jit(step, donate_argnums=0)
-  state = bm.init(num_blocks=32, block_size=4, max_seqs=8, max_blocks_per_seq=6)
+  state = bm.init(num_blocks=32, block_size=4, max_seqs=8, max_blocks_per_seq=6,
+                  prefix_caching=True)
   rng = np.random.default_rng(0)
   for _ in range(60):
     cacheable = np.nonzero(np.asarray(state.cacheable))[0]
@@ -446,7 +449,8 @@ def test_init_refuses_a_ring_past_int32():
   with pytest.raises(ValueError, match=r"ring_per_block \* num_blocks = "
                      r"2147483648 must be < 2\*\*31 \(int32 cached-block ring "
                      r"slots\)"):
-    bm.init(num_blocks=2**30, block_size=1, max_seqs=1, max_blocks_per_seq=1)
+    bm.init(num_blocks=2**30, block_size=1, max_seqs=1, max_blocks_per_seq=1,
+            prefix_caching=True)
 
 
 _POOL_WIDE = ("reduce_sum", "reduce_max", "reduce_min", "reduce_or",
@@ -481,7 +485,8 @@ def test_no_operation_scans_the_pool():
   sort or scan over a pool-sized axis (num_blocks or the ring's 2 x
   num_blocks) in any operation, except the ring's rare compaction."""
   n = 1009  # a size no other axis has
-  state = bm.init(num_blocks=n, block_size=4, max_seqs=6, max_blocks_per_seq=5)
+  state = bm.init(num_blocks=n, block_size=4, max_seqs=6, max_blocks_per_seq=5,
+                  prefix_caching=True)
   ids, cnt = jnp.zeros(3, jnp.int32), jnp.ones(3, jnp.int32)
   calls = {
       "reserve": (bm.reserve, (state, ids, cnt)),

@@ -82,7 +82,8 @@ def test_index_follows_the_block_manager_through_hits_and_evictions():
   evictions reported by `reserve`: the index never names a reused block."""
   bs, width = 2, 4
   state = bm.init(num_blocks=7, block_size=bs, max_seqs=3,
-                  max_blocks_per_seq=width)
+                  max_blocks_per_seq=width,
+                  prefix_caching=True)
   index = PrefixIndex(bs)
   reserve, release = jax.jit(bm.reserve), jax.jit(bm.release)
   share, register = jax.jit(bm.share), jax.jit(bm.register)
