@@ -502,3 +502,176 @@ def test_no_operation_scans_the_pool():
   # The detector itself sees a pool scan: the compaction is one.
   jaxpr = jax.make_jaxpr(bm.release)(state, ids).jaxpr
   assert _pool_wide_ops(jaxpr, (n, 2 * n), False)
+
+
+# --- Prefix caching off (the default): the plain allocator, nothing more. ---
+
+
+def _main_reserve(state, seq_ids, num_new_tokens):
+  """`reserve` as it was before prefix caching (the reference for the jaxpr
+  comparison below; results are not used)."""
+  seq_ids = bm._as_ids("seq_ids", seq_ids)
+  num_new_tokens = bm._as_ids("num_new_tokens", num_new_tokens)
+  bs = state.block_size
+  num_blocks, max_seqs, width = (state.num_blocks, state.max_seqs,
+                                 state.max_blocks_per_seq)
+  n = seq_ids.shape[0]
+  valid = ((seq_ids >= 0) & (seq_ids < max_seqs) & (num_new_tokens >= 0)
+           & bm._first_occurrence(seq_ids))
+  sid = jnp.clip(seq_ids, 0, max_seqs - 1)
+  old_len = state.seq_lens[sid]
+  rows = state.block_tables[sid]
+  valid &= num_new_tokens <= state.max_seq_len - old_len
+  new_len = old_len + jnp.where(valid, num_new_tokens, 0)
+  cur_blocks = bm._cdiv(old_len, bs)
+  new_blocks = bm._cdiv(new_len, bs)
+  last = jnp.take_along_axis(rows, jnp.maximum(cur_blocks - 1, 0)[:, None],
+                             axis=1)[:, 0]
+  partial = valid & (num_new_tokens > 0) & (old_len % bs != 0)
+  last_refs = state.refcounts[jnp.clip(last, 0, num_blocks - 1)]
+
+  def step(carry, i):
+    num_free, copied = carry
+    drops = jnp.sum((copied == last[i]) & partial[i], dtype=jnp.int32)
+    cow = partial[i] & (last_refs[i] - drops > 1)
+    need = new_blocks[i] - cur_blocks[i] + cow.astype(jnp.int32)
+    ok = valid[i] & (need <= num_free)
+    num_free = num_free - jnp.where(ok, need, 0)
+    copied = copied.at[i].set(jnp.where(ok & cow, last[i], NULL_BLOCK))
+    return (num_free, copied), (ok, cow & ok, jnp.where(ok, need, 0))
+
+  init = (state.num_free, jnp.full((n,), NULL_BLOCK, jnp.int32))
+  (num_free, _), (ok, cow, need) = jax.lax.scan(
+      step, init, jnp.arange(n, dtype=jnp.int32))
+  offset = jnp.cumsum(need) - need
+  first = cur_blocks - cow.astype(jnp.int32)
+  k = jnp.arange(width, dtype=jnp.int32)[None, :] - first[:, None]
+  taking = ok[:, None] & (k >= 0) & (k < need[:, None])
+  pos = state.num_free - 1 - offset[:, None] - k
+  new_ids = state.free_stack[jnp.clip(pos, 0, num_blocks - 1)]
+  new_rows = jnp.where(taking, new_ids, rows)
+  refs = bm._scatter_add(state.refcounts, new_ids, taking, 1)
+  refs = bm._scatter_add(refs, last, cow, -1)
+  write = jnp.where(ok, sid, max_seqs)
+  tables = state.block_tables.at[write].set(new_rows, mode="drop")
+  lens = state.seq_lens.at[write].set(new_len, mode="drop")
+  dst = jnp.take_along_axis(new_rows, jnp.maximum(first, 0)[:, None],
+                            axis=1)[:, 0]
+  new_state = state.replace(block_tables=tables, seq_lens=lens, refcounts=refs,
+                            num_free=num_free)
+  return new_state, bm.Reservation(
+      ok=ok, copy_src=jnp.where(cow, last, NULL_BLOCK),
+      copy_dst=jnp.where(cow, dst, NULL_BLOCK), evicted=None)
+
+
+def _main_release(state, seq_ids):
+  """`release` as it was before prefix caching (reference, as above)."""
+  seq_ids = bm._as_ids("seq_ids", seq_ids)
+  bs = state.block_size
+  num_blocks, max_seqs, width = (state.num_blocks, state.max_seqs,
+                                 state.max_blocks_per_seq)
+  sid = jnp.clip(seq_ids, 0, max_seqs - 1)
+  length = state.seq_lens[sid]
+  ok = ((seq_ids >= 0) & (seq_ids < max_seqs) & (length > 0)
+        & bm._first_occurrence(seq_ids))
+  rows = state.block_tables[sid]
+  cols = jnp.arange(width, dtype=jnp.int32)
+  owned = ok[:, None] & (cols[None, :] < bm._cdiv(length, bs)[:, None])
+  refs = bm._scatter_add(state.refcounts, rows, owned, -1)
+  flat = jnp.sort(jnp.where(owned, rows, num_blocks).reshape(-1))
+  fresh = jnp.concatenate([jnp.ones((1,), bool), flat[1:] != flat[:-1]])
+  freed = fresh & (flat < num_blocks)
+  freed &= refs[jnp.clip(flat, 0, num_blocks - 1)] == 0
+  pos = state.num_free + jnp.cumsum(freed.astype(jnp.int32)) - 1
+  stack = state.free_stack.at[jnp.where(freed, pos, num_blocks)].set(
+      flat, mode="drop")
+  num_free = state.num_free + jnp.sum(freed, dtype=jnp.int32)
+  write = jnp.where(ok, sid, max_seqs)
+  tables = state.block_tables.at[write].set(NULL_BLOCK, mode="drop")
+  lens = state.seq_lens.at[write].set(0, mode="drop")
+  return state.replace(block_tables=tables, seq_lens=lens, refcounts=refs,
+                       free_stack=stack, num_free=num_free), ok
+
+
+def _primitives(jaxpr) -> dict:
+  """Multiset of primitive names in `jaxpr` and all its sub-jaxprs."""
+  counts = {}
+  for eqn in jaxpr.eqns:
+    counts[eqn.primitive.name] = counts.get(eqn.primitive.name, 0) + 1
+    for v in eqn.params.values():
+      for p in (v if isinstance(v, (tuple, list)) else [v]):
+        if hasattr(p, "jaxpr") or hasattr(p, "eqns"):
+          for name, c in _primitives(getattr(p, "jaxpr", p)).items():
+            counts[name] = counts.get(name, 0) + c
+  return counts
+
+
+def test_without_caching_reserve_and_release_trace_the_plain_allocator():
+  """Off, `reserve` and `release` trace to the same primitives (with the same
+  counts) as the allocator before prefix caching: no release-order sort, no
+  eviction or compaction `while`, no ring scatter. On, they do not (the
+  comparison can tell the two apart)."""
+  sizes = dict(num_blocks=64, block_size=4, max_seqs=6, max_blocks_per_seq=5)
+  ids, cnt = jnp.arange(3, dtype=jnp.int32), jnp.ones(3, jnp.int32)
+  off = bm.init(**sizes)
+  on = bm.init(**sizes, prefix_caching=True)
+  for op, ref, args in ((bm.reserve, _main_reserve, (ids, cnt)),
+                        (bm.release, _main_release, (ids,))):
+    want = _primitives(jax.make_jaxpr(ref)(off, *args).jaxpr)
+    got = _primitives(jax.make_jaxpr(op)(off, *args).jaxpr)
+    assert got == want, op.__name__
+    assert "while" not in got and got.get("sort", 0) <= 1, op.__name__
+    cached = _primitives(jax.make_jaxpr(op)(on, *args).jaxpr)
+    assert "while" in cached and cached != want, op.__name__
+  # And they compute the same thing.
+  s_ref, s_new = off, off
+  for _ in range(3):
+    s_ref, r_ref = _main_reserve(s_ref, ids, jnp.array([3, 5, 1], jnp.int32))
+    s_new, r_new = bm.reserve(s_new, ids, jnp.array([3, 5, 1], jnp.int32))
+    chex.assert_trees_all_equal((s_ref, r_ref), (s_new, r_new))
+  s_ref, ok_ref = _main_release(s_ref, ids[:2])
+  s_new, ok_new = bm.release(s_new, ids[:2])
+  chex.assert_trees_all_equal((s_ref, ok_ref), (s_new, ok_new))
+  bm.check_invariants(s_new)
+
+
+def test_without_caching_the_state_has_no_cache():
+  state = bm.init(num_blocks=4, block_size=2, max_seqs=2, max_blocks_per_seq=2)
+  assert not state.prefix_caching
+  assert state.cacheable is None and state.lru is None
+  assert len(jax.tree.leaves(state)) == 5  # the plain allocator's arrays
+  state, res = _reserve(state, _i32([0]), _i32([3]))
+  assert res.evicted is None and bm.cached_blocks(state) == []
+  assert int(state.num_used) == 2 and int(state.num_available) == 2
+  state, _ = _release(state, _i32([0]))
+  assert int(state.num_free) == 4
+  bm.check_invariants(state)
+  on = bm.init(num_blocks=4, block_size=2, max_seqs=2, max_blocks_per_seq=2,
+               prefix_caching=True)
+  assert on.prefix_caching and len(jax.tree.leaves(on)) == 11
+
+
+def test_register_and_share_refuse_a_state_without_caching():
+  state = bm.init(num_blocks=4, block_size=2, max_seqs=2, max_blocks_per_seq=2)
+  state, _ = _reserve(state, _i32([0]), _i32([2]))
+  msg = (r"{} needs a state with prefix caching \(init\(\.\.\., "
+         r"prefix_caching=True\)\), got one without \(its cache fields are "
+         r"None\)")
+  with pytest.raises(ValueError, match=msg.format("register")):
+    bm.register(state, _i32([0]), _i32([0]))
+  with pytest.raises(ValueError, match=msg.format("share")):
+    bm.share(state, _i32([1]), jnp.zeros((1, 1), jnp.int32), _i32([1]))
+
+
+def test_init_prefix_caching_must_be_a_bool():
+  with pytest.raises(ValueError, match="prefix_caching must be a bool, got 1"):
+    bm.init(num_blocks=4, block_size=2, max_seqs=2, max_blocks_per_seq=2,
+            prefix_caching=1)
+
+
+def test_check_invariants_refuses_a_half_cache():
+  state = bm.init(num_blocks=4, block_size=2, max_seqs=2, max_blocks_per_seq=2,
+                  prefix_caching=True)
+  with pytest.raises(AssertionError, match=r"prefix-caching fields \['lru'\] "
+                     r"are None but the others are not"):
+    bm.check_invariants(state.replace(lru=None))
