@@ -520,23 +520,24 @@ def release(state: BlockState, seq_ids) -> tuple[BlockState, jax.Array]:
   cols = jnp.arange(width, dtype=jnp.int32)
   owned = ok[:, None] & (cols[None, :] < _cdiv(length, bs)[:, None])
   refs = _scatter_add(state.refcounts, rows, owned, -1)
+  if state.prefix_caching:
+    state = _free_or_cache(state.replace(refcounts=refs), rows, owned)
+  else:
+    # Blocks whose count reached zero go back on the stack, once each even
+    # when several released sequences shared them: sort, keep first of each.
+    flat = jnp.sort(jnp.where(owned, rows, num_blocks).reshape(-1))
+    fresh = jnp.concatenate([jnp.ones((1,), bool), flat[1:] != flat[:-1]])
+    freed = fresh & (flat < num_blocks)
+    freed &= refs[jnp.clip(flat, 0, num_blocks - 1)] == 0
+    pos = state.num_free + jnp.cumsum(freed.astype(jnp.int32)) - 1
+    stack = state.free_stack.at[jnp.where(freed, pos, num_blocks)].set(
+        flat, mode="drop")
+    num_free = state.num_free + jnp.sum(freed, dtype=jnp.int32)
+    state = state.replace(refcounts=refs, free_stack=stack, num_free=num_free)
   write = jnp.where(ok, sid, max_seqs)
   tables = state.block_tables.at[write].set(NULL_BLOCK, mode="drop")
   lens = state.seq_lens.at[write].set(0, mode="drop")
-  state = state.replace(block_tables=tables, seq_lens=lens, refcounts=refs)
-  if state.prefix_caching:
-    return _free_or_cache(state, rows, owned), ok
-  # Blocks whose count reached zero go back on the stack, once each even when
-  # several released sequences shared them: sort, keep first of each run.
-  flat = jnp.sort(jnp.where(owned, rows, num_blocks).reshape(-1))
-  fresh = jnp.concatenate([jnp.ones((1,), bool), flat[1:] != flat[:-1]])
-  freed = fresh & (flat < num_blocks)
-  freed &= refs[jnp.clip(flat, 0, num_blocks - 1)] == 0
-  pos = state.num_free + jnp.cumsum(freed.astype(jnp.int32)) - 1
-  stack = state.free_stack.at[jnp.where(freed, pos, num_blocks)].set(
-      flat, mode="drop")
-  num_free = state.num_free + jnp.sum(freed, dtype=jnp.int32)
-  return state.replace(free_stack=stack, num_free=num_free), ok
+  return state.replace(block_tables=tables, seq_lens=lens), ok
 
 
 def _free_or_cache(state: BlockState, rows, owned) -> BlockState:

@@ -607,8 +607,8 @@ def _primitives(jaxpr) -> dict:
 
 
 def test_without_caching_reserve_and_release_trace_the_plain_allocator():
-  """Off, `reserve` and `release` trace to the same primitives (with the same
-  counts) as the allocator before prefix caching: no release-order sort, no
+  """Off, `reserve` and `release` trace to the same jaxpr (same equations in
+  the same order) as the allocator before prefix caching: no release-order sort, no
   eviction or compaction `while`, no ring scatter. On, they do not (the
   comparison can tell the two apart)."""
   sizes = dict(num_blocks=64, block_size=4, max_seqs=6, max_blocks_per_seq=5)
@@ -617,6 +617,9 @@ def test_without_caching_reserve_and_release_trace_the_plain_allocator():
   on = bm.init(**sizes, prefix_caching=True)
   for op, ref, args in ((bm.reserve, _main_reserve, (ids, cnt)),
                         (bm.release, _main_release, (ids,))):
+    # The very same program, equation for equation:
+    assert (str(jax.make_jaxpr(op)(off, *args))
+            == str(jax.make_jaxpr(ref)(off, *args))), op.__name__
     want = _primitives(jax.make_jaxpr(ref)(off, *args).jaxpr)
     got = _primitives(jax.make_jaxpr(op)(off, *args).jaxpr)
     assert got == want, op.__name__
