@@ -3,7 +3,10 @@
 Public API:
   * block manager (`paged_jax.block_manager`): `BlockState`, `Reservation`,
     `init`, `reserve`, `release`, `fork`, `slot_mapping`, `gather_tables`,
-    `check_invariants`, `usage`, `NULL_BLOCK`;
+    `check_invariants`, `usage`, `NULL_BLOCK`; prefix caching: `register`,
+    `share`, `cached_blocks`;
+  * prefix-cache index (`import paged_jax.prefix_cache`): `PrefixIndex`,
+    `max_hit_blocks`, `check_consistent`;
   * KV cache (`paged_jax.kv_cache`; int8 / fp8 pages with per-token scales:
     `pallas_kernels.quantization`): `KVCache`, `write_kv`, `copy_blocks`,
     `gather_kv`, `check_compatible`;

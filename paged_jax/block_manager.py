@@ -16,7 +16,48 @@ Layout of the state:
   `seq_lens == 0` is empty (not live).
 * `refcounts` `i32[num_blocks]`: how many block-table entries point at each block.
 * `free_stack` `i32[num_blocks]`, `num_free` `i32[]`: `free_stack[:num_free]`
-  are the free blocks; allocation pops from the top, release pushes.
+  are the empty blocks; allocation pops from the top, release pushes.
+* Prefix caching (`init(..., prefix_caching=True)`; `register`, `share`; see
+  "Cached blocks" below): `cacheable` `bool[num_blocks]`, the cached-block
+  ring `lru` `i32[2 * num_blocks]` with `lru_head`, `lru_len`, `num_cached`
+  `i32[]`, and its index `lru_pos` `i32[num_blocks]`. Without prefix caching
+  (the default) these fields are `None` and every operation runs the plain
+  allocator: no sort by release order, no eviction loop, no ring updates.
+
+Cached blocks (automatic prefix caching). The host says which full blocks hold
+hashed content (`register`); such a block is *cacheable*. When a cacheable
+block's refcount falls to zero it is not emptied but *cached*: it keeps its
+K/V and can be shared into a new sequence (`share`, a prefix-cache hit) until
+an allocation evicts it. Every block is exactly one of empty (on the free
+stack), cached (in the ring) or live (refcount > 0). Allocation takes empty
+blocks first, then evicts cached blocks least recently released first; within
+one released sequence its last blocks go first (vLLM's order: a request's
+tail is the least likely to be shared). Nothing registered means nothing
+cached: every operation then gives the same results as without prefix
+caching (at the cost of the ring bookkeeping; switch it off to skip that).
+
+The evictable set is a FIFO ring of block ids in release order. A release
+appends at the tail, an allocation pops from the head, both vectorised (one
+scatter or gather of the blocks concerned). A hit removes a block from the
+middle in O(1) through the index `lru_pos` (block -> ring slot): its slot
+becomes a tombstone (`NULL_BLOCK`), which the head skips when it passes.
+Eviction is a `while_loop` over chunks of `batch * max_blocks_per_seq` ring
+slots, normally one iteration; every tombstone is skipped once in its life,
+so the work is O(batch x max_blocks_per_seq + hits), never O(num_blocks).
+Tombstones that the head has not reached yet take ring slots: the ring has
+`2 * num_blocks` of them and is compacted (one O(num_blocks) pass, stable, in
+a `while_loop` that runs zero times when not needed, also under `vmap`) only
+when an append would overflow it. Live + cached entries never exceed
+`num_blocks`, so a compaction happens after at least `num_blocks` hits since
+the last one: O(1) amortised per hit. Why not a doubly linked list (vLLM's
+free queue): popping k blocks from a list is k dependent pointer chases, a
+sequential loop on the device; the ring pops k blocks with one gather.
+
+Cached content is immutable: `register` accepts only blocks that are full in
+the registering sequence, `slot_mapping` never maps a write into a cacheable
+block, and allocation clears `cacheable` for every block it hands out, so a
+block named by the host's index holds exactly the tokens it was hashed from
+until `reserve` reports it evicted (`Reservation.evicted`).
 
 Operations are vectorised over the batch: each touches the listed sequences'
 table rows and at most `max_blocks_per_seq` blocks per sequence, with one
@@ -47,6 +88,18 @@ Example:
   >>> state, res = reserve(state, jnp.array([1]), jnp.array([1]))  # copy-on-write
   >>> int(res.copy_src[0]), int(res.copy_dst[0])
   (1, 2)
+  >>> state = init(num_blocks=8, block_size=4, max_seqs=2, max_blocks_per_seq=4,
+  ...              prefix_caching=True)
+  >>> state, res = reserve(state, jnp.array([0]), jnp.array([6]))
+  >>> state, ok = fork(state, jnp.array([0]), jnp.array([1]))
+  >>> state, res = reserve(state, jnp.array([1]), jnp.array([1]))
+  >>> state, ok = register(state, jnp.array([0]), jnp.array([0]))  # full, hashed
+  >>> state, ok = release(state, jnp.array([0, 1]))
+  >>> int(state.num_free), int(state.num_cached), cached_blocks(state)
+  (7, 1, [0])
+  >>> state, ok = share(state, jnp.array([1]), jnp.array([[0]]), jnp.array([1]))
+  >>> bool(ok[0]), int(state.seq_lens[1]), int(state.num_cached)  # a hit
+  (True, 4, 0)
 """
 
 from __future__ import annotations
@@ -74,8 +127,19 @@ class BlockState:
     block_tables: `i32[max_seqs, max_blocks_per_seq]`, `NULL_BLOCK` where unused.
     seq_lens: `i32[max_seqs]` token slots reserved per sequence slot.
     refcounts: `i32[num_blocks]` number of table entries referencing each block.
-    free_stack: `i32[num_blocks]`; `free_stack[:num_free]` are the free blocks.
-    num_free: `i32[]` number of free blocks.
+    free_stack: `i32[num_blocks]`; `free_stack[:num_free]` are the empty blocks.
+    num_free: `i32[]` number of empty blocks (not counting cached ones).
+    cacheable: `bool[num_blocks]` blocks holding registered (hashed, full,
+      immutable) content: live ones and cached ones. This and the five
+      fields below are `None` without prefix caching.
+    lru: `i32[2 * num_blocks]` ring of cached block ids in release order;
+      slots `lru_head .. lru_head + lru_len - 1` (mod its size) are in use,
+      `NULL_BLOCK` there is a tombstone (a block shared out by a hit).
+    lru_pos: `i32[num_blocks]` ring slot of each cached block, -1 if the block
+      is not cached.
+    lru_head: `i32[]` ring slot of the least recently released entry.
+    lru_len: `i32[]` ring slots in use (cached blocks plus tombstones).
+    num_cached: `i32[]` cached blocks (refcount 0, content kept, evictable).
     block_size: tokens per block (static).
   """
 
@@ -84,7 +148,19 @@ class BlockState:
   refcounts: jax.Array
   free_stack: jax.Array
   num_free: jax.Array
+  cacheable: jax.Array | None
+  lru: jax.Array | None
+  lru_pos: jax.Array | None
+  lru_head: jax.Array | None
+  lru_len: jax.Array | None
+  num_cached: jax.Array | None
   block_size: int = flax.struct.field(pytree_node=False)
+
+  @property
+  def prefix_caching(self) -> bool:
+    """Whether this state caches released registered blocks (static: part
+    of the pytree's structure, so operations branch on it in Python)."""
+    return self.lru is not None
 
   @property
   def num_blocks(self) -> int:
@@ -111,7 +187,16 @@ class BlockState:
   @property
   def num_used(self) -> jax.Array:
     """`i32[]` blocks currently referenced by at least one sequence."""
-    return self.num_blocks - self.num_free
+    if not self.prefix_caching:
+      return self.num_blocks - self.num_free
+    return self.num_blocks - self.num_free - self.num_cached
+
+  @property
+  def num_available(self) -> jax.Array:
+    """`i32[]` blocks an allocation can take: empty plus cached (evictable)."""
+    if not self.prefix_caching:
+      return self.num_free
+    return self.num_free + self.num_cached
 
 
 @flax.struct.dataclass
@@ -122,15 +207,20 @@ class Reservation:
     ok: `bool[n]` whether the sequence got all the slots it asked for.
     copy_src: `i32[n]` copy-on-write source block, `NULL_BLOCK` if none.
     copy_dst: `i32[n]` copy-on-write destination block, `NULL_BLOCK` if none.
+    evicted: `i32[n, max_blocks_per_seq]` the cached blocks this call evicted
+      (their old content is gone: drop them from the prefix index), at the
+      table entries they were given to; `NULL_BLOCK` elsewhere. `None`
+      without prefix caching (nothing is ever evicted).
   """
 
   ok: jax.Array
   copy_src: jax.Array
   copy_dst: jax.Array
+  evicted: jax.Array | None
 
 
 def init(*, num_blocks: int, block_size: int, max_seqs: int,
-         max_blocks_per_seq: int) -> BlockState:
+         max_blocks_per_seq: int, prefix_caching: bool = False) -> BlockState:
   """An empty pool: every block free, every sequence slot empty.
 
   Sizes are keyword-only, as in `KVCache.create`: their orders differ.
@@ -141,6 +231,10 @@ def init(*, num_blocks: int, block_size: int, max_seqs: int,
     max_seqs: sequence slots (rows of the block table).
     max_blocks_per_seq: block-table width; a sequence holds at most
       `max_blocks_per_seq * block_size` tokens.
+    prefix_caching: keep released registered blocks cached (`register`,
+      `share`). Off (the default), the cache fields are `None`, `register`
+      and `share` refuse the state, and the other operations cost what they
+      cost without prefix caching.
 
   Returns:
     A `BlockState`. Blocks are handed out lowest id first from a fresh pool.
@@ -150,7 +244,9 @@ def init(*, num_blocks: int, block_size: int, max_seqs: int,
   Raises:
     ValueError: if a size is not a positive int, or if a sequence
       (`max_blocks_per_seq * block_size` tokens), the pool's flat slots
-      (`num_blocks * block_size`) or `max_seqs` would not fit int32 (< 2**31).
+      (`num_blocks * block_size`), `max_seqs` or, with prefix caching, the
+      cached-block ring (`2 * num_blocks` slots) would not fit int32
+      (< 2**31); if `prefix_caching` is not a bool.
   """
   num_blocks = _int32.positive_int("num_blocks", num_blocks)
   block_size = _int32.positive_int("block_size", block_size)
@@ -162,6 +258,20 @@ def init(*, num_blocks: int, block_size: int, max_seqs: int,
   _int32.check_fits("cache slots", num_blocks=num_blocks,
                     block_size=block_size)
   _int32.check_fits("sequence ids", max_seqs=max_seqs)
+  if not isinstance(prefix_caching, (bool, np.bool_)):
+    raise ValueError(f"prefix_caching must be a bool, got {prefix_caching!r}")
+  cache = dict.fromkeys(("cacheable", "lru", "lru_pos", "lru_head", "lru_len",
+                         "num_cached"))
+  if prefix_caching:
+    _int32.check_fits("cached-block ring slots", ring_per_block=2,
+                      num_blocks=num_blocks)
+    cache = dict(
+        cacheable=jnp.zeros((num_blocks,), bool),
+        lru=jnp.full((2 * num_blocks,), NULL_BLOCK, jnp.int32),
+        lru_pos=jnp.full((num_blocks,), -1, jnp.int32),
+        lru_head=jnp.zeros((), jnp.int32),
+        lru_len=jnp.zeros((), jnp.int32),
+        num_cached=jnp.zeros((), jnp.int32))
   return BlockState(
       block_tables=jnp.full((max_seqs, max_blocks_per_seq), NULL_BLOCK,
                             jnp.int32),
@@ -170,7 +280,15 @@ def init(*, num_blocks: int, block_size: int, max_seqs: int,
       free_stack=jnp.arange(num_blocks - 1, -1, -1, dtype=jnp.int32),
       num_free=jnp.asarray(num_blocks, jnp.int32),
       block_size=block_size,
+      **cache,
   )
+
+
+def _require_caching(op: str, state: BlockState) -> None:
+  if not state.prefix_caching:
+    raise ValueError(
+        f"{op} needs a state with prefix caching (init(..., "
+        f"prefix_caching=True)), got one without (its cache fields are None)")
 
 
 _as_ids = _int32.as_int32  # values outside int32 become -1: invalid everywhere
@@ -199,12 +317,56 @@ def _first_occurrence(ids: jax.Array) -> jax.Array:
   return ~jnp.any(earlier, axis=1) if n else jnp.zeros((0,), bool)
 
 
+def _ring_slot(head, k, size: int):
+  """`(head + k) % size` for `0 <= head < size`, `0 <= k <= size`; no sum that
+  can wrap (`size` itself fits int32, by `init`)."""
+  return jnp.where(k >= size - head, k - (size - head), head + k)
+
+
+def _evict(state: BlockState, count, out_len: int):
+  """Pops the `count` least recently released cached blocks off the ring.
+
+  `count <= state.num_cached` and `count <= out_len` (callers guarantee it).
+  One `while_loop` iteration looks at `out_len` ring slots from the head
+  (tombstones included), so it normally runs once; each tombstone is passed
+  once in its life.
+
+  Returns:
+    `(ids i32[out_len], head, length)`: the evicted ids in eviction order
+    (`NULL_BLOCK` past `count`) and the ring's new head and length.
+  """
+  size = state.lru.shape[0]
+  chunk = min(out_len, size)
+  cols = jnp.arange(chunk, dtype=jnp.int32)
+
+  def body(carry):
+    head, length, got, out = carry
+    ent = state.lru[_ring_slot(head, cols, size)]
+    live = (cols < length) & (ent >= 0)
+    rank = got + jnp.cumsum(live, dtype=jnp.int32) - 1
+    take = live & (rank < count)
+    out = out.at[jnp.where(take, rank, out_len)].set(ent, mode="drop")
+    done = got + jnp.sum(live, dtype=jnp.int32) >= count
+    last = jnp.max(jnp.where(take, cols, -1))
+    adv = jnp.where(done, last + 1, jnp.minimum(chunk, length))
+    return (_ring_slot(head, adv, size), length - adv,
+            got + jnp.sum(take, dtype=jnp.int32), out)
+
+  carry = (state.lru_head, state.lru_len, jnp.zeros((), jnp.int32),
+           jnp.full((out_len,), NULL_BLOCK, jnp.int32))
+  head, length, _, out = jax.lax.while_loop(lambda c: c[2] < count, body,
+                                            carry)
+  return out, head, length
+
+
 def reserve(state: BlockState, seq_ids, num_new_tokens
             ) -> tuple[BlockState, Reservation]:
   """Grows each listed sequence by `num_new_tokens` token slots.
 
   Sequences are served in the order given: earlier requests get blocks first.
-  A sequence crossing a block boundary takes new blocks from the pool; it
+  A sequence crossing a block boundary takes new blocks from the pool (empty
+  blocks first, then cached ones, least recently released first, reported in
+  `Reservation.evicted`); it
   either gets everything it asked for or is left exactly as it was (`ok`).
   Reserving on an empty slot starts a new sequence there. A slot may appear
   once per call; later occurrences fail.
@@ -240,8 +402,10 @@ def reserve(state: BlockState, seq_ids, num_new_tokens
   n = seq_ids.shape[0]
   if n == 0:  # static: the scan below cannot index an empty batch
     none = jnp.zeros((0,), jnp.int32)
+    evicted = (jnp.zeros((0, width), jnp.int32) if state.prefix_caching
+               else None)
     return state, Reservation(ok=jnp.zeros((0,), bool), copy_src=none,
-                              copy_dst=none)
+                              copy_dst=none, evicted=evicted)
   valid = ((seq_ids >= 0) & (seq_ids < max_seqs) & (num_new_tokens >= 0)
            & _first_occurrence(seq_ids))
   sid = jnp.clip(seq_ids, 0, max_seqs - 1)
@@ -269,17 +433,30 @@ def reserve(state: BlockState, seq_ids, num_new_tokens
     copied = copied.at[i].set(jnp.where(ok & cow, last[i], NULL_BLOCK))
     return (num_free, copied), (ok, cow & ok, jnp.where(ok, need, 0))
 
-  init = (state.num_free, jnp.full((n,), NULL_BLOCK, jnp.int32))
-  (num_free, _), (ok, cow, need) = jax.lax.scan(
+  init = (state.num_available, jnp.full((n,), NULL_BLOCK, jnp.int32))
+  (num_left, _), (ok, cow, need) = jax.lax.scan(
       step, init, jnp.arange(n, dtype=jnp.int32))
 
-  # Hand out blocks from the top of the free stack, in request order.
   offset = jnp.cumsum(need) - need  # blocks taken by earlier requests
   first = cur_blocks - cow.astype(jnp.int32)  # first table column to fill
   k = jnp.arange(width, dtype=jnp.int32)[None, :] - first[:, None]
   taking = ok[:, None] & (k >= 0) & (k < need[:, None])
-  pos = state.num_free - 1 - offset[:, None] - k
-  new_ids = state.free_stack[jnp.clip(pos, 0, num_blocks - 1)]
+  if state.prefix_caching:
+    # Hand out blocks in request order: the top of the free stack first, then
+    # cached blocks from the ring's head (evictions).
+    total = jnp.sum(need, dtype=jnp.int32)  # <= n * width, fits int32
+    from_cache = jnp.maximum(total - state.num_free, 0)
+    evicted_ids, head, length = _evict(state, from_cache, n * width)
+    g = offset[:, None] + k  # this block's rank among the call's allocations
+    from_stack = g < state.num_free
+    stack_ids = state.free_stack[jnp.clip(state.num_free - 1 - g, 0,
+                                          num_blocks - 1)]
+    cache_ids = evicted_ids[jnp.clip(g - state.num_free, 0, n * width - 1)]
+    new_ids = jnp.where(from_stack, stack_ids, cache_ids)
+  else:
+    # Hand out blocks from the top of the free stack, in request order.
+    pos = state.num_free - 1 - offset[:, None] - k
+    new_ids = state.free_stack[jnp.clip(pos, 0, num_blocks - 1)]
   new_rows = jnp.where(taking, new_ids, rows)
   refs = _scatter_add(state.refcounts, new_ids, taking, 1)
   refs = _scatter_add(refs, last, cow, -1)
@@ -289,17 +466,35 @@ def reserve(state: BlockState, seq_ids, num_new_tokens
   dst = jnp.take_along_axis(new_rows, jnp.maximum(first, 0)[:, None],
                             axis=1)[:, 0]
   new_state = state.replace(block_tables=tables, seq_lens=lens, refcounts=refs,
-                            num_free=num_free)
+                            num_free=num_left)
+  evicted = None
+  if state.prefix_caching:
+    # Handed-out blocks get new content: no longer cacheable, no longer cached.
+    cacheable = state.cacheable.at[jnp.where(taking, new_ids,
+                                             num_blocks)].set(False,
+                                                              mode="drop")
+    lru_pos = state.lru_pos.at[jnp.where(evicted_ids >= 0, evicted_ids,
+                                         num_blocks)].set(-1, mode="drop")
+    num_cached = state.num_cached - from_cache
+    new_state = new_state.replace(
+        num_free=state.num_free - (total - from_cache), cacheable=cacheable,
+        lru_pos=lru_pos, lru_head=head,
+        lru_len=jnp.where(num_cached == 0, 0, length), num_cached=num_cached)
+    evicted = jnp.where(taking & ~from_stack, new_ids, NULL_BLOCK)
   return new_state, Reservation(ok=ok,
                                 copy_src=jnp.where(cow, last, NULL_BLOCK),
-                                copy_dst=jnp.where(cow, dst, NULL_BLOCK))
+                                copy_dst=jnp.where(cow, dst, NULL_BLOCK),
+                                evicted=evicted)
 
 
 def release(state: BlockState, seq_ids) -> tuple[BlockState, jax.Array]:
   """Drops the listed sequences; their blocks lose one reference each.
 
   A block returns to the pool when its refcount reaches zero; blocks still
-  shared with other sequences stay.
+  shared with other sequences stay. A cacheable block (`register`) whose count
+  reaches zero is cached instead of emptied: appended to the eviction ring,
+  each sequence's blocks last block first, sequences in the order given (a
+  block shared by several of them counts as released by the last).
 
   Args:
     state: the block state.
@@ -325,21 +520,91 @@ def release(state: BlockState, seq_ids) -> tuple[BlockState, jax.Array]:
   cols = jnp.arange(width, dtype=jnp.int32)
   owned = ok[:, None] & (cols[None, :] < _cdiv(length, bs)[:, None])
   refs = _scatter_add(state.refcounts, rows, owned, -1)
-  # Blocks whose count reached zero go back on the stack, once each even when
-  # several released sequences shared them: sort, keep first of each run.
-  flat = jnp.sort(jnp.where(owned, rows, num_blocks).reshape(-1))
-  fresh = jnp.concatenate([jnp.ones((1,), bool), flat[1:] != flat[:-1]])
-  freed = fresh & (flat < num_blocks)
-  freed &= refs[jnp.clip(flat, 0, num_blocks - 1)] == 0
-  pos = state.num_free + jnp.cumsum(freed.astype(jnp.int32)) - 1
-  stack = state.free_stack.at[jnp.where(freed, pos, num_blocks)].set(
-      flat, mode="drop")
-  num_free = state.num_free + jnp.sum(freed, dtype=jnp.int32)
+  if state.prefix_caching:
+    state = _free_or_cache(state.replace(refcounts=refs), rows, owned)
+  else:
+    # Blocks whose count reached zero go back on the stack, once each even
+    # when several released sequences shared them: sort, keep first of each.
+    flat = jnp.sort(jnp.where(owned, rows, num_blocks).reshape(-1))
+    fresh = jnp.concatenate([jnp.ones((1,), bool), flat[1:] != flat[:-1]])
+    freed = fresh & (flat < num_blocks)
+    freed &= refs[jnp.clip(flat, 0, num_blocks - 1)] == 0
+    pos = state.num_free + jnp.cumsum(freed.astype(jnp.int32)) - 1
+    stack = state.free_stack.at[jnp.where(freed, pos, num_blocks)].set(
+        flat, mode="drop")
+    num_free = state.num_free + jnp.sum(freed, dtype=jnp.int32)
+    state = state.replace(refcounts=refs, free_stack=stack, num_free=num_free)
   write = jnp.where(ok, sid, max_seqs)
   tables = state.block_tables.at[write].set(NULL_BLOCK, mode="drop")
   lens = state.seq_lens.at[write].set(0, mode="drop")
-  return state.replace(block_tables=tables, seq_lens=lens, refcounts=refs,
-                       free_stack=stack, num_free=num_free), ok
+  return state.replace(block_tables=tables, seq_lens=lens), ok
+
+
+def _free_or_cache(state: BlockState, rows, owned) -> BlockState:
+  """`release` with prefix caching, after the refcounts dropped: blocks at
+  zero go to the free stack, cacheable ones to the ring's tail instead.
+
+  `rows` `i32[n, width]` are the released rows, `owned` `bool[n, width]` their
+  entries that held a reference.
+  """
+  num_blocks, refs = state.num_blocks, state.refcounts
+  # Release order: sequences as given, each one's blocks last first.
+  order = jnp.where(owned, rows, num_blocks)[:, ::-1].reshape(-1)
+  idx = jnp.arange(order.shape[0], dtype=jnp.int32)
+  # Blocks whose count reached zero leave once each even when several released
+  # sequences shared them: sort by (block, order), keep the last of each run.
+  flat, at = jax.lax.sort((order, idx), num_keys=2)
+  final = jnp.concatenate([flat[1:] != flat[:-1], jnp.ones((1,), bool)])
+  safe = jnp.clip(flat, 0, num_blocks - 1)
+  freed = final & (flat < num_blocks) & (refs[safe] == 0)
+  keep = state.cacheable[safe]
+  to_stack = freed & ~keep
+  pos = state.num_free + jnp.cumsum(to_stack.astype(jnp.int32)) - 1
+  stack = state.free_stack.at[jnp.where(to_stack, pos, num_blocks)].set(
+      flat, mode="drop")
+  num_free = state.num_free + jnp.sum(to_stack, dtype=jnp.int32)
+  # Cacheable ones go to the ring's tail in release order.
+  to_ring = jnp.zeros(order.shape, bool).at[at].set(freed & keep)
+  num_new = jnp.sum(to_ring, dtype=jnp.int32)
+  state = _compact_if_full(state, num_new)
+  size = state.lru.shape[0]
+  slot = _ring_slot(state.lru_head,
+                    state.lru_len + jnp.cumsum(to_ring, dtype=jnp.int32) - 1,
+                    size)
+  lru = state.lru.at[jnp.where(to_ring, slot, size)].set(order, mode="drop")
+  lru_pos = state.lru_pos.at[jnp.where(to_ring, order, num_blocks)].set(
+      slot, mode="drop")
+  return state.replace(free_stack=stack, num_free=num_free, lru=lru,
+                       lru_pos=lru_pos, lru_len=state.lru_len + num_new,
+                       num_cached=state.num_cached + num_new)
+
+
+def _compact_if_full(state: BlockState, num_new) -> BlockState:
+  """The ring with its tombstones squeezed out, if `num_new` more entries
+  would not fit; else unchanged.
+
+  A `while_loop` that runs once or not at all (a `cond` would become a
+  `select` under `vmap` and pay the O(num_blocks) pass on every call).
+  Afterwards `lru_len == num_cached`, and `num_cached + num_new <= num_blocks`
+  (cached and newly released blocks are distinct blocks of the pool), so the
+  entries fit the `2 * num_blocks` slots.
+  """
+  size = state.lru.shape[0]
+
+  def compact(st):
+    cols = jnp.arange(size, dtype=jnp.int32)
+    ent = st.lru[_ring_slot(st.lru_head, cols, size)]
+    live = (cols < st.lru_len) & (ent >= 0)
+    pos = jnp.cumsum(live, dtype=jnp.int32) - 1
+    lru = jnp.full((size,), NULL_BLOCK, jnp.int32).at[
+        jnp.where(live, pos, size)].set(ent, mode="drop")
+    lru_pos = st.lru_pos.at[jnp.where(live, ent, st.num_blocks)].set(
+        pos, mode="drop")
+    return st.replace(lru=lru, lru_pos=lru_pos,
+                      lru_head=jnp.zeros((), jnp.int32), lru_len=st.num_cached)
+
+  return jax.lax.while_loop(lambda st: st.lru_len > size - num_new, compact,
+                            state)
 
 
 def fork(state: BlockState, parent_ids, child_ids
@@ -386,11 +651,144 @@ def fork(state: BlockState, parent_ids, child_ids
   return state.replace(block_tables=tables, seq_lens=lens, refcounts=refs), ok
 
 
+def register(state: BlockState, seq_ids, block_cols
+             ) -> tuple[BlockState, jax.Array]:
+  """Marks blocks as holding hashed, immutable content (prefix caching).
+
+  Entry `i` names logical block `block_cols[i]` of sequence `seq_ids[i]`; the
+  host calls it once that block is full and its K/V are written, and records
+  the physical block (`block_tables[seq, col]`) under the block's hash. From
+  then on the block is read-only (`slot_mapping`), and when its last holder
+  releases it, it is cached instead of emptied, until `reserve` evicts it.
+  Registering an already registered block is a no-op that succeeds.
+
+  Args:
+    state: the block state.
+    seq_ids: `int[k]` live sequence slots.
+    block_cols: `int[k]` block-table columns.
+
+  Returns:
+    `(new_state, ok)`; `ok` is `bool[k]`, False for out-of-range ids, an empty
+    slot, or a column that is not a full block of that sequence
+    (`(col + 1) * block_size > seq_len`).
+
+  Raises:
+    ValueError: if the state has no prefix caching, or the arguments are not
+      1-D integer arrays of equal length.
+  """
+  _require_caching("register", state)
+  seq_ids = _as_ids("seq_ids", seq_ids)
+  block_cols = _as_ids("block_cols", block_cols)
+  _same_length("seq_ids", seq_ids, "block_cols", block_cols)
+  sid = jnp.clip(seq_ids, 0, state.max_seqs - 1)
+  col = jnp.clip(block_cols, 0, state.max_blocks_per_seq - 1)
+  ok = ((seq_ids >= 0) & (seq_ids < state.max_seqs) & (block_cols >= 0)
+        & (block_cols < state.seq_lens[sid] // state.block_size))
+  block = state.block_tables[sid, col]
+  cacheable = state.cacheable.at[jnp.where(ok, block, state.num_blocks)].set(
+      True, mode="drop")
+  return state.replace(cacheable=cacheable), ok
+
+
+def share(state: BlockState, seq_ids, block_ids, num_shared
+          ) -> tuple[BlockState, jax.Array]:
+  """Starts sequences on cached prefixes (prefix-cache hits).
+
+  Sequence `seq_ids[i]` (an empty slot) gets blocks `block_ids[i,
+  :num_shared[i]]` as its first blocks and `num_shared[i] * block_size`
+  tokens, the same bookkeeping as `fork`: refcounts go up, and blocks that
+  were cached leave the eviction ring (an O(1) removal each). Every block must
+  be cacheable (`register`): live in another sequence or cached. A block that
+  was evicted is no longer cacheable, so a stale index entry fails here
+  instead of reading someone else's K/V. Requests are judged against the
+  state at the start of the call; a slot may appear once per call.
+
+  Args:
+    state: the block state.
+    seq_ids: `int[n]` empty sequence slots.
+    block_ids: `int[n, m]` physical blocks, `m <= max_blocks_per_seq`; entries
+      past `num_shared[i]` are ignored.
+    num_shared: `int[n]` blocks to share, in `[1, m]`.
+
+  Returns:
+    `(new_state, ok)`; `ok` is `bool[n]`, False when an id is out of range,
+    the slot is live or repeated, `num_shared` is outside `[1, m]`, or a block
+    is out of range, not cacheable, or listed twice in its row.
+
+  Raises:
+    ValueError: if the state has no prefix caching, if `seq_ids`,
+      `num_shared` are not 1-D integer arrays of equal length, or `block_ids` is not `[len(seq_ids), m]` with
+      `m <= max_blocks_per_seq`.
+  """
+  _require_caching("share", state)
+  seq_ids = _as_ids("seq_ids", seq_ids)
+  num_shared = _as_ids("num_shared", num_shared)
+  block_ids = _as_ids("block_ids", block_ids, ndim=2)
+  _same_length("seq_ids", seq_ids, "num_shared", num_shared)
+  n, m = block_ids.shape
+  if n != seq_ids.shape[0] or m > state.max_blocks_per_seq:
+    raise ValueError(
+        f"block_ids must have shape [len(seq_ids)={seq_ids.shape[0]}, m] with "
+        f"m <= max_blocks_per_seq={state.max_blocks_per_seq}, got "
+        f"{block_ids.shape}")
+  num_blocks, max_seqs, width = (state.num_blocks, state.max_seqs,
+                                 state.max_blocks_per_seq)
+  sid = jnp.clip(seq_ids, 0, max_seqs - 1)
+  cols = jnp.arange(m, dtype=jnp.int32)
+  inside = cols[None, :] < num_shared[:, None]
+  safe = jnp.clip(block_ids, 0, num_blocks - 1)
+  good = (block_ids >= 0) & (block_ids < num_blocks) & state.cacheable[safe]
+  ranked = jnp.sort(jnp.where(inside, block_ids, NULL_BLOCK), axis=1)
+  repeated = jnp.any((ranked[:, 1:] == ranked[:, :-1]) & (ranked[:, 1:] >= 0),
+                     axis=1) if m > 1 else jnp.zeros((n,), bool)
+  ok = ((seq_ids >= 0) & (seq_ids < max_seqs) & (state.seq_lens[sid] == 0)
+        & (num_shared >= 1) & (num_shared <= m) & _first_occurrence(seq_ids)
+        & jnp.all(good | ~inside, axis=1) & ~repeated)
+  owned = ok[:, None] & inside
+  refs = _scatter_add(state.refcounts, block_ids, owned, 1)
+  # Cached blocks leave the ring: a tombstone at their slot, counted once each
+  # even when several rows share them (sort, first of each run).
+  flat = jnp.sort(jnp.where(owned, block_ids, num_blocks).reshape(-1))
+  fresh = jnp.concatenate([jnp.ones((1,), bool), flat[1:] != flat[:-1]])
+  fsafe = jnp.clip(flat, 0, num_blocks - 1)
+  slot = state.lru_pos[fsafe]
+  leaving = fresh & (flat < num_blocks) & (slot >= 0)
+  size = state.lru.shape[0]
+  lru = state.lru.at[jnp.where(leaving, slot, size)].set(NULL_BLOCK,
+                                                          mode="drop")
+  lru_pos = state.lru_pos.at[jnp.where(leaving, flat, num_blocks)].set(
+      -1, mode="drop")
+  num_cached = state.num_cached - jnp.sum(leaving, dtype=jnp.int32)
+  row = jnp.full((n, width), NULL_BLOCK, jnp.int32).at[:, :m].set(
+      jnp.where(inside, block_ids, NULL_BLOCK))
+  write = jnp.where(ok, sid, max_seqs)
+  tables = state.block_tables.at[write].set(row, mode="drop")
+  lens = state.seq_lens.at[write].set(num_shared * state.block_size,
+                                      mode="drop")
+  return state.replace(
+      block_tables=tables, seq_lens=lens, refcounts=refs, lru=lru,
+      lru_pos=lru_pos, num_cached=num_cached,
+      lru_len=jnp.where(num_cached == 0, 0, state.lru_len)), ok
+
+
+def cached_blocks(state: BlockState) -> list[int]:
+  """Host side: the cached blocks in eviction order (next evicted first);
+  `[]` without prefix caching."""
+  if not state.prefix_caching:
+    return []
+  size = state.lru.shape[0]
+  head, length = int(state.lru_head), int(state.lru_len)
+  ring = np.asarray(state.lru)
+  ent = ring[(head + np.arange(length, dtype=np.int64)) % size]
+  return ent[ent >= 0].tolist()
+
+
 def slot_mapping(state: BlockState, seq_ids, positions) -> jax.Array:
   """Flat cache slots (`block * block_size + offset`) for writing new tokens.
 
   Writes into shared blocks are impossible by construction: a position whose
-  block has refcount > 1 maps to -1, and so does a position outside
+  block has refcount > 1 or is cacheable (registered content is immutable)
+  maps to -1, and so does a position outside
   `[0, seq_lens[seq])` or an out-of-range id (int64 values outside int32
   included). `kv_cache.write_kv` drops -1 slots. After `reserve` (and its
   copy-on-write), every newly reserved position maps to an exclusively owned
@@ -416,8 +814,10 @@ def slot_mapping(state: BlockState, seq_ids, positions) -> jax.Array:
   valid &= (positions >= 0) & (positions < state.seq_lens[sid])
   col = jnp.clip(positions // bs, 0, state.max_blocks_per_seq - 1)
   block = state.block_tables[sid, col]
-  valid &= (block >= 0) & (
-      state.refcounts[jnp.clip(block, 0, state.num_blocks - 1)] == 1)
+  safe = jnp.clip(block, 0, state.num_blocks - 1)
+  valid &= (block >= 0) & (state.refcounts[safe] == 1)
+  if state.prefix_caching:
+    valid &= ~state.cacheable[safe]
   return jnp.where(valid, block * bs + positions % bs, -1)
 
 
@@ -465,11 +865,16 @@ def usage(state: BlockState) -> dict:
 def check_invariants(state: BlockState) -> None:
   """Checks the pool's bookkeeping on the host (tests and debugging).
 
-  Checked: every block is either free or referenced, never both; refcounts
-  equal the number of table references; free + used = `num_blocks`; no block
+  Checked: every block is exactly one of free, cached or referenced; refcounts
+  equal the number of table references; no block
   appears twice in one row or twice in the free list; each row holds exactly
   `ceil(seq_len / block_size)` blocks followed by `NULL_BLOCK`; lengths lie
   within the table's capacity; every array is int32 with the pool's shapes.
+  With prefix caching, the cached set: each cached block has refcount 0, is cacheable and sits at
+  its `lru_pos` slot inside the ring's window; the window holds no other
+  entry (no stale id of a reused block); empty blocks are not cacheable; no
+  sequence's partial last block is cacheable; free + cached + used =
+  `num_blocks`.
 
   Data shards' states stacked on leading axes are checked shard by shard.
 
@@ -483,8 +888,13 @@ def check_invariants(state: BlockState) -> None:
       except AssertionError as e:
         raise AssertionError(f"data shard {shard}: {e}") from None
     return
+  cache_fields = ("cacheable", "lru", "lru_pos", "lru_head", "lru_len",
+                  "num_cached")
+  absent = [f for f in cache_fields if getattr(state, f) is None]
+  assert len(absent) in (0, len(cache_fields)), (
+      f"prefix-caching fields {absent} are None but the others are not")
   for name in ("block_tables", "seq_lens", "refcounts", "free_stack",
-               "num_free"):
+               "num_free") + (cache_fields[1:] if state.prefix_caching else ()):
     dtype = getattr(state, name).dtype
     assert dtype == jnp.int32, f"{name} has dtype {dtype}, expected int32"
   assert state.free_stack.shape == state.refcounts.shape, (
@@ -517,6 +927,54 @@ def check_invariants(state: BlockState) -> None:
   assert np.all((free >= 0) & (free < n)), f"bad ids in the free list: {free}"
   assert np.all(refs[free] == 0), (
       f"blocks both free and referenced: {free[refs[free] != 0].tolist()}")
-  used_blocks = int(np.sum(refs > 0))
-  assert used_blocks + num_free == n, (
-      f"free ({num_free}) + used ({used_blocks}) != num_blocks ({n})")
+  num_cached = 0
+  if state.prefix_caching:
+    num_cached = int(state.num_cached)
+    _check_cache_invariants(state, tables, lens, refs, free)
+  used = int(np.sum(refs > 0))
+  assert used + num_cached + num_free == n, (
+      f"free ({num_free}) + cached ({num_cached}) + used ({used}) != "
+      f"num_blocks ({n})")
+
+
+def _check_cache_invariants(state, tables, lens, refs, free):
+  """The cached set and its ring (see `check_invariants`)."""
+  n, bs = state.num_blocks, state.block_size
+  assert state.cacheable.dtype == bool, (
+      f"cacheable has dtype {state.cacheable.dtype}, expected bool")
+  assert state.lru.shape == (2 * n,) and state.lru_pos.shape == (n,), (
+      f"lru {state.lru.shape} / lru_pos {state.lru_pos.shape}, expected "
+      f"({2 * n},) / ({n},)")
+  cacheable = np.asarray(state.cacheable)
+  pos = np.asarray(state.lru_pos)
+  ring = np.asarray(state.lru)
+  size, head, length = 2 * n, int(state.lru_head), int(state.lru_len)
+  num_cached = int(state.num_cached)
+  assert 0 <= head < size and 0 <= length <= size, (
+      f"ring head={head}, len={length} outside [0, {size})")
+  window = (head + np.arange(length, dtype=np.int64)) % size
+  cached = np.nonzero(pos >= 0)[0]
+  assert len(cached) == num_cached, (
+      f"num_cached={num_cached} but {len(cached)} blocks have a ring slot")
+  assert np.all(refs[cached] == 0), (
+      f"blocks both cached and referenced: {cached[refs[cached] != 0].tolist()}")
+  assert np.all(cacheable[cached]), (
+      f"cached blocks that are not cacheable: "
+      f"{cached[~cacheable[cached]].tolist()}")
+  assert not np.any(cacheable[free]), (
+      f"empty blocks still marked cacheable: {free[cacheable[free]].tolist()}")
+  assert not set(free.tolist()) & set(cached.tolist()), (
+      f"blocks both free and cached: {sorted(set(free) & set(cached))}")
+  in_window = set(window.tolist())
+  for b in cached.tolist():
+    assert int(pos[b]) in in_window and ring[pos[b]] == b, (
+        f"cached block {b}: ring slot {pos[b]} holds {ring[pos[b]]} or lies "
+        f"outside the ring's window")
+  ent = ring[window]
+  assert np.sum(ent >= 0) == num_cached, (
+      f"ring window holds {int(np.sum(ent >= 0))} entries (stale ones?), "
+      f"expected num_cached={num_cached}")
+  for s, row in enumerate(tables):  # registered content is full everywhere
+    tail = row[lens[s] // bs:-(-lens[s] // bs)]
+    assert not np.any(cacheable[tail]), (
+        f"slot {s}: cacheable block {tail.tolist()} is its partial last block")
