@@ -271,9 +271,6 @@ def _small_inputs(**overrides):
 _BAD_INPUTS = [
     (dict(q=((2, 8, 64), jnp.float8_e4m3fn)), {},
      r"q dtype float8_e4m3fn is not one of"),
-    (dict(k=((2, 10, 16, 64), jnp.float8_e4m3fn),
-          v=((2, 10, 16, 64), jnp.float8_e4m3fn)), {},
-     r"k_pages dtype float8_e4m3fn is not one of"),
     (dict(q=((2, 8, 48), jnp.float32), k=((2, 10, 16, 48), jnp.float32),
           v=((2, 10, 16, 48), jnp.float32)), {},
      r"head_dim=48 must be a power of two in \[16, 256\]"),
