@@ -91,9 +91,9 @@ class EngineStats:
       already finished every step dispatched (it sat idle for part of that
       work): an upper bound on the device time lost to the host. Without
       asynchronous scheduling every step's host work is exposed.
-    device_seconds: wall time from the first dispatch of a step to its
-      results on the host, minus the host's work in between (the device's
-      share of the wall time).
+    device_seconds: the engine's wall time (host work plus waiting,
+      compilation excluded) minus the exposed host work: a lower bound on
+      the time the device was busy.
     decode_device_seconds: the part of it in decode steps.
     compile_seconds: compiling step shapes on first use (warm-up excluded).
     blocks_used, running, waiting: per-step gauges (peak, mean).
