@@ -78,6 +78,20 @@ class Scaled:
     return max(1, math.ceil(self.rows[i]["output_length"] / self.scale))
 
 
+def ideal_hits(prompt, block_size: int, seen: set) -> int:
+  """Blocks of `prompt` an unbounded cache serves (its longest prefix of full
+  blocks seen in an earlier prompt, its last token always computed); adds
+  its blocks to `seen`."""
+  full = len(prompt) // block_size
+  chains = [tuple(prompt[:(j + 1) * block_size]) for j in range(full)]
+  limit = prefix_cache.max_hit_blocks(len(prompt), block_size)
+  hits = 0
+  while hits < limit and chains[hits] in seen:
+    hits += 1
+  seen.update(chains)
+  return hits
+
+
 def ideal(scaled: Scaled, block_size: int) -> dict:
   """Unbounded-cache hit rates from the ids alone."""
   seen_ids, seen_chains = set(), set()
@@ -89,12 +103,7 @@ def ideal(scaled: Scaled, block_size: int) -> dict:
     seen_ids.update(ids)
     prompt = scaled.prompt(i)
     full = len(prompt) // block_size
-    chains = [tuple(prompt[:(j + 1) * block_size]) for j in range(full)]
-    limit = prefix_cache.max_hit_blocks(len(prompt), block_size)
-    hits = 0
-    while hits < limit and chains[hits] in seen_chains:
-      hits += 1
-    seen_chains.update(chains)
+    hits = ideal_hits(prompt, block_size, seen_chains)
     hit_blk += hits
     prompt_blk += full
     hit_tok += hits * block_size

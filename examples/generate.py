@@ -161,6 +161,12 @@ def add_engine_flags(p: argparse.ArgumentParser):
                    default=True,
                    help="dispatch each step before reading the previous step's "
                    "results, so host work overlaps the device (default on)")
+  eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="keep finished requests' full KV blocks cached and start "
+                   "new requests on the longest cached prefix of their prompt "
+                   "(vLLM's flag and default); the contiguous baseline never "
+                   "caches")
   eng.add_argument("--max-model-len", type=count(2, MAX_MODEL_LEN), default=256,
                    help="longest prompt + output (at least 2: one prompt and "
                    "one generated token)")
@@ -700,7 +706,19 @@ def _fmt(stats: dict) -> list[str]:
       f"  rows computed       {stats['padded_rows']} for {stats['computed_tokens']} real"
       f" tokens ({stats['padding_ratio']:.2f}x) in {stats['buckets_compiled']}"
       f" step shapes",
+      *_fmt_prefix(stats),
   ]
+
+
+def _fmt_prefix(stats: dict) -> list[str]:
+  if not stats["prefix_caching"]:
+    return ["  prefix cache        off"] if stats["kind"] == "paged" else []
+  return [
+      f"  prefix cache        hit rate {100 * stats['prefix_cache_hit_rate']:.1f}%"
+      f" ({stats['prefix_hit_tokens']} of {stats['prefix_queried_tokens']} prompt"
+      f" tokens), {stats['prefill_tokens_saved']} prefill tokens saved; blocks"
+      f" cached {stats['prefix_blocks_registered']}, evicted"
+      f" {stats['prefix_blocks_evicted']}, {stats['blocks_cached']} held at the end"]
 
 
 def _short(text: str, limit: int) -> str:
@@ -792,7 +810,8 @@ def main(argv=None) -> int:
     # configs printed here: one dict, so the two cannot disagree.
     common.update(min_bucket=args.min_bucket,
                   bucket_midpoints=not args.no_bucket_midpoints,
-                  async_scheduling=args.async_scheduling)
+                  async_scheduling=args.async_scheduling,
+                  enable_prefix_caching=args.enable_prefix_caching)
     sizes = {n: v for n, v in common.items() if n not in ("progress", "mesh")}
     if args.request_rate is not None:
       common["arrival_times"] = poisson_arrivals(

@@ -219,6 +219,16 @@ class _EngineCollector:
                               value=st.generated_tokens)
     yield CounterMetricFamily("paged_jax_engine_steps", "Engine steps run.",
                               value=st.steps)
+    # vLLM's pair: hit rate = hits / queries (prompt tokens, first admission).
+    yield CounterMetricFamily("paged_jax_prefix_cache_queries",
+                              "Prompt tokens looked up in the prefix cache.",
+                              value=st.prefix_queried_tokens)
+    yield CounterMetricFamily("paged_jax_prefix_cache_hits",
+                              "Prompt tokens served from the prefix cache.",
+                              value=st.prefix_hit_tokens)
+    yield GaugeMetricFamily("paged_jax_kv_cache_blocks_cached",
+                            "Free KV blocks that keep their content for "
+                            "prefix-cache hits.", value=u.get("blocks_cached", 0))
 
 
 # ------------------------------------------------------------------ the app
@@ -321,13 +331,16 @@ def make_app(loop: EngineLoop, tokenizer: Tokenizer, *, model_name: str,
         else:
           raise _BadRequest("prompt must be a string, one string in a list, or "
                             f"a list of token ids, got {str(p)[:60]!r}")
+      salt = body.get("cache_salt")  # vLLM's field: tenants share no blocks
+      if salt is not None and not isinstance(salt, str):
+        raise _BadRequest(f"cache_salt must be a string, got {str(salt)[:60]!r}")
     except (_BadRequest, ValueError) as e:
       return _error(400, str(e), "invalid_request_error")
     logprobs = bool(body.get("logprobs"))
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     events: asyncio.Queue = asyncio.Queue()
     aloop = asyncio.get_running_loop()
-    loop.submit(Request(rid, prompt, params),
+    loop.submit(Request(rid, prompt, params, cache_salt=salt),
                 lambda d: aloop.call_soon_threadsafe(events.put_nowait, d))
     first = await _next(events, http, loop, rid)
     if first is None:
@@ -463,7 +476,8 @@ def build(args):
       max_batch=args.max_batch, max_tokens_per_step=args.max_tokens_per_step,
       max_model_len=args.max_model_len, min_bucket=args.min_bucket,
       bucket_midpoints=not args.no_bucket_midpoints,
-      cache_dtype=args.kv_cache_dtype, async_scheduling=args.async_scheduling)
+      cache_dtype=args.kv_cache_dtype, async_scheduling=args.async_scheduling,
+      enable_prefix_caching=args.enable_prefix_caching)
   engine = Engine(model, config, mesh=mesh)
   if not args.no_warmup:
     engine.warmup()

@@ -161,8 +161,12 @@ def per_device_cache_bytes(cache: kv_cache.KVCache) -> dict:
 
 def init_block_states(mesh: Mesh, *, num_blocks_per_shard: int,
                       block_size: int, max_seqs_per_shard: int,
-                      max_blocks_per_seq: int) -> bm.BlockState:
+                      max_blocks_per_seq: int,
+                      prefix_caching: bool = False) -> bm.BlockState:
   """One block state per data shard, stacked on a leading axis.
+
+  `prefix_caching` as in `block_manager.init` (each shard caches its own
+  pool's blocks).
 
   Operate on it with `jax.vmap(bm.reserve)` etc.; under `jax.jit` each data
   shard's state stays on its devices. Block ids are local to the shard. Its
@@ -174,7 +178,8 @@ def init_block_states(mesh: Mesh, *, num_blocks_per_shard: int,
   """
   state = bm.init(num_blocks=num_blocks_per_shard, block_size=block_size,
                   max_seqs=max_seqs_per_shard,
-                  max_blocks_per_seq=max_blocks_per_seq)
+                  max_blocks_per_seq=max_blocks_per_seq,
+                  prefix_caching=prefix_caching)
   data = mesh.shape[DATA]
   stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (data,) + x.shape),
                          state)

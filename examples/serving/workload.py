@@ -102,8 +102,12 @@ def _with_budget(params: SamplingParams, max_new_tokens: int) -> SamplingParams:
 
 def engine_config(kind: str, *, kv_tokens: int, block_size: int, max_batch: int,
                   max_tokens_per_step: int, max_model_len: int,
-                  max_beam_width: int = 1, **kw) -> EngineConfig:
+                  max_beam_width: int = 1, enable_prefix_caching: bool = False,
+                  **kw) -> EngineConfig:
   """The `EngineConfig` of `kind` holding `kv_tokens` tokens of KV.
+
+  `enable_prefix_caching` applies to "paged" only: the contiguous baseline
+  is the plain static cache (one max-length block per sequence, never full).
 
   Raises:
     ValueError: unknown kind, or a budget too small for the kind.
@@ -116,7 +120,7 @@ def engine_config(kind: str, *, kv_tokens: int, block_size: int, max_batch: int,
     return EngineConfig(num_blocks=num_blocks, block_size=block_size,
                         max_batch=max_batch, max_tokens_per_step=max_tokens_per_step,
                         max_model_len=max_model_len, max_beam_width=max_beam_width,
-                        **kw)
+                        enable_prefix_caching=enable_prefix_caching, **kw)
   if kind == "contiguous":
     slots = kv_tokens // max_model_len
     if slots < 1:
@@ -269,6 +273,15 @@ def workload_stats(kind: str, engine: Engine, num_requests: int, wall: float,
       "preemptions": st.preemptions,
       "refused_reservations": st.refused_reservations,
       "async_scheduling": config.async_scheduling,
+      "prefix_caching": config.enable_prefix_caching,
+      "prefix_cache_hit_rate": st.prefix_cache_hit_rate,
+      "prefix_hit_tokens": st.prefix_hit_tokens,
+      "prefix_queried_tokens": st.prefix_queried_tokens,
+      "prefill_tokens_saved": st.prefix_tokens_saved,
+      "prefix_blocks_registered": st.prefix_blocks_registered,
+      "prefix_blocks_evicted": st.prefix_blocks_evicted,
+      "blocks_cached": engine.usage()["blocks_cached"],
+      "peak_blocks_cached": st.blocks_cached.peak,
       "host_ms_per_step": 1e3 * st.host_seconds / steps,
       "exposed_host_ms_per_step": 1e3 * st.exposed_host_seconds / steps,
       "wait_ms_per_step": 1e3 * st.wait_seconds / steps,

@@ -35,6 +35,24 @@ re-derived on the host; the device's `ok` is only checked to be all true.
 Releases of finished sequences travel to the device with the next step
 (after its forks when a finished parent's children fork in it).
 
+Prefix caching (`EngineConfig.enable_prefix_caching`). Each `Scheduler`
+keeps a host index (`paged_jax.prefix_cache.PrefixIndex`) from chained,
+keyed block hashes (salted by `Request.cache_salt`) to physical blocks. A
+sequence's full blocks are registered (`block_manager.register`) by the first
+step after their K/V were written, or by the step that releases them; a
+released registered block stays cached (its K/V kept) until an allocation
+evicts it, least recently released first. At admission a sequence looks up
+the longest cached prefix of its tokens (its last token always computed) and
+starts on those blocks (`block_manager.share`, before this step's reserve so
+they cannot be evicted under it), skipping their prefill. Register and share
+run inside the step's bookkeeping (register -> release -> fork -> release ->
+share -> reserve), so the mirror decides them exactly as the device does; the
+index inserts what this step registers and drops what the mirror's reserve
+reports evicted, so no entry ever points at a reused block. Blocks whose
+tokens are still in flight (the last block of an asynchronous step) are not
+hashed until the tokens arrive; a sequence released before then leaves that
+block uncached.
+
 On a `(data, model)` device mesh (`Engine(..., mesh=...)`) the model is
 tensor-parallel and each data shard is a replica with its own pool and its
 own `Scheduler`; one jitted step (`step.mesh_device_step`) serves them all.
@@ -101,6 +119,11 @@ class EngineConfig:
       the host's work overlaps the device's (vLLM v1's async scheduling; see
       `Engine.step`). Off: every step waits for its results (the same
       tokens, a step later for nothing).
+    enable_prefix_caching: keep the full blocks of finished (and preempted)
+      sequences cached and start new sequences on the longest cached prefix
+      of their tokens (vLLM's automatic prefix caching; see the module
+      docstring). Off by default in the library: the step's shapes and the
+      pool's accounting are the plain allocator's; the CLIs turn it on.
   """
 
   num_blocks: int
@@ -115,6 +138,7 @@ class EngineConfig:
   bucket_midpoints: bool = True
   check_traces: bool = False
   async_scheduling: bool = True
+  enable_prefix_caching: bool = False
 
   def __post_init__(self):
     for name in ("num_blocks", "block_size", "max_batch", "max_tokens_per_step",
@@ -122,6 +146,10 @@ class EngineConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    for name in ("static_batching", "check_traces", "async_scheduling",
+                 "enable_prefix_caching", "bucket_midpoints"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.max_tokens_per_step < self.max_batch:
       raise ValueError(f"max_tokens_per_step={self.max_tokens_per_step} must be >= "
                        f"max_batch={self.max_batch} so every decode fits a step")
@@ -183,7 +211,8 @@ class Engine:
     blocks_per_seq = -(-max_len // bs)
     initial = bm.init(num_blocks=config.num_blocks, block_size=bs,
                       max_seqs=self.max_seqs,
-                      max_blocks_per_seq=blocks_per_seq)
+                      max_blocks_per_seq=blocks_per_seq,
+                      prefix_caching=config.enable_prefix_caching)
     self._pools = [Scheduler(config, model.config, max_len, self.stats, initial)
                    for _ in range(data)]
     self._runner = Runner(model, config, blocks_per_seq=blocks_per_seq,
@@ -372,6 +401,7 @@ class Engine:
     st.buckets[key] = st.buckets.get(key, 0) + 1
     usage = self.usage()
     st.blocks_used.add(usage["blocks_used"])
+    st.blocks_cached.add(usage["blocks_cached"])
     st.running.add(usage["running"])
     st.waiting.add(usage["waiting"])
 

@@ -10,11 +10,26 @@ from paged_jax.serving.sampling import SamplingParams
 
 @dataclasses.dataclass
 class Request:
-  """A generation request: a prompt (token ids) and how to sample."""
+  """A generation request: a prompt (token ids) and how to sample.
+
+  Attributes:
+    request_id: any hashable id.
+    prompt: the prompt's token ids.
+    params: how to sample.
+    cache_salt: with prefix caching, requests share cached blocks only with
+      requests of the same salt (a tenant, an adapter: vLLM's `cache_salt`);
+      None and "" are the same, unsalted.
+  """
 
   request_id: Hashable
   prompt: list[int]
   params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+  cache_salt: str | bytes | None = None
+
+  def salt_bytes(self) -> bytes:
+    """`cache_salt` as bytes (UTF-8 for a str)."""
+    salt = self.cache_salt or b""
+    return salt.encode() if isinstance(salt, str) else bytes(salt)
 
 
 @dataclasses.dataclass
@@ -48,6 +63,8 @@ class RequestOutput:
       best first; empty for a rejected request.
     rejected: why the request was refused, or None.
     preemptions: how often one of its sequences was preempted.
+    num_cached_tokens: prompt tokens served from the prefix cache at its
+      first admission (vLLM's name); 0 without prefix caching.
     arrival_step / first_token_step / finish_step: engine steps (latency in
       steps, for reports).
     arrival_time / first_token_time / finish_time: `time.perf_counter()`
@@ -60,6 +77,7 @@ class RequestOutput:
   completions: list[Completion] = dataclasses.field(default_factory=list)
   rejected: str | None = None
   preemptions: int = 0
+  num_cached_tokens: int = 0
   arrival_step: int = 0
   first_token_step: int | None = None
   finish_step: int | None = None
@@ -124,6 +142,7 @@ class Group:
     self.live: list[Seq] = []
     self.unborn = 0  # sequences still to be forked from the prompt
     self.aborted = False  # `Engine.abort_request`: results in flight ignored
+    self.admitted = False  # admitted once (prefix-cache hit rate: prompts)
     self.restart()
 
   @property
@@ -146,7 +165,8 @@ class Seq:
   """One sequence: prompt plus generated tokens, and where its K/V lives."""
 
   __slots__ = ("group", "index", "tokens", "num_cached", "slot", "fork_from",
-               "logprob", "last_token_time", "final", "done", "token_logprobs")
+               "logprob", "last_token_time", "final", "done", "token_logprobs",
+               "hashes", "num_registered")
 
   def __init__(self, group: Group, index: int, tokens: list[int]):
     self.group = group
@@ -162,6 +182,11 @@ class Seq:
     self.final = False  # its last token in flight reaches max_new_tokens
     self.done = False  # finished: its completion is recorded
     self.token_logprobs: list[float] = []  # per generated token (not beam)
+    # Prefix caching: chained hashes of its full blocks of known tokens (by
+    # content, so they survive preemption), and how many of its current
+    # slot's blocks are registered (or known to be held under their hash).
+    self.hashes: list[bytes] = []
+    self.num_registered = 0
 
   @property
   def order(self) -> tuple[int, int]:

@@ -62,7 +62,8 @@ class Runner:
     mc = model.config
     if mesh is None:
       self.state = bm.init(num_blocks=config.num_blocks, block_size=bs,
-                           max_seqs=max_seqs, max_blocks_per_seq=blocks_per_seq)
+                           max_seqs=max_seqs, max_blocks_per_seq=blocks_per_seq,
+                           prefix_caching=config.enable_prefix_caching)
       self.cache = model.make_cache(config.num_blocks, bs, config.cache_dtype)
       self.last_tokens = jnp.zeros(max_seqs, jnp.int32)
       self._jit = _step_jit
@@ -70,7 +71,8 @@ class Runner:
     else:
       self.state = sharding.init_block_states(
           mesh, num_blocks_per_shard=config.num_blocks, block_size=bs,
-          max_seqs_per_shard=max_seqs, max_blocks_per_seq=blocks_per_seq)
+          max_seqs_per_shard=max_seqs, max_blocks_per_seq=blocks_per_seq,
+          prefix_caching=config.enable_prefix_caching)
       self.cache = sharding.create_cache(
           mesh, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
           num_blocks_per_shard=config.num_blocks, block_size=bs,

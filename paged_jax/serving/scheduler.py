@@ -40,6 +40,7 @@ import jax
 import numpy as np
 
 from paged_jax import block_manager as bm
+from paged_jax import prefix_cache
 from paged_jax.serving import beam as beam_lib
 from paged_jax.serving import compiler
 from paged_jax.serving import sampling as sampling_lib
@@ -82,6 +83,14 @@ def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
+def register_rows(config) -> int:
+  """Blocks a step can register for the prefix cache (`StepInputs.register_*`
+  rows): a step completes at most `max_tokens_per_step // block_size` blocks
+  of prefill plus one block per decoding sequence; what does not fit waits a
+  step (a block released before it is registered is simply not cached)."""
+  return config.max_tokens_per_step // config.block_size + config.max_batch
+
+
 class Scheduler:
   """The host side of one block pool: queues, admission, preemption, the
   step's inputs and applying its results. `Engine` drives one per pool (one
@@ -116,6 +125,20 @@ class Scheduler:
     self.collect_deltas = False  # streaming: keep per-token deltas
     self._deltas: list[RequestDelta] = []
     self._now = time.perf_counter()  # when the last step's results arrived
+    # Prefix caching (`initial_state.prefix_caching`): the host index of
+    # cached blocks (`prefix_cache.py`), kept exactly in step with the
+    # mirror: a block is indexed when this step registers it, dropped when
+    # the mirror's reserve reports it evicted.
+    caching = initial_state.prefix_caching
+    self._index = (prefix_cache.PrefixIndex(config.block_size)
+                   if caching else None)
+    self._register_rows = register_rows(config) if caching else 0
+    self._share_rows = config.max_batch if caching else 0
+    self._register_next: list[tuple[Seq, int, int, bytes]] = []  # candidates
+    self._registering: list[tuple[int, int, bytes, int]] = []  # this step's
+    self._shares: dict[Seq, list[int]] = {}  # this step's hits (admissions)
+    self._num_cached = 0  # the mirror's cached blocks, as an int
+    self._fitted = None  # the bookkeeping inputs `_fit` accepted this step
 
   # ----------------------------------------------------------------- requests
 
@@ -181,10 +204,24 @@ class Scheduler:
     return bool(self._release_next or self._release_late_next)
 
   def usage(self) -> dict:
-    """Blocks used / total, running and waiting sequences (from the last step)."""
-    used = self.config.num_blocks - self._num_free
-    return {"blocks_used": used, "blocks_total": self.config.num_blocks,
+    """Blocks used (held by sequences) / cached (free to reuse, their K/V
+    kept for prefix-cache hits) / total, running and waiting sequences (from
+    the last step)."""
+    used = self.config.num_blocks - self._num_free - self._num_cached
+    return {"blocks_used": used, "blocks_cached": self._num_cached,
+            "blocks_total": self.config.num_blocks,
             "running": len(self._running), "waiting": len(self._waiting)}
+
+  @property
+  def prefix_index(self) -> prefix_cache.PrefixIndex | None:
+    """The prefix-cache index (None without prefix caching)."""
+    return self._index
+
+  def check_prefix_index(self):
+    """Asserts that the index names exactly the mirror's cacheable blocks
+    (tests: no entry points at a block that was evicted and reused)."""
+    if self._index is not None:
+      prefix_cache.check_consistent(self._index, jax.device_get(self._mirror))
 
   @property
   def num_running(self) -> int:
@@ -203,9 +240,13 @@ class Scheduler:
 
   def _release(self, seq: Seq, late: bool = False):
     """Queues `seq`'s slot for release by the next step's bookkeeping (after
-    that step's forks when `late`: a finished parent whose children fork)."""
+    that step's forks when `late`: a finished parent whose children fork).
+    Its full blocks not registered yet are registered first (prefix caching:
+    they stay cached after the release)."""
     if seq.slot >= 0:
       if seq.fork_from < 0:  # a pending child holds no device state
+        if self._index is not None:
+          self._collect_registrations(seq)
         if late:  # the slot is free after the next step
           self._release_late_next.append(seq.slot)
           self._release_late_pending.append(seq.slot)
@@ -216,6 +257,7 @@ class Scheduler:
         self._free_slots.append(seq.slot)
     seq.slot = -1
     seq.fork_from = -1
+    seq.num_registered = 0
 
   def _preempt(self, victim: Seq, plan: list):
     """Preempts `victim` (its whole group for beam search): its blocks are
@@ -243,6 +285,8 @@ class Scheduler:
     self._running.remove(seq)
     self._free_slots.append(seq.slot)
     seq.slot = -1
+    if self._shares.pop(seq, None) is not None:  # its hit is taken back too
+      seq.num_cached = seq.num_registered = 0
     self._insert(self._waiting, seq)
 
   def _schedule(self) -> tuple[list[tuple[Seq, int]], list[Seq], Seq | None]:
@@ -279,6 +323,9 @@ class Scheduler:
       self._insert(self._running, seq)
       admitted.append(seq)
       rows += new_rows
+      if self._index is not None and len(self._shares) < self._share_rows:
+        self._lookup(seq)
+        n = min(len(seq.tokens) - seq.num_cached, n)
       if n > 0:
         plan.append((seq, n))
         budget -= n
@@ -295,17 +342,29 @@ class Scheduler:
       RuntimeError: if a fork is refused or the oldest sequence cannot grow
         alone (admission guarantees neither happens).
     """
+    queued = len(self._register_next)
     while True:
       x = self._bookkeeping_inputs(plan, self.config.max_batch)
-      forks = int(np.sum(x[1] >= 0))
+      forks = int(np.sum(x[3] >= 0))
       present = (bool(self._release_next), forks > 0, bool(self._release_late_next))
-      state, fork_ok, res = self._run_mirror(x, present)
-      ok, fork_ok, num_free = jax.device_get((res.ok, fork_ok, state.num_free))
+      state, fork_ok, res, cache_ok = self._run_mirror(x, present)
+      ok, fork_ok, num_free, cache_ok = jax.device_get(
+          (res.ok, fork_ok, state.num_free, cache_ok))
       if not fork_ok[:forks].all():
         raise RuntimeError(f"a fork was refused: engine bookkeeping bug ({self.usage()})")
+      if not cache_ok.all():
+        raise RuntimeError("a prefix-cache registration or hit was refused: "
+                           f"the index and the pool disagree (engine bug)")
       refused = np.flatnonzero(~ok[:len(plan)])
       if not refused.size:
         self._mirror, self._num_free = state, int(num_free)
+        self._fitted = x  # `build_step` reuses them
+        # A slot preempted here is released by this very step: blocks queued
+        # for it now would be read from a table gone by the next step. (None
+        # are: its blocks were collected in `_prepare_registrations`.)
+        del self._register_next[queued:]
+        if self._index is not None:
+          self._commit_prefix_cache(state, res, admitted)
         return plan
       self.stats.refused_reservations += 1
       seq = plan[refused[0]][0]
@@ -353,12 +412,106 @@ class Scheduler:
     may write its next token in that step)."""
     return [s for s in self._running if s.fork_from >= 0]
 
+  # ----------------------------------------------------------- prefix cache
+
+  def _extend_hashes(self, seq: Seq, num_blocks: int):
+    """Extends `seq.hashes` to its first `num_blocks` full blocks, stopping at
+    a block that holds a token still in flight (`PENDING`)."""
+    bs = self.config.block_size
+    index, hashes = self._index, seq.hashes
+    while len(hashes) < num_blocks:
+      i = len(hashes)
+      block = seq.tokens[i * bs:(i + 1) * bs]
+      if PENDING in block:
+        return
+      parent = hashes[-1] if hashes else index.root(seq.group.request.salt_bytes())
+      hashes.append(index.chain(parent, block))
+
+  def _lookup(self, seq: Seq):
+    """Admission: starts `seq` on the longest cached prefix of its tokens
+    (its last token is always computed: `prefix_cache.max_hit_blocks`)."""
+    bs = self.config.block_size
+    self._extend_hashes(seq, prefix_cache.max_hit_blocks(len(seq.tokens), bs))
+    limit = prefix_cache.max_hit_blocks(len(seq.tokens), bs)
+    blocks = self._index.lookup(seq.hashes[:limit])
+    if blocks:
+      self._shares[seq] = blocks
+      seq.num_cached = len(blocks) * bs
+      seq.num_registered = len(blocks)
+
+  def _collect_registrations(self, seq: Seq):
+    """Queues `seq`'s full, computed blocks not registered yet (`(seq, slot,
+    col, hash)`) for the next step's bookkeeping."""
+    full = seq.num_cached // self.config.block_size
+    self._extend_hashes(seq, full)
+    for col in range(seq.num_registered, min(full, len(seq.hashes))):
+      self._register_next.append((seq, seq.slot, col, seq.hashes[col]))
+      seq.num_registered = col + 1
+
+  def _prepare_registrations(self):
+    """Decides which queued blocks this step registers: one block per hash
+    (a block whose hash is indexed already, or repeated in this step, stays
+    unregistered and is emptied when released), at most `register_rows`; the
+    rest of a live sequence waits for the next step. Reads the physical blocks
+    from the mirror before this step (a full block's entry never changes)."""
+    for seq in self._running:
+      if seq.slot >= 0 and seq.fork_from < 0:
+        self._collect_registrations(seq)
+    queued, self._register_next = self._register_next, []
+    self._registering = []
+    if not queued:
+      return
+    tables = np.asarray(self._mirror.block_tables)
+    taken: set[bytes] = set()
+    for seq, slot, col, h in queued:
+      if len(self._registering) == self._register_rows:
+        if seq.slot == slot:  # still live there: again next step
+          seq.num_registered = min(seq.num_registered, col)
+        continue
+      if h in self._index or h in taken:
+        continue
+      taken.add(h)
+      self._registering.append((slot, col, h, int(tables[slot, col])))
+
+  def _commit_prefix_cache(self, state: bm.BlockState, res: bm.Reservation,
+                           admitted: list[Seq]):
+    """After the mirror accepted a step: index this step's registered blocks,
+    drop the evicted ones, count the hits."""
+    st, bs = self.stats, self.config.block_size
+    for _, _, h, block in self._registering:
+      if not self._index.insert(h, block):
+        raise RuntimeError("a registered block's hash was indexed already "
+                           "(engine bug)")
+    evicted = np.asarray(res.evicted)
+    st.prefix_blocks_evicted += self._index.evict(evicted[evicted >= 0])
+    st.prefix_blocks_registered += len(self._registering)
+    self._num_cached = int(state.num_cached)
+    for seq in admitted:
+      hit = len(self._shares.get(seq, ())) * bs
+      st.prefix_tokens_saved += hit
+      g = seq.group
+      if not g.admitted:  # the hit rate counts prompts, at first admission
+        g.admitted = True
+        g.output.num_cached_tokens = hit
+        st.prefix_queried_tokens += g.prompt_len
+        st.prefix_hit_tokens += hit
+
   def _bookkeeping_inputs(self, plan, num_seqs: int) -> tuple[np.ndarray, ...]:
     """The arguments of `step.bookkeeping` for `plan` with `num_seqs` entry
-    rows: `(release_early, fork_parents, fork_children, release_late, seq_ids,
-    q_lens)`. Padding entries (-1, 0 tokens) change nothing, so every row
-    count gives the same state."""
+    rows, in `step.BOOKKEEPING_FIELDS` order. Padding entries (-1, 0 tokens)
+    change nothing, so every row count gives the same state."""
     c = self.config
+    register_seqs = np.full(self._register_rows, -1, np.int32)
+    register_cols = np.zeros(self._register_rows, np.int32)
+    for i, (slot, col, _, _) in enumerate(self._registering):
+      register_seqs[i], register_cols[i] = slot, col
+    width = self._mirror.max_blocks_per_seq
+    share_seqs = np.full(self._share_rows, -1, np.int32)
+    share_blocks = np.full((self._share_rows, width), -1, np.int32)
+    share_counts = np.zeros(self._share_rows, np.int32)
+    for i, (seq, blocks) in enumerate(self._shares.items()):
+      share_seqs[i], share_counts[i] = seq.slot, len(blocks)
+      share_blocks[i, :len(blocks)] = blocks
     release_early = np.full(self.max_seqs, -1, np.int32)
     release_late = np.full(self.max_seqs, -1, np.int32)
     release_early[:len(self._release_next)] = self._release_next
@@ -373,15 +526,22 @@ class Scheduler:
     for j, (s, n) in enumerate(plan):
       seq_ids[j] = s.slot
       q_lens[j] = n
-    return release_early, fork_parents, fork_children, release_late, seq_ids, q_lens
+    return (register_seqs, register_cols, release_early, fork_parents,
+            fork_children, release_late, share_seqs, share_blocks, share_counts,
+            seq_ids, q_lens)
 
-  def _build(self, plan, bucket: Bucket):
+  def _build(self, plan, bucket: Bucket, book=None):
     """`(StepInputs, samples)` of `plan` in shape `bucket`; `samples` are the
-    `(token row, seq, lane)` of each sample row. Changes nothing."""
+    `(token row, seq, lane)` of each sample row. `book`: the bookkeeping
+    inputs `_fit` accepted for `plan` (`max_batch` entry rows; cut to the
+    bucket's here, the rows past the plan being padding), else built.
+    Changes nothing."""
     num_tokens, S = bucket.num_tokens, bucket.num_seqs
-    book = self._bookkeeping_inputs(plan, S)
-    a = dict(zip(("release_early", "fork_parents", "fork_children", "release_late",
-                  "seq_ids", "q_lens"), book))
+    if book is None:
+      book = self._bookkeeping_inputs(plan, S)
+    else:
+      book = book[:-2] + tuple(a[:S] for a in book[-2:])  # seq_ids, q_lens
+    a = dict(zip(step_lib.BOOKKEEPING_FIELDS, book))
     a.update(
         tokens=np.zeros(num_tokens, np.int32),
         token_slots=np.full(num_tokens, -1, np.int32),
@@ -426,10 +586,12 @@ class Scheduler:
       RuntimeError: if requests wait while nothing runs and none can start
         (admission guarantees this never happens).
     """
+    if self._index is not None:
+      self._prepare_registrations()
     plan, admitted, first = self._schedule()
-    if plan or self.has_releases():
+    if plan or self.has_releases() or self._registering:
       plan = self._fit(plan, admitted, first)
-    if not plan and not self.has_releases():
+    if not plan and not self.has_releases() and not self._registering:
       if self._waiting and not self._running:  # admission guarantees progress
         raise RuntimeError(f"engine stalled with nothing running: {self.usage()}")
       return None
@@ -440,9 +602,11 @@ class Scheduler:
     step on the host as if it had run (see `_commit`): the next step can be
     scheduled before this one's results arrive. Returns `(inputs, pending)`;
     hand `pending` and the step's outputs for this pool to `resolve`."""
-    x, samples = self._build(plan, bucket)
+    x, samples = self._build(plan, bucket, self._fitted)
+    self._fitted = None
     forks = self._forks()
     self._release_next, self._release_late_next = [], []
+    self._registering, self._shares = [], {}
     # Slots released after this step's forks are free for the next step.
     self._free_slots.extend(self._release_late_pending)
     self._release_late_pending = []
@@ -519,6 +683,7 @@ class Scheduler:
       if g.unborn:  # prompt done: the other samples fork from it next step
         for _, lane in lanes[1:]:
           child = Seq(g, lane, list(g.request.prompt))
+          child.hashes = s.hashes[:len(child.tokens) // self.config.block_size]
           child.num_cached = s.num_cached
           child.fork_from = s.slot
           child.slot = self._free_slots.pop()
@@ -741,6 +906,7 @@ class Scheduler:
     free_lanes = [i for i in range(width) if i not in used_lanes]
     for (parent, t, lp), lane in zip(children, free_lanes):
       child = Seq(g, lane, parent.tokens[:parent.num_cached] + [t])
+      child.hashes = parent.hashes[:parent.num_cached // self.config.block_size]
       child.num_cached = parent.num_cached
       child.fork_from = parent.slot
       child.logprob = lp

@@ -96,7 +96,15 @@ class EngineStats:
       the time the device was busy.
     decode_device_seconds: the part of it in decode steps.
     compile_seconds: compiling step shapes on first use (warm-up excluded).
-    blocks_used, running, waiting: per-step gauges (peak, mean).
+    prefix_queried_tokens, prefix_hit_tokens: prompt tokens of admitted
+      requests, and those served from the prefix cache, at each request's
+      first admission (`prefix_cache_hit_rate`).
+    prefix_tokens_saved: tokens not computed thanks to cache hits, at every
+      admission (re-admissions after preemption included).
+    prefix_blocks_registered, prefix_blocks_evicted: blocks entered into the
+      prefix cache, and cached blocks evicted for reuse.
+    blocks_used, blocks_cached, running, waiting: per-step gauges (peak,
+      mean); cached blocks are free to reuse but keep their K/V for hits.
     ttft, tpot, itl, e2e: latencies in seconds (time to first token, time
       per output token after the first, inter-token latency, end to end).
     buckets: steps run per bucket `(num_tokens, num_seqs, decode_only)`
@@ -120,7 +128,13 @@ class EngineStats:
   device_seconds: float = 0.0
   decode_device_seconds: float = 0.0
   compile_seconds: float = 0.0
+  prefix_queried_tokens: int = 0
+  prefix_hit_tokens: int = 0
+  prefix_tokens_saved: int = 0
+  prefix_blocks_registered: int = 0
+  prefix_blocks_evicted: int = 0
   blocks_used: Gauge = dataclasses.field(default_factory=Gauge)
+  blocks_cached: Gauge = dataclasses.field(default_factory=Gauge)
   running: Gauge = dataclasses.field(default_factory=Gauge)
   waiting: Gauge = dataclasses.field(default_factory=Gauge)
   ttft: Latency = dataclasses.field(default_factory=Latency)
@@ -135,6 +149,13 @@ class EngineStats:
     engine's time the device may have idled for the host (an upper bound)."""
     total = self.exposed_host_seconds + self.wait_seconds
     return self.exposed_host_seconds / total if total else 0.0
+
+  @property
+  def prefix_cache_hit_rate(self) -> float:
+    """Prompt tokens served from the prefix cache / prompt tokens (admitted
+    requests, first admissions; vLLM's definition)."""
+    q = self.prefix_queried_tokens
+    return self.prefix_hit_tokens / q if q else 0.0
 
   @property
   def padding_ratio(self) -> float:

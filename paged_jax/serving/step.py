@@ -4,8 +4,9 @@
 of every sequence slot go in and come out, and nothing else changes. Its
 order is
 
-  release (finished, preempted) -> fork (new samples / beams) -> release
-  (finished fork parents) -> reserve (this step's tokens) -> copy-on-write ->
+  register (blocks to cache) -> release (finished, preempted) -> fork (new
+  samples / beams) -> release (finished fork parents) -> share (prefix-cache
+  hits) -> reserve (this step's tokens) -> copy-on-write ->
   the input tokens (the host's, or the last token sampled for a slot) ->
   `step_metadata` (once for every layer) -> `model.paged_forward` -> logits of
   the rows to sample -> sampling and top log-probs -> the sampled tokens
@@ -72,12 +73,21 @@ class ModelDef:
 
 @flax.struct.dataclass
 class StepInputs:
-  """One step's host-built arrays (`num_tokens`, `num_seqs`: the bucket's)."""
+  """One step's host-built arrays (`num_tokens`, `num_seqs`: the bucket's).
 
+  The prefix-cache arrays (`register_*`, `share_*`) have zero rows when the
+  pool has no prefix caching (`R`, `H`: `register_rows`, `share_rows`).
+  """
+
+  register_seqs: jax.Array  # i32[R]  slot of each block to register; -1 = none
+  register_cols: jax.Array  # i32[R]  its block-table column
   release_early: jax.Array  # i32[max_seqs]  before forks; -1 = none
   release_late: jax.Array  # i32[max_seqs]   after forks (finished fork parents)
   fork_parents: jax.Array  # i32[max_batch]
   fork_children: jax.Array  # i32[max_batch]
+  share_seqs: jax.Array  # i32[H]  empty slot starting on a cached prefix; -1 = none
+  share_blocks: jax.Array  # i32[H, max_blocks_per_seq]  its cached blocks
+  share_counts: jax.Array  # i32[H]  blocks shared (>= 1 on a real row)
   seq_ids: jax.Array  # i32[num_seqs]  entries in priority order, -1 padding
   q_lens: jax.Array  # i32[num_seqs]
   tokens: jax.Array  # i32[num_tokens]  ragged layout (host-known tokens)
@@ -210,11 +220,25 @@ def mesh_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
                                                  fork_ok, token_lp)
 
 
-def bookkeeping(state: bm.BlockState, release_early, fork_parents, fork_children,
-                release_late, seq_ids, q_lens, *,
+BOOKKEEPING_FIELDS = ("register_seqs", "register_cols", "release_early",
+                      "fork_parents", "fork_children", "release_late",
+                      "share_seqs", "share_blocks", "share_counts", "seq_ids",
+                      "q_lens")
+
+
+def bookkeeping(state: bm.BlockState, register_seqs, register_cols,
+                release_early, fork_parents, fork_children, release_late,
+                share_seqs, share_blocks, share_counts, seq_ids, q_lens, *,
                 present: tuple[bool, bool, bool] = (True, True, True)):
-  """A step's block bookkeeping on one pool: release -> fork -> release ->
-  reserve (the arrays of `StepInputs` of the same names).
+  """A step's block bookkeeping on one pool: register -> release -> fork ->
+  release -> share -> reserve (the arrays of `StepInputs` of the same names,
+  in `BOOKKEEPING_FIELDS` order).
+
+  Registering first lets a sequence released in this step leave its full
+  blocks cached; sharing before reserving keeps a hit's blocks out of this
+  step's evictions. Without prefix caching (`state.prefix_caching` False)
+  the register and share arrays are empty and skipped. Padding rows (-1)
+  change nothing.
 
   `present` (static) says which of `release_early`, the forks and
   `release_late` hold any entry; an empty one (all -1) changes nothing, so
@@ -226,9 +250,14 @@ def bookkeeping(state: bm.BlockState, release_early, fork_parents, fork_children
   so the host plans with exactly what the device will grant.
 
   Returns:
-    `(state, fork_ok bool[max_batch], Reservation)`.
+    `(state, fork_ok bool[max_batch], Reservation, cache_ok bool[R + H])`:
+    `cache_ok` is the register and share rows' `ok` (True on padding rows).
   """
   early, forks, late = present
+  cache_ok = jnp.ones((0,), bool)
+  if state.prefix_caching:
+    state, reg_ok = bm.register(state, register_seqs, register_cols)
+    cache_ok = reg_ok | (register_seqs < 0)
   if early:
     state, _ = bm.release(state, release_early)
   if forks:
@@ -237,13 +266,23 @@ def bookkeeping(state: bm.BlockState, release_early, fork_parents, fork_children
     fork_ok = jnp.zeros(fork_parents.shape, bool)
   if late:
     state, _ = bm.release(state, release_late)
+  if state.prefix_caching:
+    # Padding rows ask for 1 block of slot -1: refused, nothing changes.
+    state, share_ok = bm.share(state, share_seqs, share_blocks,
+                               jnp.maximum(share_counts, 1))
+    cache_ok = jnp.concatenate([cache_ok, share_ok | (share_seqs < 0)])
   state, res = bm.reserve(state, seq_ids, q_lens)
-  return state, fork_ok, res
+  return state, fork_ok, res, cache_ok
+
+
+def bookkeeping_args(x: StepInputs) -> tuple:
+  """`x`'s arguments of `bookkeeping`, in order."""
+  return tuple(getattr(x, f) for f in BOOKKEEPING_FIELDS)
 
 
 def _bookkeeping(state: bm.BlockState, x: StepInputs):
-  return bookkeeping(state, x.release_early, x.fork_parents, x.fork_children,
-                     x.release_late, x.seq_ids, x.q_lens)
+  state, fork_ok, res, _ = bookkeeping(state, *bookkeeping_args(x))
+  return state, fork_ok, res
 
 
 def _sample(logits, x: StepInputs, num_logprobs: int):

@@ -163,6 +163,9 @@ ENGINE_SIZES = dict(num_blocks=24, block_size=BS, max_batch=4,
 
 def _engine_requests():
   requests = random_requests(5, 10, prompt=(3, 20), new=(2, 12))
+  # Repeats of earlier prompts: prefix-cache hits when caching is on.
+  requests += [Request(f"again{r.request_id}", list(r.prompt), r.params)
+               for r in requests[:3]]  # (request i goes to data shard i % 2)
   requests.append(Request("n2", list(range(40, 50)), SamplingParams(
       n=2, temperature=0.8, top_k=20, seed=3, max_new_tokens=8)))
   return requests
@@ -173,16 +176,21 @@ def one_device_outputs(model8):
   return serve(Engine(model8, EngineConfig(**ENGINE_SIZES)), _engine_requests())
 
 
-@pytest.mark.parametrize("data, model", [
-    (2, 4), pytest.param(8, 1, marks=pytest.mark.slow),
-    pytest.param(1, 8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("data, model, caching", [
+    (2, 4, False), (2, 1, True), pytest.param(8, 1, False, marks=pytest.mark.slow),
+    pytest.param(1, 8, False, marks=pytest.mark.slow)])
 def test_sharded_engine_serves_what_one_device_serves(model8, one_device_outputs,
-                                                     data, model):
+                                                     data, model, caching):
   requests, sizes, want = _engine_requests(), ENGINE_SIZES, one_device_outputs
   chex.clear_trace_counter()
   mesh = ps.make_mesh(data, model)
-  engine = Engine(model8, EngineConfig(check_traces=True, **sizes), mesh=mesh)
+  engine = Engine(model8, EngineConfig(check_traces=True, **sizes,
+                                       enable_prefix_caching=caching), mesh=mesh)
   got = serve(engine, requests)
+  if caching:  # each data shard caches in its own pool
+    assert engine.stats.prefix_hit_tokens > 0
+    for pool in engine._pools:  # pylint: disable=protected-access
+      pool.check_prefix_index()
   assert {k: o.completions for k, o in got.items()} == {
       k: o.completions for k, o in want.items()}
   assert engine.data_shards == data
@@ -191,7 +199,8 @@ def test_sharded_engine_serves_what_one_device_serves(model8, one_device_outputs
   for i in range(data):
     state = jax.tree.map(lambda x, i=i: x[i], engine.block_state)
     bm.check_invariants(state)
-    assert int(state.num_free) == sizes["num_blocks"]
+    assert int(state.num_free) + int(state.num_cached or 0) == sizes["num_blocks"]
+    assert int(state.num_used) == 0
   assert_mirror_is_the_device_state(engine)
   assert engine.cache.k_pages.sharding.is_equivalent_to(
       NamedSharding(mesh, ps.cache_spec()), 5)
