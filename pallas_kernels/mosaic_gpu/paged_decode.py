@@ -51,6 +51,7 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DEFAULT_NUM_SMS = 132  # H100 / H200
+SMEM_BYTES = 227 * 1024  # an H100 / H200 block's dynamic shared memory
 # Mosaic GPU's interpreter reads transposed shared-memory operands from 0.11 on.
 MIN_INTERPRET_VERSION = (0, 11)
 
@@ -83,13 +84,29 @@ def _interpret_error() -> str | None:
   return None
 
 
+def smem_bytes(q, k_pages, config: MosaicDecodeConfig) -> int:
+  """Shared memory one program allocates: the K/V ring, Q (reused for the
+  output with one split), P, and with splits the f32 partial output, max and
+  sum (barriers not counted)."""
+  head_dim = q.shape[-1]
+  itemsize = jnp.dtype(q.dtype).itemsize
+  bk = block_kv(k_pages.shape[2])
+  total = 2 * config.num_stages * bk * head_dim * itemsize  # K, V rings
+  total += ROWS * head_dim * itemsize + ROWS * bk * itemsize  # Q, P
+  if config.k_splits > 1:
+    total += ROWS * head_dim * 4 + 2 * ROWS * 4  # o, m, l partials
+  return total
+
+
 def default_config(q, k_pages, block_tables, *,
                    num_sms: int = DEFAULT_NUM_SMS) -> MosaicDecodeConfig:
-  """A config from the shapes: k-splits until there are about two programs
-  per multiprocessor (a power of two, at most 32, never more than the table
-  has steps), 2 stages (3 for block_kv <= 64 tokens with head_dim <= 128,
-  where shared memory allows it)."""
-  batch, _, head_dim = q.shape
+  """A config from the shapes (arrays or `jax.ShapeDtypeStruct`s).
+
+  k-splits until there are about two programs per multiprocessor (a power of
+  two, at most 32, never more than the table has steps); the deepest ring of
+  3, 2 or 1 stages that fits `SMEM_BYTES`. Never measured on a GPU.
+  """
+  batch, _, _ = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
   bk = block_kv(block_size)
   steps = pl.cdiv(block_tables.shape[1] * block_size, bk)
@@ -98,8 +115,11 @@ def default_config(q, k_pages, block_tables, *,
   while (k_splits * 2 <= min(32, steps)
          and programs * k_splits < 2 * num_sms):
     k_splits *= 2
-  num_stages = 3 if bk * head_dim <= 64 * 128 else 2
-  return MosaicDecodeConfig(k_splits=k_splits, num_stages=num_stages)
+  for num_stages in (3, 2, 1):
+    config = MosaicDecodeConfig(k_splits=k_splits, num_stages=num_stages)
+    if smem_bytes(q, k_pages, config) <= SMEM_BYTES:
+      break
+  return config
 
 
 def unsupported_reason(q, k_pages, block_tables, *, soft_cap=None,
@@ -114,16 +134,14 @@ def unsupported_reason(q, k_pages, block_tables, *, soft_cap=None,
       sliding_window=sliding_window)
   if error is not None:
     return f"invalid inputs: {error}"
-  if jax.default_backend() not in ("gpu", "cuda"):
-    error = _interpret_error()
-    if error is not None:
-      return error
-  return _limitation(q, k_pages, block_tables, config)
+  reason = _limitation(q, k_pages, block_tables, config)
+  if reason is None and jax.default_backend() not in ("gpu", "cuda"):
+    reason = _interpret_error()  # off a GPU it can only be interpreted
+  return reason
 
 
 def _limitation(q, k_pages, block_tables, config) -> str | None:
   """Why this (well-formed) input cannot be served by the kernel, or None."""
-  del block_tables
   q_dtype, kv_dtype = jnp.dtype(q.dtype), jnp.dtype(k_pages.dtype)
   if quantization.is_quantized(kv_dtype):
     return (f"{kv_dtype.name} pages (with per-token scales) are not "
@@ -146,11 +164,16 @@ def _limitation(q, k_pages, block_tables, config) -> str | None:
     return f"head_dim={head_dim} must be one of {HEAD_DIMS}"
   if block_size not in BLOCK_SIZES:
     return f"block_size={block_size} must be one of {BLOCK_SIZES}"
-  if config is not None:
-    if config.k_splits < 1:
-      return f"config.k_splits={config.k_splits} must be at least 1"
-    if config.num_stages < 1:
-      return f"config.num_stages={config.num_stages} must be at least 1"
+  if config is None:
+    config = default_config(q, k_pages, block_tables)
+  if config.k_splits < 1:
+    return f"config.k_splits={config.k_splits} must be at least 1"
+  if config.num_stages < 1:
+    return f"config.num_stages={config.num_stages} must be at least 1"
+  need = smem_bytes(q, k_pages, config)
+  if need > SMEM_BYTES:
+    return (f"{config} needs {need} bytes of shared memory, more than the "
+            f"{SMEM_BYTES} of a block")
   return None
 
 
@@ -181,8 +204,11 @@ def _paged_decode_kernel(
     m_ref = l_ref = None
   else:
     (o_ref, m_ref, l_ref), scratch = refs[:3], refs[3:]
-  (q_smem, k_smem, v_smem, p_smem, o_smem, m_smem, l_smem, q_bar, k_bars,
-   v_bars) = scratch
+  q_smem, k_smem, v_smem, p_smem, *partials, q_bar, k_bars, v_bars = scratch
+  if k_splits == 1:  # the output reuses Q's buffer
+    o_smem, m_smem, l_smem = q_smem, None, None
+  else:
+    o_smem, m_smem, l_smem = partials
   _, num_blocks, block_size, head_dim = k_ref.shape
   max_blocks_per_seq = table_ref.shape[1]
   bk = k_smem.shape[1]
@@ -337,20 +363,20 @@ def _paged_decode_call(q, k_pages, v_pages, block_tables, kv_lens, *,
   rows = (batch, num_kv_heads, ROWS)
   if k_splits == 1:
     out_type = jax.ShapeDtypeStruct(rows + (head_dim,), dtype)
-    o_scratch = _swizzled((ROWS, head_dim), dtype)
+    partials = []
   else:
     ml = jax.ShapeDtypeStruct((k_splits,) + rows, jnp.float32)
     out_type = (jax.ShapeDtypeStruct((k_splits,) + rows + (head_dim,),
                                      jnp.float32), ml, ml)
-    o_scratch = plgpu.SMEM((ROWS, head_dim), jnp.float32)
+    partials = [plgpu.SMEM((ROWS, head_dim), jnp.float32),  # o
+                plgpu.SMEM((ROWS,), jnp.float32),  # m
+                plgpu.SMEM((ROWS,), jnp.float32)]  # l
   scratch = [
       _swizzled((ROWS, head_dim), dtype),  # q
       _swizzled((num_stages, bk, head_dim), dtype),  # k ring
       _swizzled((num_stages, bk, head_dim), dtype),  # v ring
       _swizzled((ROWS, bk), dtype),  # p
-      o_scratch,
-      plgpu.SMEM((ROWS,), jnp.float32),  # m (split partials)
-      plgpu.SMEM((ROWS,), jnp.float32),  # l
+      *partials,
       plgpu.Barrier(num_barriers=1),  # q
       plgpu.Barrier(num_arrivals=bk // block_size, num_barriers=num_stages),
       plgpu.Barrier(num_arrivals=bk // block_size, num_barriers=num_stages),
@@ -386,7 +412,7 @@ def _interpret_params():
   if params is None:
     from jax._src.pallas.mosaic_gpu.interpret import params as interpret  # pylint: disable=g-import-not-at-top
     params = interpret.InterpretGPUParams
-  return params()
+  return params(detect_races=True)
 
 
 @functools.partial(
