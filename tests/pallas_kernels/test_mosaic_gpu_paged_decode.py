@@ -141,6 +141,34 @@ def test_benchmark_shape_lowers_with_default_config():
     lower_for_cuda(md.paged_decode, *args)
 
 
+def _layers(p: Params):
+  """Two layers' q and pages over one table and set of lengths."""
+  c0, c1 = _case(p, seed=0), _case(p, seed=1)
+  return (jnp.stack([c0.q, c1.q]), jnp.stack([c0.k_pages, c0.k_pages[:, ::-1]]),
+          jnp.stack([c0.v_pages, c0.v_pages * 2]), c0.block_tables, c0.kv_lens)
+
+
+def _per_layer(**kwargs):
+  return jax.vmap(functools.partial(md.paged_decode, **kwargs),
+                  in_axes=(0, 0, 0, None, None))
+
+
+def test_vmap_over_layers_lowers_to_one_kernel():
+  text = lower_for_cuda(_per_layer(), *_shape_structs(*_layers(Params())))
+  assert text.count("custom_call @mosaic_gpu") == 1  # not one per layer
+
+
+@needs_interpreter
+@pytest.mark.slow
+def test_vmap_over_layers_matches_reference():
+  args = _layers(Params(batch=2))
+  out = _per_layer(interpret=True)(*args)
+  for i in range(2):
+    ref = paged_attention_reference(args[0][i], args[1][i], args[2][i],
+                                    *args[3:])
+    assert_rows_close(out[i], ref, jnp.bfloat16)
+
+
 def test_default_config():
   s = jax.ShapeDtypeStruct
 
