@@ -74,7 +74,9 @@ def block_kv(block_size: int) -> int:
   return max(MIN_BLOCK_KV, block_size)
 
 
-def _interpret_error() -> str | None:
+def interpret_unsupported_reason() -> str | None:
+  """Why this JAX cannot run the kernel in Mosaic GPU interpret mode, or
+  None."""
   version = jax.__version_info__[:2]
   if tuple(version) < MIN_INTERPRET_VERSION:
     return ("Mosaic GPU interpret mode needs JAX >= "
@@ -136,7 +138,8 @@ def unsupported_reason(q, k_pages, block_tables, *, soft_cap=None,
     return f"invalid inputs: {error}"
   reason = _limitation(q, k_pages, block_tables, config)
   if reason is None and jax.default_backend() not in ("gpu", "cuda"):
-    reason = _interpret_error()  # off a GPU it can only be interpreted
+    # Off a GPU it can only be interpreted.
+    reason = interpret_unsupported_reason()
   return reason
 
 
@@ -476,7 +479,7 @@ def paged_decode(
       v_scales=v_scales)
   reason = _limitation(q, k_pages, block_tables, config)
   if reason is None and interpret:
-    reason = _interpret_error()
+    reason = interpret_unsupported_reason()
   if reason is not None:
     raise ValueError(
         f"paged_decode (Mosaic GPU) cannot serve these inputs: {reason}")

@@ -23,7 +23,7 @@ from pallas_kernels.mosaic_gpu.paged_decode import MosaicDecodeConfig
 from tests import contract
 from tests.cases import assert_rows_close, make_decode_case
 
-INTERPRET_ERROR = md._interpret_error()  # pylint: disable=protected-access
+INTERPRET_ERROR = md.interpret_unsupported_reason()
 needs_interpreter = pytest.mark.skipif(
     INTERPRET_ERROR is not None, reason=str(INTERPRET_ERROR))
 
