@@ -106,7 +106,8 @@ def default_config(q, k_pages, block_tables, *,
 
   k-splits until there are about two programs per multiprocessor (a power of
   two, at most 32, never more than the table has steps); the deepest ring of
-  3, 2 or 1 stages that fits `SMEM_BYTES`. Never measured on a GPU.
+  3, 2 or 1 stages that fits `SMEM_BYTES`, without splits if none fits with
+  them. Never measured on a GPU.
   """
   batch, _, _ = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
@@ -117,10 +118,12 @@ def default_config(q, k_pages, block_tables, *,
   while (k_splits * 2 <= min(32, steps)
          and programs * k_splits < 2 * num_sms):
     k_splits *= 2
-  for num_stages in (3, 2, 1):
-    config = MosaicDecodeConfig(k_splits=k_splits, num_stages=num_stages)
-    if smem_bytes(q, k_pages, config) <= SMEM_BYTES:
-      break
+  # Without splits the output reuses Q's buffer: the fallback that fits most.
+  for splits in dict.fromkeys((k_splits, 1)):
+    for num_stages in (3, 2, 1):
+      config = MosaicDecodeConfig(k_splits=splits, num_stages=num_stages)
+      if smem_bytes(q, k_pages, config) <= SMEM_BYTES:
+        return config
   return config
 
 

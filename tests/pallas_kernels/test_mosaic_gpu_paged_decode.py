@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import re
 
 import jax
@@ -190,6 +191,17 @@ def test_default_config():
   assert config(64, 8192, head_dim=256).num_stages == 2
   assert config(8, 8192, head_dim=256).num_stages == 1
   assert config(64, 8192, head_dim=256, block_size=128).num_stages == 1
+  # Splits' f32 partials do not fit beside 128-token pages at head_dim 256.
+  assert config(1, 8192, head_dim=256, block_size=128) == MosaicDecodeConfig(
+      k_splits=1, num_stages=1)
+  # Every default is servable.
+  for batch, head_dim, block_size in itertools.product(
+      (1, 8, 256), md.HEAD_DIMS, md.BLOCK_SIZES):
+    args = (s((batch, 32, head_dim), jnp.bfloat16),
+            s((8, 64, block_size, head_dim), jnp.bfloat16),
+            s((batch, 4096 // block_size), jnp.int32))
+    reason = md.unsupported_reason(*args, config=md.default_config(*args))
+    assert reason in (None, INTERPRET_ERROR), (args, reason)
 
 
 def _small(q_dtype=jnp.bfloat16, kv_dtype=None, head_dim=64, block_size=16,
