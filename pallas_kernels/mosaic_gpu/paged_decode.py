@@ -197,8 +197,8 @@ def _paged_decode_kernel(
     table_ref,  # i32[batch, max_blocks_per_seq]  (GMEM)
     kv_len_ref,  # i32[batch]  (GMEM), clamped to the table's capacity
     *refs,  # outputs: o [batch, num_kv_heads, ROWS, head_dim] (one split) or
-    # f32 [k_splits, batch, num_kv_heads, ROWS, head_dim] and m, l
-    # f32[k_splits, batch, num_kv_heads, ROWS]; then the scratch
+    # f32 [k_splits, batch, num_kv_heads, group, head_dim] (the real rows
+    # only) and m, l f32[k_splits, batch, num_kv_heads, ROWS]; then scratch
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
@@ -339,7 +339,8 @@ def _paged_decode_kernel(
     m_smem[...] = m
     l_smem[...] = l
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, b, h])
+    group = o_ref.shape[3]
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[split, b, h])
     plgpu.copy_smem_to_gmem(m_smem, m_ref.at[split, b, h])
     plgpu.copy_smem_to_gmem(l_smem, l_ref.at[split, b, h])
   plgpu.wait_smem_to_gmem(0)
@@ -372,8 +373,8 @@ def _paged_decode_call(q, k_pages, v_pages, block_tables, kv_lens, *,
     partials = []
   else:
     ml = jax.ShapeDtypeStruct((k_splits,) + rows, jnp.float32)
-    out_type = (jax.ShapeDtypeStruct((k_splits,) + rows + (head_dim,),
-                                     jnp.float32), ml, ml)
+    out_type = (jax.ShapeDtypeStruct(
+        (k_splits, batch, num_kv_heads, group, head_dim), jnp.float32), ml, ml)
     partials = [plgpu.SMEM((ROWS, head_dim), jnp.float32),  # o
                 plgpu.SMEM((ROWS,), jnp.float32),  # m
                 plgpu.SMEM((ROWS,), jnp.float32)]  # l
@@ -402,7 +403,9 @@ def _paged_decode_call(q, k_pages, v_pages, block_tables, kv_lens, *,
   if k_splits == 1:
     o = out
   else:
-    o, m, l = out  # [k_splits, batch, num_kv_heads, ROWS(, head_dim)]
+    # o: [k_splits, batch, num_kv_heads, group, head_dim]; m, l: [..., ROWS]
+    o, m, l = out
+    m, l = m[..., :group], l[..., :group]
     m_max = lax.optimization_barrier(m.max(axis=0))
     w = jnp.exp(m - m_max[None])
     l_sum = (w * l).sum(axis=0)
