@@ -7,10 +7,12 @@ One program per (sequence, KV head, k-split), one warpgroup each:
 
 * the GQA group of the KV head (`num_q_heads // num_kv_heads` query heads) is
   the row block of both matmuls, padded with zero rows to `ROWS = 64`, the
-  smallest M of a Hopper `wgmma` (the wrapper pads `q`; padded rows cost MMA
-  work only: `64 / group` times the useful FLOPs, free in a bandwidth-bound
-  decode, plus a `[64, head_dim]` Q tile and a `[64, block_kv]` P tile in
-  shared memory);
+  smallest M of a Hopper `wgmma`: its rows arrive by TMA in a zeroed untiled
+  buffer and move to the swizzled wgmma tile through registers (the output
+  leaves the same way, so no pad or slice runs in XLA); padded rows cost MMA
+  work only (`64 / group` times the useful FLOPs, free in a bandwidth-bound
+  decode) and shared memory (`[64, head_dim]` Q and staging tiles, a
+  `[64, block_kv]` P tile);
 * a compute step covers `block_kv = max(64, block_size)` tokens: one TMA copy
   per page (the block-table entry read as a scalar, used as the page index)
   into a `num_stages`-deep ring of K and V buffers, each slot with its own
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 from jax import lax
@@ -87,14 +90,14 @@ def interpret_unsupported_reason() -> str | None:
 
 
 def smem_bytes(q, k_pages, config: MosaicDecodeConfig) -> int:
-  """Shared memory one program allocates: the K/V ring, Q (reused for the
-  output with one split), P, and with splits the f32 partial output, max and
-  sum (barriers not counted)."""
+  """Shared memory one program allocates: the K/V ring, the Q tile, the row
+  staging buffer (Q in, the output out), P, and with splits the f32 partial
+  output, max and sum (barriers not counted)."""
   head_dim = q.shape[-1]
   itemsize = jnp.dtype(q.dtype).itemsize
   bk = block_kv(k_pages.shape[2])
   total = 2 * config.num_stages * bk * head_dim * itemsize  # K, V rings
-  total += ROWS * head_dim * itemsize + ROWS * bk * itemsize  # Q, P
+  total += 2 * ROWS * head_dim * itemsize + ROWS * bk * itemsize  # Q x2, P
   if config.k_splits > 1:
     total += ROWS * head_dim * 4 + 2 * ROWS * 4  # o, m, l partials
   return total
@@ -183,6 +186,14 @@ def _limitation(q, k_pages, block_tables, config) -> str | None:
   return None
 
 
+def _load(ref, layout):
+  """All of `ref` in registers with `layout`, bank conflicts allowed (a
+  one-off copy). `plgpu.load` lost its index argument in JAX 0.12."""
+  if "idx" in inspect.signature(plgpu.load).parameters:
+    return plgpu.load(ref, (), layout=layout, optimized=False)
+  return plgpu.load(ref, layout=layout, optimized=False)
+
+
 def _transposed(ref):
   """`ref` viewed transposed (`ref.T` where JAX has it)."""
   if hasattr(ref, "T"):
@@ -191,12 +202,12 @@ def _transposed(ref):
 
 
 def _paged_decode_kernel(
-    q_ref,  # [batch, num_kv_heads, ROWS, head_dim]  (GMEM)
+    q_ref,  # [batch, num_kv_heads, group, head_dim]  (GMEM)
     k_ref,  # [num_kv_heads, num_blocks, block_size, head_dim]  (GMEM)
     v_ref,  # [num_kv_heads, num_blocks, block_size, head_dim]  (GMEM)
     table_ref,  # i32[batch, max_blocks_per_seq]  (GMEM)
     kv_len_ref,  # i32[batch]  (GMEM), clamped to the table's capacity
-    *refs,  # outputs: o [batch, num_kv_heads, ROWS, head_dim] (one split) or
+    *refs,  # outputs: o [batch, num_kv_heads, group, head_dim] (one split) or
     # f32 [k_splits, batch, num_kv_heads, group, head_dim] (the real rows
     # only) and m, l f32[k_splits, batch, num_kv_heads, ROWS]; then scratch
     sm_scale: float,
@@ -210,11 +221,13 @@ def _paged_decode_kernel(
     m_ref = l_ref = None
   else:
     (o_ref, m_ref, l_ref), scratch = refs[:3], refs[3:]
-  q_smem, k_smem, v_smem, p_smem, *partials, q_bar, k_bars, v_bars = scratch
-  if k_splits == 1:  # the output reuses Q's buffer
-    o_smem, m_smem, l_smem = q_smem, None, None
+  (q_smem, rows_smem, k_smem, v_smem, p_smem, *partials, q_bar, k_bars,
+   v_bars) = scratch
+  if k_splits == 1:  # the output goes out through the row staging buffer
+    o_smem, m_smem, l_smem = rows_smem, None, None
   else:
     o_smem, m_smem, l_smem = partials
+  group = q_ref.shape[2]
   _, num_blocks, block_size, head_dim = k_ref.shape
   max_blocks_per_seq = table_ref.shape[1]
   bk = k_smem.shape[1]
@@ -261,14 +274,20 @@ def _paged_decode_kernel(
                             plgpu.Layout.WGMMA)
   for slot in range(num_stages):
     v_smem[slot] = zeros
+  # Q's group rows land in a zeroed, untiled [ROWS, head_dim] buffer (a
+  # tiled one cannot take fewer than 8 rows), then move to the wgmma tile.
+  layout = plgpu.Layout.WGMMA
+  rows_smem[...] = plgpu.layout_cast(jnp.zeros((ROWS, head_dim), dtype), layout)
   plgpu.commit_smem()
 
-  plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
+  plgpu.copy_gmem_to_smem(q_ref.at[b, h], rows_smem.at[pl.ds(0, group)],
+                          q_bar.at[0])
   for i in range(num_stages):
     pl.when(i < n)(functools.partial(issue, start + i, i))
   plgpu.barrier_wait(q_bar.at[0])
+  q_smem[...] = _load(rows_smem, layout)
+  plgpu.commit_smem()
 
-  layout = plgpu.Layout.WGMMA
   row_layout = layout.reduce(1)
 
   def body(i, carry):
@@ -333,13 +352,12 @@ def _paged_decode_kernel(
                     acc / lax.broadcast_in_dim(safe, acc.shape, [0]), 0.0)
     o_smem[...] = out.astype(o_smem.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h])
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[b, h])
   else:
     o_smem[...] = acc
     m_smem[...] = m
     l_smem[...] = l
     plgpu.commit_smem()
-    group = o_ref.shape[3]
     plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[split, b, h])
     plgpu.copy_smem_to_gmem(m_smem, m_ref.at[split, b, h])
     plgpu.copy_smem_to_gmem(l_smem, l_ref.at[split, b, h])
@@ -363,13 +381,12 @@ def _paged_decode_call(q, k_pages, v_pages, block_tables, kv_lens, *,
   k_splits, num_stages = config.k_splits, config.num_stages
   dtype = q.dtype
 
-  # [batch, num_kv_heads, ROWS, head_dim]: the group as rows, zero-padded.
-  qp = q.reshape(batch, num_kv_heads, group, head_dim)
-  qp = jnp.pad(qp, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
+  # [batch, num_kv_heads, group, head_dim]: a free reshape (no pad in XLA).
+  qg = q.reshape(batch, num_kv_heads, group, head_dim)
 
   rows = (batch, num_kv_heads, ROWS)
   if k_splits == 1:
-    out_type = jax.ShapeDtypeStruct(rows + (head_dim,), dtype)
+    out_type = jax.ShapeDtypeStruct(qg.shape, dtype)
     partials = []
   else:
     ml = jax.ShapeDtypeStruct((k_splits,) + rows, jnp.float32)
@@ -379,7 +396,8 @@ def _paged_decode_call(q, k_pages, v_pages, block_tables, kv_lens, *,
                 plgpu.SMEM((ROWS,), jnp.float32),  # m
                 plgpu.SMEM((ROWS,), jnp.float32)]  # l
   scratch = [
-      _swizzled((ROWS, head_dim), dtype),  # q
+      _swizzled((ROWS, head_dim), dtype),  # q (the wgmma tile)
+      plgpu.SMEM((ROWS, head_dim), dtype),  # q's rows in, the output's out
       _swizzled((num_stages, bk, head_dim), dtype),  # k ring
       _swizzled((num_stages, bk, head_dim), dtype),  # v ring
       _swizzled((ROWS, bk), dtype),  # p
@@ -398,7 +416,7 @@ def _paged_decode_call(q, k_pages, v_pages, block_tables, kv_lens, *,
       kernel, out_type=out_type, scratch_types=scratch,
       grid=(batch, num_kv_heads, k_splits), grid_names=("b", "h", "s"),
       compiler_params=plgpu.CompilerParams(approx_math=False),
-      **kwargs)(qp, k_pages, v_pages, block_tables, kv_lens)
+      **kwargs)(qg, k_pages, v_pages, block_tables, kv_lens)
 
   if k_splits == 1:
     o = out
@@ -412,7 +430,7 @@ def _paged_decode_call(q, k_pages, v_pages, block_tables, kv_lens, *,
     o = (w[..., None] * o).sum(axis=0)
     o = jnp.where(l_sum[..., None] > 0,
                   o / jnp.where(l_sum > 0, l_sum, 1.0)[..., None], 0.0)
-  o = o[:, :, :group].reshape(batch, num_q_heads, head_dim)
+  o = o.reshape(batch, num_q_heads, head_dim)
   return o.astype(dtype)
 
 
