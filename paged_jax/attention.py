@@ -59,7 +59,6 @@ from paged_jax import xla_attention
 from pallas_kernels import contract
 from pallas_kernels.gpu import paged_decode as gpu_decode
 from pallas_kernels.gpu import ragged_attention as gpu_ragged
-from pallas_kernels.mosaic_gpu import paged_decode as mosaic_gpu_decode
 from pallas_kernels.tpu import paged_decode as tpu_decode
 from pallas_kernels.tpu import ragged_attention as tpu_ragged
 
@@ -112,6 +111,17 @@ def _xla_ragged(*args, interpret=False, **kwargs):
   return xla_attention.ragged_paged_attention_xla(*args, **kwargs)
 
 
+def _mosaic_gpu_decode(*args, **kwargs):
+  # Imported on first use: Mosaic GPU's modules take about 1.5 s to import.
+  from pallas_kernels.mosaic_gpu import paged_decode  # pylint: disable=g-import-not-at-top
+  return paged_decode.paged_decode(*args, **kwargs)
+
+
+def _mosaic_gpu_reason(*args, **kwargs):
+  from pallas_kernels.mosaic_gpu import paged_decode  # pylint: disable=g-import-not-at-top
+  return paged_decode.unsupported_reason(*args, **kwargs)
+
+
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 DECODE_BACKENDS = (
     Backend("pallas_tpu", tpu_decode.paged_decode,
@@ -120,8 +130,8 @@ DECODE_BACKENDS = (
             gpu_decode.unsupported_reason, _GPU_PLATFORMS),
     Backend("xla", _xla_decode),
     # After "xla": implementation=None never picks it (never run on a GPU).
-    Backend("pallas_mosaic_gpu", mosaic_gpu_decode.paged_decode,
-            mosaic_gpu_decode.unsupported_reason, ("gpu", "cuda")),
+    Backend("pallas_mosaic_gpu", _mosaic_gpu_decode, _mosaic_gpu_reason,
+            ("gpu", "cuda")),
 )
 RAGGED_BACKENDS = (
     Backend("pallas_tpu", tpu_ragged.ragged_paged_attention,
