@@ -188,8 +188,10 @@ def _limitation(q, k_pages, block_tables, config) -> str | None:
 
 def _load(ref, layout):
   """All of `ref` in registers with `layout`, bank conflicts allowed (a
-  one-off copy). `plgpu.load` lost its index argument in JAX 0.12."""
-  if "idx" in inspect.signature(plgpu.load).parameters:
+  one-off copy). `plgpu.load`'s index argument is required in JAX 0.10,
+  deprecated in 0.11 and gone in 0.12."""
+  idx = inspect.signature(plgpu.load).parameters.get("idx")
+  if idx is not None and idx.default is inspect.Parameter.empty:
     return plgpu.load(ref, (), layout=layout, optimized=False)
   return plgpu.load(ref, layout=layout, optimized=False)
 
