@@ -7,14 +7,18 @@ a `Backend` with a name, the function it runs and `unsupported_reason(...)`:
 
 * `"pallas_tpu"`: the Mosaic TPU kernels (`pallas_kernels.tpu`);
 * `"pallas_gpu"`: the Pallas GPU kernels on the Triton lowering (`pallas_kernels.gpu`);
-* `"xla"`: the XLA path (`paged_jax.xla_attention`), on any platform.
+* `"xla"`: the XLA path (`paged_jax.xla_attention`), on any platform;
+* `"pallas_mosaic_gpu"` (decode only): the Mosaic GPU kernel
+  (`pallas_kernels.mosaic_gpu`, Hopper and newer). It is registered after
+  `"xla"`, so `implementation=None` never picks it: no GPU run has yet shown
+  it faster than the Triton kernel.
 
 `implementation=None` picks the first backend, in registry order, that runs on
 the default backend's platform and can serve the call (XLA always can); an
 explicit `implementation` that cannot serve the call raises a `ValueError`
-that says why. With `interpret=True` either kernel runs in Pallas interpret
-mode on CPU (the TPU kernel with race detection and NaN-filled uninitialised
-memory).
+that says why. With `interpret=True` each kernel runs in its own Pallas
+interpret mode on CPU (the TPU and Mosaic GPU kernels with race detection and
+NaN-filled uninitialised memory).
 
 Every backend validates the same way (`pallas_kernels.contract`): static
 mistakes are `ValueError`s with one set of messages, and malformed traced
@@ -107,6 +111,17 @@ def _xla_ragged(*args, interpret=False, **kwargs):
   return xla_attention.ragged_paged_attention_xla(*args, **kwargs)
 
 
+def _mosaic_gpu_decode(*args, **kwargs):
+  # Imported on first use: Mosaic GPU's modules take about 1.5 s to import.
+  from pallas_kernels.mosaic_gpu import paged_decode  # pylint: disable=g-import-not-at-top
+  return paged_decode.paged_decode(*args, **kwargs)
+
+
+def _mosaic_gpu_reason(*args, **kwargs):
+  from pallas_kernels.mosaic_gpu import paged_decode  # pylint: disable=g-import-not-at-top
+  return paged_decode.unsupported_reason(*args, **kwargs)
+
+
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 DECODE_BACKENDS = (
     Backend("pallas_tpu", tpu_decode.paged_decode,
@@ -114,6 +129,9 @@ DECODE_BACKENDS = (
     Backend("pallas_gpu", gpu_decode.paged_decode,
             gpu_decode.unsupported_reason, _GPU_PLATFORMS),
     Backend("xla", _xla_decode),
+    # After "xla": implementation=None never picks it (never run on a GPU).
+    Backend("pallas_mosaic_gpu", _mosaic_gpu_decode, _mosaic_gpu_reason,
+            ("gpu", "cuda")),
 )
 RAGGED_BACKENDS = (
     Backend("pallas_tpu", tpu_ragged.ragged_paged_attention,
@@ -213,9 +231,11 @@ def paged_attention(
       `sm_scale`).
     sliding_window: if set, the query at position `p` sees keys
       `p - sliding_window + 1 .. p`.
-    implementation: `None`, `"xla"`, `"pallas_tpu"` or `"pallas_gpu"`.
-    interpret: run a Pallas kernel in interpret mode (CPU testing). For the
-      TPU kernel, a `pltpu.InterpretParams` is also accepted.
+    implementation: `None`, `"xla"`, `"pallas_tpu"`, `"pallas_gpu"` or
+      `"pallas_mosaic_gpu"` (never picked by `None`).
+    interpret: run a Pallas kernel in interpret mode (CPU testing), each in
+      its own (Mosaic GPU's needs JAX >= 0.11). For the TPU kernel, a
+      `pltpu.InterpretParams` is also accepted.
     debug_checks: trace the contract's `checkify.debug_check`s of the traced
       lengths and table entries (see the module docstring). Off by default:
       a debug check is an unordered effect, and a jitted function with one

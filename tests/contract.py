@@ -77,7 +77,7 @@ DECODE_ROWS = [  # (what, kv_len, table)
 ]
 
 
-def decode_case(seed):
+def decode_case(seed, dtype=jnp.float32):
   rng = np.random.default_rng(seed)
   batch = len(DECODE_ROWS)
   num_blocks = sum(t.count(B) for _, _, t in DECODE_ROWS) + 2
@@ -88,8 +88,9 @@ def decode_case(seed):
   kv_lens = np.array([n for _, n, _ in DECODE_ROWS], np.int32)
   k, v = _pages(rng, _owned_slots(tables, kv_lens, batch, num_blocks))
   q = jnp.asarray(rng.standard_normal((batch, NUM_Q_HEADS, HEAD_DIM),
-                                      np.float32))
-  return cases.PagedCase(q, k, v, jnp.asarray(tables), jnp.asarray(kv_lens))
+                                      np.float32), dtype)
+  return cases.PagedCase(q, k.astype(dtype), v.astype(dtype),
+                         jnp.asarray(tables), jnp.asarray(kv_lens))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,8 +151,10 @@ class MalformedDecodeContract:
   """Malformed traced decode inputs give the reference's answer.
 
   Subclasses define `decode(q, k, v, tables, kv_lens, **kw)` and may override
-  `check_after_call()` (e.g. the TPU race detector).
+  `check_after_call()` (e.g. the TPU race detector) and `dtype` (of q and the
+  pages, for a kernel without float32).
   """
+  dtype = jnp.float32
 
   def decode(self, *args, **kwargs):
     raise NotImplementedError
@@ -165,14 +168,14 @@ class MalformedDecodeContract:
       dict(sliding_window=7, soft_cap=5.0),
       pytest.param({}, marks=pytest.mark.slow)], ids=["window+cap", "causal"])
   def test_malformed_decode_rows(self, kwargs):
-    c = decode_case(seed=len(kwargs))
+    c = decode_case(seed=len(kwargs), dtype=self.dtype)
     args = (c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens)
     out = jax.block_until_ready(self.decode(*args, **kwargs))
     self.check_after_call()
     ref = reference.paged_attention_reference(*args, **kwargs)
     for r, (what, _, _) in enumerate(DECODE_ROWS):
       try:
-        cases.assert_rows_close(out[r:r + 1], ref[r:r + 1], jnp.float32)
+        cases.assert_rows_close(out[r:r + 1], ref[r:r + 1], self.dtype)
       except AssertionError as e:
         raise AssertionError(f"row {r} ({what}): {e}") from None
     # The rows the contract empties are zeros.
@@ -181,8 +184,8 @@ class MalformedDecodeContract:
 
   @pytest.mark.parametrize("batch, width", [(0, WIDTH), (2, 0)])
   def test_empty_decode_gives_zeros(self, batch, width):
-    k = jnp.zeros((NUM_KV_HEADS, 4, BLOCK_SIZE, HEAD_DIM))
-    q = jnp.ones((batch, NUM_Q_HEADS, HEAD_DIM))
+    k = jnp.zeros((NUM_KV_HEADS, 4, BLOCK_SIZE, HEAD_DIM), self.dtype)
+    q = jnp.ones((batch, NUM_Q_HEADS, HEAD_DIM), self.dtype)
     out = self.decode(q, k, k, jnp.zeros((batch, width), jnp.int32),
                       jnp.full((batch,), 5, jnp.int32))
     assert out.shape == q.shape and not np.asarray(out).any()
