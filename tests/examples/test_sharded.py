@@ -209,6 +209,11 @@ def test_sharded_engine_serves_what_one_device_serves(model8, one_device_outputs
   # and tensor parallelism only reduces activations and gathers the logits.
   for decode_only in (True, False):
     found = collectives(engine.lower_step(decode_only).compile().as_text())
+    if caching:
+      # The eviction loop (`block_manager._evict`, a while loop) is vmapped
+      # over the data shards: its scalar condition is or-ed across them, the
+      # one collective caching adds (no K/V, no block state moves).
+      found = [f for f in found if f != ("pred[]", "all-reduce")]
     if model == 1:
       assert not found, found
     else:
