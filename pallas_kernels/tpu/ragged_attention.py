@@ -427,7 +427,9 @@ def unsupported_reason(q, k_pages, block_tables, *, soft_cap=None,
 
   Args:
     q: `[num_tokens, num_q_heads, head_dim]` queries.
-    k_pages: `[num_kv_heads, num_blocks, block_size, head_dim]` pages.
+    k_pages: `[num_kv_heads, num_blocks, block_size, head_dim]` pages:
+      float32 / bfloat16, or int8 / float8_e4m3fn (their scales are not
+      needed here; `block_size` must then be a multiple of 32).
     block_tables: `i32[max_num_seqs, max_blocks_per_seq]`.
     soft_cap: optional logit soft cap.
     sliding_window: optional window in tokens.
