@@ -40,21 +40,28 @@ CAPACITY = WIDTH * BLOCK_SIZE
 FAR = 2**30
 
 
-def _owned_slots(tables, kv_lens, served, num_blocks):
+def _owned_slots(tables, kv_lens, served, num_blocks, block_size=BLOCK_SIZE):
   """bool[num_blocks, block_size]: the slots the contract lets attention read."""
-  owned = np.zeros((num_blocks, BLOCK_SIZE), bool)
+  owned = np.zeros((num_blocks, block_size), bool)
   for s in range(served):
-    kv = min(max(int(kv_lens[s]), 0), CAPACITY)
-    for j in range(-(-kv // BLOCK_SIZE)):
+    kv = min(max(int(kv_lens[s]), 0), WIDTH * block_size)
+    for j in range(-(-kv // block_size)):
       block = int(tables[s, j])
       if 0 <= block < num_blocks:
-        owned[block, :min(BLOCK_SIZE, kv - j * BLOCK_SIZE)] = True
+        owned[block, :min(block_size, kv - j * block_size)] = True
   return owned
 
 
+def _scaled_len(n, block_size):
+  """A row's length for pages of `block_size` (the rows are written for
+  BLOCK_SIZE): lengths inside the table's capacity scale with the pages, so
+  each row keeps its meaning; the others stay (past the capacity, negative)."""
+  return n * (block_size // BLOCK_SIZE) if 0 <= n <= CAPACITY else n
+
+
 def _pages(rng, owned):
-  num_blocks = owned.shape[0]
-  shape = (NUM_KV_HEADS, num_blocks, BLOCK_SIZE, HEAD_DIM)
+  num_blocks, block_size = owned.shape
+  shape = (NUM_KV_HEADS, num_blocks, block_size, HEAD_DIM)
   k = rng.standard_normal(shape, np.float32)
   v = rng.standard_normal(shape, np.float32)
   k[:, ~owned] = np.nan
@@ -77,7 +84,9 @@ DECODE_ROWS = [  # (what, kv_len, table)
 ]
 
 
-def decode_case(seed, dtype=jnp.float32):
+def decode_case(seed, dtype=jnp.float32, block_size=BLOCK_SIZE):
+  """The DECODE_ROWS batch in `dtype`; `block_size` (a multiple of
+  BLOCK_SIZE) scales the rows' lengths with it (`_scaled_len`)."""
   rng = np.random.default_rng(seed)
   batch = len(DECODE_ROWS)
   num_blocks = sum(t.count(B) for _, _, t in DECODE_ROWS) + 2
@@ -85,8 +94,10 @@ def decode_case(seed, dtype=jnp.float32):
   tables = np.array(
       [[int(next(ids)) if e == B else num_blocks if e == "num_blocks" else e
         for e in t] for _, _, t in DECODE_ROWS], np.int32)
-  kv_lens = np.array([n for _, n, _ in DECODE_ROWS], np.int32)
-  k, v = _pages(rng, _owned_slots(tables, kv_lens, batch, num_blocks))
+  kv_lens = np.array([_scaled_len(n, block_size) for _, n, _ in DECODE_ROWS],
+                     np.int32)
+  k, v = _pages(rng, _owned_slots(tables, kv_lens, batch, num_blocks,
+                                  block_size))
   q = jnp.asarray(rng.standard_normal((batch, NUM_Q_HEADS, HEAD_DIM),
                                       np.float32), dtype)
   return cases.PagedCase(q, k.astype(dtype), v.astype(dtype),
@@ -124,7 +135,9 @@ RAGGED_ROWS = [
 ]
 
 
-def ragged_case(row: RaggedRow, seed):
+def ragged_case(row: RaggedRow, seed, block_size=BLOCK_SIZE):
+  """`row` as a batch; `block_size` scales its lengths as in `decode_case`
+  (meaningful for rows whose new tokens stay within the scaled lengths)."""
   rng = np.random.default_rng(seed)
   max_num_seqs = len(row.kv_lens)
   # One pool size for every row: the same shapes reuse one compilation.
@@ -133,8 +146,10 @@ def ragged_case(row: RaggedRow, seed):
   tables = np.array(
       [[int(next(ids)) if e == B else num_blocks if e == "num_blocks" else e
         for e in t] for t in row.tables], np.int32)
-  kv_lens = np.array(row.kv_lens, np.int32)
-  k, v = _pages(rng, _owned_slots(tables, kv_lens, row.served, num_blocks))
+  kv_lens = np.array([_scaled_len(n, block_size) for n in row.kv_lens],
+                     np.int32)
+  k, v = _pages(rng, _owned_slots(tables, kv_lens, row.served, num_blocks,
+                                  block_size))
   q = rng.standard_normal((NUM_TOKENS, NUM_Q_HEADS, HEAD_DIM), np.float32)
   used = np.zeros(NUM_TOKENS, bool)
   for s in range(row.served):
@@ -229,11 +244,14 @@ class QuantizedContract:
   """8-bit pages: served within tolerance, or refused by name.
 
   Subclasses define `decode` and `ragged` as for `MalformedInputContract`
-  (taking `k_scales=` / `v_scales=`), and `refuses` (dtypes the backend must
-  refuse, with a message matching `refusal`).
+  (taking `k_scales=` / `v_scales=`), `refuses` (dtypes the backend must
+  refuse, with a message matching `refusal`) and may set
+  `quantized_block_size` (a multiple of BLOCK_SIZE that the backend serves
+  8-bit pages at; the rows' lengths and window scale with it).
   """
   refuses: tuple = ()
   refusal: str = ""
+  quantized_block_size: int = BLOCK_SIZE
 
   def decode(self, *args, **kwargs):
     raise NotImplementedError
@@ -260,18 +278,20 @@ class QuantizedContract:
 
   @pytest.mark.parametrize("dtype", QUANTIZED_DTYPES, ids=["int8", "fp8"])
   def test_quantized_decode_rows(self, dtype):
-    c = decode_case(seed=3)
+    block_size = self.quantized_block_size
+    c = decode_case(seed=3, block_size=block_size)
     args = (c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens)
     self._check(self.decode, reference.paged_attention_reference,
                 cases.quantize_case(c, dtype), args,
-                dict(sliding_window=7, soft_cap=5.0))
+                dict(sliding_window=_scaled_len(7, block_size), soft_cap=5.0))
 
   # fp8's ragged row behind -m slow (interpret mode; decode covers fp8).
   @pytest.mark.parametrize("dtype", [
       jnp.int8, pytest.param(jnp.float8_e4m3fn, marks=pytest.mark.slow)],
                            ids=["int8", "fp8"])
   def test_quantized_ragged_rows(self, dtype):
-    c, _ = ragged_case(RAGGED_ROWS[0], seed=4)  # lengths and table entries
+    c, _ = ragged_case(RAGGED_ROWS[0], seed=4,  # lengths and table entries
+                       block_size=self.quantized_block_size)
     args = (c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens, c.cu_q_lens,
             c.num_seqs)
     self._check(self.ragged, reference.ragged_paged_attention_reference,

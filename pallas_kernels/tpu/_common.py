@@ -32,8 +32,20 @@ def sublane_tile(dtype) -> int:
 
 
 def compute_dtype(q_dtype, kv_dtype):
-  """Matmul input dtype: the shared dtype, else float32."""
+  """Matmul input dtype: the shared dtype, else float32; for 8-bit pages,
+  `q_dtype` (every int8 and float8_e4m3fn value is exact in bfloat16)."""
+  if quantization.is_quantized(kv_dtype):
+    return q_dtype
   return kv_dtype if jnp.dtype(q_dtype) == jnp.dtype(kv_dtype) else jnp.float32
+
+
+def load_values(ref, compute_dtype):
+  """A K/V buffer slot as `compute_dtype`; 8-bit values go through float32
+  (Mosaic converts int8 / fp8 to float32, not to every dtype)."""
+  x = ref[...]
+  if quantization.is_quantized(x.dtype):
+    x = x.astype(jnp.float32)
+  return x.astype(compute_dtype)
 
 
 def round_up(x: int, m: int) -> int:
@@ -56,19 +68,23 @@ def matmul_precision(compute_dtype):
           if jnp.dtype(compute_dtype) == jnp.float32 else None)
 
 
-def scores(q, k, *, sm_scale, soft_cap, precision):
-  """f32[rows, tokens] scores `q @ k.T * sm_scale`, soft-capped if asked."""
+def scores(q, k, *, sm_scale, soft_cap, precision, k_scales=None):
+  """f32[rows, tokens] scores `q @ k.T * sm_scale`, soft-capped if asked.
+
+  `k_scales` (f32[1, tokens], 8-bit pages) multiply the scores of the K
+  values (`quantization.scale_scores`) before `sm_scale` and the cap.
+  """
   s = lax.dot_general(
       q, k, (((1,), (1,)), ((), ())), precision=precision,
       preferred_element_type=jnp.float32)
-  s = s * sm_scale
+  s = quantization.scale_scores(s, k_scales) * sm_scale
   if soft_cap is not None:
     s = soft_cap * jnp.tanh(s / soft_cap)
   return s
 
 
 def online_softmax_block(m_ref, l_ref, acc_ref, s, visible, load_v, *,
-                         compute_dtype, precision):
+                         compute_dtype, precision, load_v_scales=None):
   """Folds one compute block into the running float32 online softmax.
 
   Args:
@@ -79,6 +95,10 @@ def online_softmax_block(m_ref, l_ref, acc_ref, s, visible, load_v, *,
     load_v: `() -> f32[tokens, head_dim]`, the block's values with every
       row no query sees zeroed (0 * NaN is NaN); called after the running max
       and denominator are updated, so the V copy overlaps that work.
+    load_v_scales: None (float pages), or `() -> f32[1, tokens]`, the V
+      scales (0 where no token is), called after `load_v`: they multiply the
+      probabilities of the weighted sum, not the denominator
+      (`quantization.scale_probs`).
   """
   s = jnp.where(visible, s, DEFAULT_MASK_VALUE)
   m_prev = m_ref[...]
@@ -88,6 +108,8 @@ def online_softmax_block(m_ref, l_ref, acc_ref, s, visible, load_v, *,
   l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
   m_ref[...] = m_next
   v = load_v()
+  if load_v_scales is not None:
+    p = quantization.scale_probs(p, load_v_scales())
   pv = lax.dot_general(
       p.astype(compute_dtype), v.astype(compute_dtype),
       (((1,), (0,)), ((), ())), precision=precision,
@@ -105,10 +127,15 @@ class PageCopies:
   lands in rows `j * block_size ..` of the slot. A page is copied only if it
   is below `page_end` and its table entry is a block in `[0, num_blocks)`
   (`pallas_kernels.contract.valid_block`): other entries are never read.
+
+  8-bit pages come with `scales = (k_scales_hbm, v_scales_hbm, ks_buf,
+  vs_buf)`: each page's scale row (`f32[block_size]` of one KV head and
+  block) is copied beside the page, on the same semaphore, into row `j` of
+  the slot (`f32[2, pages_per_block, block_size]`), and waited for with it.
   """
 
   def __init__(self, tables_ref, k_hbm_ref, v_hbm_ref, k_buf, v_buf, sems, *,
-               block_size, max_blocks_per_seq):
+               block_size, max_blocks_per_seq, scales=None):
     self.tables_ref = tables_ref  # i32[rows * max_blocks_per_seq] (SMEM)
     self.hbm = (k_hbm_ref, v_hbm_ref)  # [num_kv_heads, num_blocks, bs, d]
     self.bufs = (k_buf, v_buf)  # [2, pages_per_block * block_size, d]
@@ -117,6 +144,12 @@ class PageCopies:
     self.max_blocks_per_seq = max_blocks_per_seq
     self.pages_per_block = k_buf.shape[1] // block_size
     self.num_blocks = k_hbm_ref.shape[1]
+    if scales is None:
+      self.scales_hbm = self.scale_bufs = None
+    else:
+      # f32[num_kv_heads, num_blocks, block_size] (HBM) and
+      # f32[2, pages_per_block, block_size] (VMEM), K then V.
+      self.scales_hbm, self.scale_bufs = scales[:2], scales[2:]
 
   def block_id(self, row, page):
     """The table entry of `page` (clamped into the sequence's row)."""
@@ -140,12 +173,19 @@ class PageCopies:
              for page, copied in self.pages(row, page_lo, page_end, block)]
     return flags, functools.reduce(lambda a, b: a & b, flags)
 
-  def _copy(self, kv, head, row, page, j, slot):
-    buf = self.bufs[kv]
-    return pltpu.make_async_copy(
-        self.hbm[kv].at[head, self.block_id(row, page)],
-        buf.at[slot, pl.ds(j * self.block_size, self.block_size)],
-        self.sems.at[kv, slot])
+  def _copies(self, kv, head, row, page, j, slot):
+    """The copies of one page of K (kv=0) or V (kv=1): values, then scales."""
+    block_id = self.block_id(row, page)
+    out = [pltpu.make_async_copy(
+        self.hbm[kv].at[head, block_id],
+        self.bufs[kv].at[slot, pl.ds(j * self.block_size, self.block_size)],
+        self.sems.at[kv, slot])]
+    if self.scales_hbm is not None:
+      out.append(pltpu.make_async_copy(
+          self.scales_hbm[kv].at[head, pl.ds(block_id, 1)],  # f32[1, bs]
+          self.scale_bufs[kv].at[slot, pl.ds(j, 1)],
+          self.sems.at[kv, slot]))
+    return out
 
   def start(self, head, row, page_lo, page_end, block, slot):
     """Starts the K and V copies of compute `block` into `slot`."""
@@ -153,16 +193,73 @@ class PageCopies:
                                                   block)):
       @pl.when(copied)
       def _(page=page, j=j):
-        self._copy(0, head, row, page, j, slot).start()
-        self._copy(1, head, row, page, j, slot).start()
+        for kv in (0, 1):
+          for copy in self._copies(kv, head, row, page, j, slot):
+            copy.start()
 
   def wait(self, kv, head, row, page_lo, page_end, block, slot):
     """Waits for the K (kv=0) or V (kv=1) copies of compute `block`."""
     for j, (page, copied) in enumerate(self.pages(row, page_lo, page_end,
                                                   block)):
-      pl.when(copied)(functools.partial(
-          lambda page, j: self._copy(kv, head, row, page, j, slot).wait(),
-          page, j))
+      @pl.when(copied)
+      def _(page=page, j=j):
+        for copy in self._copies(kv, head, row, page, j, slot):
+          copy.wait()
+
+  def scale_row(self, kv, slot, block_start, end, pages_ok):
+    """The K (kv=0) or V (kv=1) scales of the block in `slot` as
+    `f32[1, tokens]`, laid along the scores' lanes (`scales_along_lanes`);
+    0 for positions `>= end` and for pages not `pages_ok` (None: all ok)."""
+    scales = self.scale_bufs[kv][slot]  # f32[pages_per_block, block_size]
+    shape = scales.shape
+    page = lax.broadcasted_iota(jnp.int32, shape, 0)
+    pos = (block_start + page * self.block_size
+           + lax.broadcasted_iota(jnp.int32, shape, 1))
+    valid = pos < end
+    if pages_ok is not None:
+      for j, flag in enumerate(pages_ok):
+        valid &= (page != j) | flag
+    return scales_along_lanes(scales, valid)
+
+
+def scales_along_lanes(scales, valid):
+  """`f32[1, pages * block_size]` with `scales[j, t]` at lane
+  `j * block_size + t`, where the scores of that token are.
+
+  Args:
+    scales: f32[pages, block_size], one page's scale row per sublane (the
+      layout its copy lands in).
+    valid: bool[pages, block_size]; other entries (garbage, NaN in interpret
+      mode) are 0 in the result.
+
+  A page's row is narrower than a 128-lane vreg for block sizes below 128,
+  and moving it to lane offset `j * block_size` is a relayout Mosaic may not
+  lower; the MXU does it instead: `scales @ spread`, with the 0/1 matrix
+  `spread[t, c] = (c == j * block_size + t for some j)`, puts row `j` at
+  every page's lanes, and keeping page `j`'s lanes of row `j` sums to the
+  row. One nonzero term per output and HIGHEST precision make it exact.
+  Invalid entries are zeroed first: a NaN would spread over its whole row.
+  """
+  scales = jnp.where(valid, scales, 0.0)
+  pages, block_size = scales.shape
+  if pages == 1:
+    return scales
+  tokens = pages * block_size
+  spread_shape = (block_size, tokens)
+  offset = (lax.broadcasted_iota(jnp.int32, spread_shape, 1)
+            - lax.broadcasted_iota(jnp.int32, spread_shape, 0))
+  spread = functools.reduce(lambda a, b: a | b,
+                            [offset == j * block_size for j in range(pages)])
+  spread = spread.astype(jnp.float32)
+  rows = lax.dot_general(
+      scales, spread, (((1,), (0,)), ((), ())),
+      precision=lax.Precision.HIGHEST,
+      preferred_element_type=jnp.float32)  # [pages, tokens]
+  shape = (pages, tokens)
+  lo = lax.broadcasted_iota(jnp.int32, shape, 0) * block_size
+  lane = lax.broadcasted_iota(jnp.int32, shape, 1)
+  own = (lane >= lo) & (lane < lo + block_size)
+  return jnp.sum(jnp.where(own, rows, 0.0), axis=0, keepdims=True)
 
 
 def page_token_mask(shape, axis, block_size, pages_ok):
@@ -181,17 +278,20 @@ def page_token_mask(shape, axis, block_size, pages_ok):
 
 
 def dtype_and_tiling_limitation(q, k_pages) -> str | None:
-  """Why Mosaic cannot serve these dtypes / head_dim / block_size, or None."""
-  if quantization.is_quantized(k_pages.dtype):
-    # The per-token scales would need a [tokens] row per page copied next to
-    # the pages and laid along the scores' lanes; not written (or measured on
-    # a TPU) yet. Refused here, never cast.
-    return (f"{jnp.dtype(k_pages.dtype)} pages (with per-token scales) are "
-            "not implemented in the TPU kernels yet; implementation='xla' "
-            "serves them on TPU")
-  for name, dtype in (("q", q.dtype), ("k_pages", k_pages.dtype)):
-    if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-      return f"{name} dtype {jnp.dtype(dtype)} is not float32 or bfloat16"
+  """Why Mosaic cannot serve these dtypes / head_dim / block_size, or None.
+
+  Pages are float32, bfloat16, or 8-bit (`quantization.QUANTIZED_DTYPES`,
+  with scales); queries float32 or bfloat16. A page is copied to row
+  `j * block_size` of a VMEM buffer, so `block_size` must fill whole sublane
+  tiles of the page dtype: 8 rows for float32, 16 for bfloat16, 32 for int8
+  and float8_e4m3fn.
+  """
+  if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+    return f"q dtype {jnp.dtype(q.dtype)} is not float32 or bfloat16"
+  if not (jnp.dtype(k_pages.dtype) in SUPPORTED_DTYPES
+          or quantization.is_quantized(k_pages.dtype)):
+    return (f"k_pages dtype {jnp.dtype(k_pages.dtype)} is not float32, "
+            f"bfloat16, int8 or float8_e4m3fn")
   head_dim = q.shape[2]
   if head_dim not in SUPPORTED_HEAD_DIMS:
     return f"{head_dim=} is not one of {SUPPORTED_HEAD_DIMS}"
@@ -201,6 +301,18 @@ def dtype_and_tiling_limitation(q, k_pages) -> str | None:
     return (f"{block_size=} must be a multiple of {tile} for"
             f" {jnp.dtype(k_pages.dtype)} pages (VMEM sublane tiling)")
   return None
+
+
+def scale_vmem_bytes(kv_dtype, pages_per_block: int, block_size: int) -> int:
+  """VMEM of the scale copies and their lane layout (0 for float pages):
+  K and V double buffers `f32[2, pages, block_size]` (tiles of (8, 128)),
+  and `scales_along_lanes`' `spread` and `[pages, tokens]` temporaries."""
+  if not quantization.is_quantized(kv_dtype):
+    return 0
+  pages, lanes = round_up(pages_per_block, 8), round_up(block_size, 128)
+  tokens = round_up(pages_per_block * block_size, 128)
+  return 4 * (2 * 2 * pages * lanes
+              + 2 * (round_up(block_size, 8) + 2 * pages) * tokens)
 
 
 def memory_limitation(smem_bytes: int, vmem_bytes: int,

@@ -6,6 +6,7 @@ One query token per sequence attends over that sequence's K/V pages. Layout:
   k/v pages:    [num_kv_heads, num_blocks, block_size, head_dim]   (stay in HBM)
   block_tables: i32[batch, max_blocks_per_seq]   (-1 = unused, never read)
   kv_lens:      i32[batch]
+  k/v scales:   f32[num_kv_heads, num_blocks, block_size]   (8-bit pages only)
 
 The grid is `(batch,)`, marked parallel: every grid step owns one sequence and
 is self-contained (no state crosses grid steps, so megacore chips may split
@@ -23,6 +24,13 @@ path that masks that page's tokens; a well-formed block pays one scalar test
 per page.
 
 Block tables and lengths are scalar-prefetched into SMEM.
+
+8-bit pages (int8 / float8_e4m3fn, `pallas_kernels.quantization`): each
+page's scale row is copied beside it (same table entry, same semaphore) and
+laid along the scores' lanes (`_common.scales_along_lanes`); the K scales
+multiply the scores and the V scales the probabilities of the weighted sum.
+The values are converted in VMEM, one compute block at a time, to the query
+dtype (exact: every 8-bit value is a bfloat16); the cache is never cast.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
 from pallas_kernels import contract
+from pallas_kernels import quantization
 from pallas_kernels.tpu import _common
 
 # Tokens per compute block that `default_config` aims for.
@@ -95,29 +104,40 @@ def _paged_decode_kernel(
     q_ref,  # [num_kv_heads, num_groups, head_dim] queries of one sequence
     k_pages_hbm_ref,  # [num_kv_heads, num_blocks, block_size, head_dim] (HBM)
     v_pages_hbm_ref,  # [num_kv_heads, num_blocks, block_size, head_dim] (HBM)
-    # Output.
-    o_ref,  # [num_kv_heads, num_groups, head_dim]
-    # Scratch.
-    k_buf,  # [2, pages_per_compute_block * block_size, head_dim] (VMEM)
-    v_buf,  # [2, pages_per_compute_block * block_size, head_dim] (VMEM)
-    sems,  # DMA semaphores [2 (k, v), 2 (buffer slot)]
-    m_ref,  # f32[num_groups, 1] running max
-    l_ref,  # f32[num_groups, 1] running denominator
-    acc_ref,  # f32[num_groups, head_dim] running numerator
-    *,
+    *refs,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
     block_size: int,
     max_blocks_per_seq: int,
     compute_dtype: Any,
+    quantized: bool,
 ):
   """One grid step: every KV head of sequence `b`, one compute block at a time.
 
   The (kv head, compute block) pairs of the sequence form one flat pipeline:
   the copies of pair `t + 1` (possibly the next head's first block) are in
   flight while pair `t` is computed.
+
+  `refs`, in order (the `[..]` ones only when `quantized`):
+    [k_scales_hbm_ref, v_scales_hbm_ref]  f32[num_kv_heads, num_blocks,
+                                          block_size] (HBM)
+    o_ref    [num_kv_heads, num_groups, head_dim]  (output)
+    k_buf    [2, pages_per_compute_block * block_size, head_dim] (VMEM)
+    v_buf    [2, pages_per_compute_block * block_size, head_dim] (VMEM)
+    [ks_buf, vs_buf]  f32[2, pages_per_compute_block, block_size] (VMEM)
+    sems     DMA semaphores [2 (k, v), 2 (buffer slot)]
+    m_ref    f32[num_groups, 1] running max
+    l_ref    f32[num_groups, 1] running denominator
+    acc_ref  f32[num_groups, head_dim] running numerator
   """
+  if quantized:
+    (k_scales_hbm_ref, v_scales_hbm_ref, o_ref, k_buf, v_buf, ks_buf, vs_buf,
+     sems, m_ref, l_ref, acc_ref) = refs
+    scales = (k_scales_hbm_ref, v_scales_hbm_ref, ks_buf, vs_buf)
+  else:
+    o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
+    scales = None
   b = pl.program_id(0)
   _, tokens_per_block, head_dim = k_buf.shape
   pages_per_block = tokens_per_block // block_size
@@ -137,7 +157,8 @@ def _paged_decode_kernel(
 
   copies = _common.PageCopies(
       block_tables_ref, k_pages_hbm_ref, v_pages_hbm_ref, k_buf, v_buf, sems,
-      block_size=block_size, max_blocks_per_seq=max_blocks_per_seq)
+      block_size=block_size, max_blocks_per_seq=max_blocks_per_seq,
+      scales=scales)
   row = b * max_blocks_per_seq
   run = (row, first_page, num_pages)  # this sequence's pages to walk
 
@@ -163,9 +184,16 @@ def _paged_decode_kernel(
     block_start = (first_page + i * pages_per_block) * block_size
     wait(0, h, i, slot)
     q = q_ref[h].astype(compute_dtype)  # [num_groups, head_dim]
-    k = k_buf[slot].astype(compute_dtype)  # [tokens_per_block, head_dim]
+    # [tokens_per_block, head_dim]
+    k = _common.load_values(k_buf.at[slot], compute_dtype)
+    k_scales = v_scales = None  # f32[1, tokens_per_block] (8-bit pages)
+    if quantized:
+      k_scales = copies.scale_row(0, slot, block_start, kv_len, pages_ok)
+      v_scales = lambda: copies.scale_row(1, slot, block_start, kv_len,
+                                          pages_ok)
     s = _common.scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap,
-                       precision=precision)  # [num_groups, tokens_per_block]
+                       precision=precision, k_scales=k_scales)
+    # s: f32[num_groups, tokens_per_block]
     # Slots past kv_len (and of pages not copied) hold garbage: mask with where.
     shape = (num_groups, tokens_per_block)
     pos = block_start + lax.broadcasted_iota(jnp.int32, shape, 1)
@@ -183,7 +211,7 @@ def _paged_decode_kernel(
 
     _common.online_softmax_block(m_ref, l_ref, acc_ref, s, visible, load_v,
                                  compute_dtype=compute_dtype,
-                                 precision=precision)
+                                 precision=precision, load_v_scales=v_scales)
 
   def body(t, carry):
     h, i = carry  # kv head, compute block of step t
@@ -229,7 +257,8 @@ def _paged_decode_kernel(
 def _build_paged_decode(
     q_shape, q_dtype, k_shape, kv_dtype, max_blocks_per_seq, *, sm_scale,
     soft_cap, sliding_window, config: PagedDecodeConfig, interpret):
-  """Returns `f(kv_lens, tables_flat, q_kernel, k_pages, v_pages) -> out`."""
+  """Returns `f(kv_lens, tables_flat, q_kernel, k_pages, v_pages[, k_scales,
+  v_scales]) -> out` (the scales for 8-bit pages)."""
   batch, num_q_heads, head_dim = q_shape
   num_kv_heads, _, block_size, _ = k_shape
   num_groups = num_q_heads // num_kv_heads
@@ -245,6 +274,12 @@ def _build_paged_decode(
   q_spec = pl.BlockSpec(block, lambda b, *_: (b,) + (0,) * (len(block) - 1))
 
   kv_buf = pltpu.VMEM((2, pages_per_block * block_size, head_dim), kv_dtype)
+  quantized = quantization.is_quantized(kv_dtype)
+  scale_specs, scale_bufs = [], []
+  if quantized:
+    scale_specs = [pl.BlockSpec(memory_space=_common.ANY)] * 2
+    scale_bufs = [pltpu.VMEM((2, pages_per_block, block_size),
+                             jnp.float32)] * 2
   kernel = functools.partial(
       _paged_decode_kernel,
       sm_scale=sm_scale,
@@ -253,6 +288,7 @@ def _build_paged_decode(
       block_size=block_size,
       max_blocks_per_seq=max_blocks_per_seq,
       compute_dtype=_common.compute_dtype(q_dtype, kv_dtype),
+      quantized=quantized,
   )
   return pl.pallas_call(
       kernel,
@@ -263,11 +299,13 @@ def _build_paged_decode(
               q_spec,
               pl.BlockSpec(memory_space=_common.ANY),
               pl.BlockSpec(memory_space=_common.ANY),
+              *scale_specs,
           ],
           out_specs=q_spec,
           scratch_shapes=[
               kv_buf,
               kv_buf,
+              *scale_bufs,
               pltpu.SemaphoreType.DMA((2, 2)),
               pltpu.VMEM((num_groups, 1), jnp.float32),
               pltpu.VMEM((num_groups, 1), jnp.float32),
@@ -304,6 +342,8 @@ def _limitation(q, k_pages, block_tables, config) -> str | None:
   vmem = 4 * lanes * (2 * 2 * q_rows + num_groups + 16)
   vmem += (2 * 2 * config.pages_per_compute_block * block_size * lanes *
            jnp.dtype(k_pages.dtype).itemsize)
+  vmem += _common.scale_vmem_bytes(k_pages.dtype, config.pages_per_compute_block,
+                                   block_size)
   smem = 4 * (batch * block_tables.shape[1] + batch)
   return _common.memory_limitation(smem, vmem, config.vmem_limit_bytes)
 
@@ -332,7 +372,9 @@ def unsupported_reason(q, k_pages, block_tables, *, soft_cap=None,
 
   Args:
     q: `[batch, num_q_heads, head_dim]` queries.
-    k_pages: `[num_kv_heads, num_blocks, block_size, head_dim]` pages.
+    k_pages: `[num_kv_heads, num_blocks, block_size, head_dim]` pages:
+      float32 / bfloat16, or int8 / float8_e4m3fn (their scales are not
+      needed here; `block_size` must then be a multiple of 32).
     block_tables: `i32[batch, max_blocks_per_seq]`.
     soft_cap: optional logit soft cap.
     sliding_window: optional window in tokens.
@@ -378,8 +420,10 @@ def paged_decode(
 
   Args:
     q: `[batch, num_q_heads, head_dim]`, float32 or bfloat16.
-    k_pages: `[num_kv_heads, num_blocks, block_size, head_dim]`, float32 or
-      bfloat16; `num_q_heads` must be a multiple of `num_kv_heads`.
+    k_pages: `[num_kv_heads, num_blocks, block_size, head_dim]`, float32,
+      bfloat16, or int8 / float8_e4m3fn with `k_scales`; `num_q_heads` must
+      be a multiple of `num_kv_heads`. `block_size` must be a multiple of 8
+      (float32), 16 (bfloat16) or 32 (8-bit) pages.
     v_pages: same shape and dtype as `k_pages`.
     block_tables: `i32[batch, max_blocks_per_seq]`; entry `i` is the physical
       block of tokens `i * block_size ..`. Entries past
@@ -394,9 +438,10 @@ def paged_decode(
     interpret: `False` to compile for TPU; `True` for TPU interpret mode with
       race detection on and uninitialised memory filled with NaN; or a
       `pltpu.InterpretParams`.
-    k_scales, v_scales: accepted for the one API; int8 / float8_e4m3fn pages
-      are refused (`unsupported_reason` says why), so they are always None
-      when the kernel runs.
+    k_scales, v_scales: `f32[num_kv_heads, num_blocks, block_size]`, the
+      per-token scales of int8 / float8_e4m3fn pages (`x ~= values *
+      scales[..., None]`, `pallas_kernels.quantization`); None for float
+      pages. Copied page by page with the values, never read elsewhere.
 
   Returns:
     `[batch, num_q_heads, head_dim]` in `q.dtype`; rows with `kv_lens == 0`
@@ -438,8 +483,9 @@ def paged_decode(
   q_kernel = q.astype(q_dtype_kernel).reshape(q_shape_kernel)
   kv_lens = contract.clamp_kv_lens(kv_lens, block_tables.shape[1],
                                    k_pages.shape[2])
+  scales = () if k_scales is None else (k_scales, v_scales)
   out = _map_when_vmapped(call)(kv_lens, block_tables.reshape(-1), q_kernel,
-                                k_pages, v_pages)
+                                k_pages, v_pages, *scales)
   return out.reshape(q.shape).astype(q.dtype)
 
 

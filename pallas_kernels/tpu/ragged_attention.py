@@ -8,6 +8,7 @@ The new tokens of all sequences are packed into one query array:
   kv_lens:      i32[max_num_seqs]     tokens in the cache, new ones included
   cu_q_lens:    i32[max_num_seqs + 1] sequence s owns rows cu[s]:cu[s+1]
   num_seqs:     i32[1]                live sequences (dynamic: no retrace)
+  k/v scales:   f32[num_kv_heads, num_blocks, block_size]   (8-bit pages only)
 
 Query `i` of sequence `s` sits at position `kv_lens[s] - q_len[s] + i` and
 attends causally (and within `sliding_window`). Rows past
@@ -25,6 +26,11 @@ copied. The (sequence, KV compute block) pairs form one flat pipeline of
 async copies into a double buffer, so the next pair's pages arrive while the
 current pair is computed. Rows of other sequences are masked out of each
 pair's scores; the online softmax is in float32.
+
+8-bit pages (int8 / float8_e4m3fn) are read as in the decode kernel
+(`paged_decode`): each page's scale row is copied beside it and laid along
+the scores' lanes; K scales multiply the scores, V scales the probabilities
+of the weighted sum; values are converted in VMEM, a compute block at a time.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
 from pallas_kernels import contract
+from pallas_kernels import quantization
 from pallas_kernels.tpu import _common
 
 # Rows (query tokens x GQA group) and KV tokens per step `default_config`
@@ -94,23 +101,36 @@ def _ragged_attention_kernel(
     q_ref,  # [num_groups, queries_per_block, head_dim] one KV head's queries
     k_pages_hbm_ref,  # [num_kv_heads, num_blocks, block_size, head_dim] (HBM)
     v_pages_hbm_ref,  # [num_kv_heads, num_blocks, block_size, head_dim] (HBM)
-    # Output.
-    o_ref,  # [num_groups, queries_per_block, head_dim]
-    # Scratch.
-    k_buf,  # [2, pages_per_compute_block * block_size, head_dim] (VMEM)
-    v_buf,  # [2, pages_per_compute_block * block_size, head_dim] (VMEM)
-    sems,  # DMA semaphores [2 (k, v), 2 (buffer slot)]
-    m_ref,  # f32[num_groups * queries_per_block, 1] running max
-    l_ref,  # f32[num_groups * queries_per_block, 1] running denominator
-    acc_ref,  # f32[num_groups * queries_per_block, head_dim] numerator
-    *,
+    *refs,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
     block_size: int,
     max_blocks_per_seq: int,
     compute_dtype: Any,
+    quantized: bool,
 ):
+  """One grid step: KV head `h`, query block `qb`.
+
+  `refs`, in order (the `[..]` ones only when `quantized`):
+    [k_scales_hbm_ref, v_scales_hbm_ref]  f32[num_kv_heads, num_blocks,
+                                          block_size] (HBM)
+    o_ref    [num_groups, queries_per_block, head_dim]  (output)
+    k_buf    [2, pages_per_compute_block * block_size, head_dim] (VMEM)
+    v_buf    [2, pages_per_compute_block * block_size, head_dim] (VMEM)
+    [ks_buf, vs_buf]  f32[2, pages_per_compute_block, block_size] (VMEM)
+    sems     DMA semaphores [2 (k, v), 2 (buffer slot)]
+    m_ref    f32[num_groups * queries_per_block, 1] running max
+    l_ref    f32[num_groups * queries_per_block, 1] running denominator
+    acc_ref  f32[num_groups * queries_per_block, head_dim] numerator
+  """
+  if quantized:
+    (k_scales_hbm_ref, v_scales_hbm_ref, o_ref, k_buf, v_buf, ks_buf, vs_buf,
+     sems, m_ref, l_ref, acc_ref) = refs
+    scales = (k_scales_hbm_ref, v_scales_hbm_ref, ks_buf, vs_buf)
+  else:
+    o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
+    scales = None
   h, qb = pl.program_id(0), pl.program_id(1)
   num_groups, queries_per_block, head_dim = q_ref.shape
   rows = num_groups * queries_per_block
@@ -145,7 +165,8 @@ def _ragged_attention_kernel(
 
   copies = _common.PageCopies(
       block_tables_ref, k_pages_hbm_ref, v_pages_hbm_ref, k_buf, v_buf, sems,
-      block_size=block_size, max_blocks_per_seq=max_blocks_per_seq)
+      block_size=block_size, max_blocks_per_seq=max_blocks_per_seq,
+      scales=scales)
 
   def run(info):  # the sequence's pages this block's rows can see
     return info["s"] * max_blocks_per_seq, info["page_lo"], info["page_end"]
@@ -180,9 +201,18 @@ def _ragged_attention_kernel(
     block_start = (info["page_lo"] + block * pages_per_block) * block_size
     wait(0, info, block, slot)
     q = q_ref[...].astype(compute_dtype).reshape(rows, head_dim)
-    k = k_buf[slot].astype(compute_dtype)  # [tokens_per_block, head_dim]
+    # [tokens_per_block, head_dim]
+    k = _common.load_values(k_buf.at[slot], compute_dtype)
+    # Rows of K/V not copied or past kv_len hold garbage.
+    copied_end = jnp.minimum(info["kv_len"], info["page_end"] * block_size)
+    k_scales = v_scales = None  # f32[1, tokens_per_block] (8-bit pages)
+    if quantized:
+      k_scales = copies.scale_row(0, slot, block_start, copied_end, pages_ok)
+      v_scales = lambda: copies.scale_row(1, slot, block_start, copied_end,
+                                          pages_ok)
     s = _common.scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap,
-                       precision=precision)  # [rows, tokens_per_block]
+                       precision=precision, k_scales=k_scales)
+    # s: f32[rows, tokens_per_block]
     q_pos = row_ids + info["pos_offset"]
     shape = (rows, tokens_per_block)
     k_pos = block_start + lax.broadcasted_iota(jnp.int32, shape, 1)
@@ -198,16 +228,14 @@ def _ragged_attention_kernel(
       wait(1, info, block, slot)
       v_shape = (tokens_per_block, head_dim)
       v_rows = block_start + lax.broadcasted_iota(jnp.int32, v_shape, 0)
-      copied_end = jnp.minimum(info["kv_len"], info["page_end"] * block_size)
-      # Rows of V not copied or past kv_len are zeroed.
-      keep = v_rows < copied_end
+      keep = v_rows < copied_end  # the other rows are zeroed
       if pages_ok is not None:
         keep &= _common.page_token_mask(v_shape, 0, block_size, pages_ok)
       return jnp.where(keep, v_buf[slot].astype(jnp.float32), 0.0)
 
     _common.online_softmax_block(m_ref, l_ref, acc_ref, s, visible, load_v,
                                  compute_dtype=compute_dtype,
-                                 precision=precision)
+                                 precision=precision, load_v_scales=v_scales)
 
   def compute_checked(info, block, slot):
     # A page whose table entry is not a block contributes no tokens: the
@@ -248,7 +276,8 @@ def _build_ragged_attention(
     q_kernel_shape, q_dtype, k_shape, kv_dtype, max_blocks_per_seq, *,
     sm_scale, soft_cap, sliding_window, config: RaggedAttentionConfig,
     interpret):
-  """`f(kv_lens, tables_flat, cu_q_lens, first, last, q_kernel, k, v) -> out`.
+  """`f(kv_lens, tables_flat, cu_q_lens, first, last, q_kernel, k, v[,
+  k_scales, v_scales]) -> out` (the scales for 8-bit pages).
 
   `q_kernel` is `[num_kv_heads, num_groups, padded_tokens, head_dim]`.
   """
@@ -262,6 +291,12 @@ def _build_ragged_attention(
       (_common.SQUEEZED, num_groups, queries_per_block, head_dim),
       lambda h, qb, *_: (h, 0, qb, 0))
   kv_buf = pltpu.VMEM((2, tokens_per_block, head_dim), kv_dtype)
+  quantized = quantization.is_quantized(kv_dtype)
+  scale_specs, scale_bufs = [], []
+  if quantized:
+    scale_specs = [pl.BlockSpec(memory_space=_common.ANY)] * 2
+    scale_bufs = [pltpu.VMEM((2, config.pages_per_compute_block, block_size),
+                             jnp.float32)] * 2
   kernel = functools.partial(
       _ragged_attention_kernel,
       sm_scale=sm_scale,
@@ -270,6 +305,7 @@ def _build_ragged_attention(
       block_size=block_size,
       max_blocks_per_seq=max_blocks_per_seq,
       compute_dtype=_common.compute_dtype(q_dtype, kv_dtype),
+      quantized=quantized,
   )
   return pl.pallas_call(
       kernel,
@@ -280,11 +316,13 @@ def _build_ragged_attention(
               q_spec,
               pl.BlockSpec(memory_space=_common.ANY),
               pl.BlockSpec(memory_space=_common.ANY),
+              *scale_specs,
           ],
           out_specs=q_spec,
           scratch_shapes=[
               kv_buf,
               kv_buf,
+              *scale_bufs,
               pltpu.SemaphoreType.DMA((2, 2)),
               pltpu.VMEM((rows, 1), jnp.float32),
               pltpu.VMEM((rows, 1), jnp.float32),
@@ -349,7 +387,10 @@ def _limitation(q, k_pages, block_tables, config) -> str | None:
   vmem = (2 * 2 * rows * lanes * jnp.dtype(q.dtype).itemsize  # q, out
           + rows * (lanes + 2 * 128) * 4  # acc, m, l
           + 2 * 2 * tokens * lanes * itemsize  # K/V double buffers
-          + 3 * rows * _common.round_up(tokens, 128) * 4)  # score temporaries
+          + 3 * rows * _common.round_up(tokens, 128) * 4  # score temporaries
+          + _common.scale_vmem_bytes(k_pages.dtype,
+                                     config.pages_per_compute_block,
+                                     block_size))
   max_num_seqs, max_blocks_per_seq = block_tables.shape
   num_query_blocks = -(-num_tokens // queries_per_block)
   smem = 4 * (max_num_seqs * (max_blocks_per_seq + 2) + 1 +
@@ -386,7 +427,9 @@ def unsupported_reason(q, k_pages, block_tables, *, soft_cap=None,
 
   Args:
     q: `[num_tokens, num_q_heads, head_dim]` queries.
-    k_pages: `[num_kv_heads, num_blocks, block_size, head_dim]` pages.
+    k_pages: `[num_kv_heads, num_blocks, block_size, head_dim]` pages:
+      float32 / bfloat16, or int8 / float8_e4m3fn (their scales are not
+      needed here; `block_size` must then be a multiple of 32).
     block_tables: `i32[max_num_seqs, max_blocks_per_seq]`.
     soft_cap: optional logit soft cap.
     sliding_window: optional window in tokens.
@@ -436,8 +479,10 @@ def ragged_paged_attention(
 
   Args:
     q: `[num_tokens, num_q_heads, head_dim]`, float32 or bfloat16.
-    k_pages: `[num_kv_heads, num_blocks, block_size, head_dim]`, float32 or
-      bfloat16; `num_q_heads` must be a multiple of `num_kv_heads`.
+    k_pages: `[num_kv_heads, num_blocks, block_size, head_dim]`, float32,
+      bfloat16, or int8 / float8_e4m3fn with `k_scales`; `num_q_heads` must
+      be a multiple of `num_kv_heads`. `block_size` must be a multiple of 8
+      (float32), 16 (bfloat16) or 32 (8-bit) pages.
     v_pages: same shape and dtype as `k_pages`.
     block_tables: `i32[max_num_seqs, max_blocks_per_seq]`; only the entries
       of pages some query can see are read (-1 elsewhere is fine); an entry
@@ -456,9 +501,10 @@ def ragged_paged_attention(
     interpret: `False` to compile for TPU; `True` for TPU interpret mode with
       race detection on and uninitialised memory filled with NaN; or a
       `pltpu.InterpretParams`.
-    k_scales, v_scales: accepted for the one API; int8 / float8_e4m3fn pages
-      are refused (`unsupported_reason` says why), so they are always None
-      when the kernel runs.
+    k_scales, v_scales: `f32[num_kv_heads, num_blocks, block_size]`, the
+      per-token scales of int8 / float8_e4m3fn pages (`x ~= values *
+      scales[..., None]`, `pallas_kernels.quantization`); None for float
+      pages. Copied page by page with the values, never read elsewhere.
 
   Returns:
     `[num_tokens, num_q_heads, head_dim]` in `q.dtype`; padding rows (past
@@ -516,8 +562,9 @@ def ragged_paged_attention(
       q_kernel.shape, q.dtype, k_pages.shape, k_pages.dtype,
       block_tables.shape[1], sm_scale=float(sm_scale), soft_cap=soft_cap,
       sliding_window=sliding_window, config=config, interpret=interpret)
+  scales = () if k_scales is None else (k_scales, v_scales)
   out = call(kv_lens, block_tables.reshape(-1), cu_q_lens, first_seq,
-             last_seq, q_kernel, k_pages, v_pages)
+             last_seq, q_kernel, k_pages, v_pages, *scales)
   out = out.transpose(2, 0, 1, 3).reshape(padded_tokens, num_q_heads,
                                           head_dim)
   return out[:num_tokens]

@@ -217,12 +217,14 @@ class TestPallasGpuApiStaticErrors(contract.StaticErrorContract):
 
 class TestPallasTpuApiStaticErrors(contract.StaticErrorContract,
                                    contract.QuantizedContract):
-  # Refused through the registry before anything runs (see
-  # tests/pallas_kernels/test_tpu_contract.py for the kernels themselves).
+  # The contract's 8-token pages are below the 32-row VMEM tile of 8-bit
+  # pages: refused through the registry before anything runs (see
+  # tests/pallas_kernels/test_tpu_contract.py for the kernels serving them
+  # at 32-token pages).
   refuses = contract.QUANTIZED_DTYPES
-  refusal = (r"implementation='pallas_tpu' cannot serve this call: {dtype} "
-             r"pages \(with per-token scales\) are not implemented in the TPU "
-             r"kernels yet; implementation='xla' serves them on TPU")
+  refusal = (r"implementation='pallas_tpu' cannot serve this call: "
+             r"block_size=8 must be a multiple of 32 for {dtype} pages \(VMEM "
+             r"sublane tiling\)")
   decode = staticmethod(functools.partial(
       attention.paged_attention, implementation="pallas_tpu", interpret=True))
   ragged = staticmethod(functools.partial(

@@ -6,6 +6,11 @@ and without a cached prefix, up to ~100 tokens), padded with NaN query rows
 and empty sequences. Every block-table entry the kernel must not read (unused
 entries, pages wholly before a sequence's sliding window) holds `FAR_BLOCK`
 (see tpu_testing): a passing test proves they were never touched.
+
+8-bit pages (`QUANTIZED_SPECS`) are checked as in test_tpu_paged_decode.py:
+against the reference on the dequantised pages at the query dtype's
+tolerance, and (float32 queries) on the float pages they came from at
+`cases.QUANTIZED_TOLERANCES`.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
     kernel as jax_rpa)
 
 from paged_jax.reference import ragged_paged_attention_reference
+from pallas_kernels import quantization
 from pallas_kernels.tpu import paged_decode as pd
 from pallas_kernels.tpu import ragged_attention as ra
-from tests.cases import assert_rows_close, make_ragged_case
+from tests.cases import assert_rows_close, make_ragged_case, quantize_case
 from tests.pallas_kernels.tpu_testing import FAR_BLOCK, races_found
 
 
@@ -46,6 +52,19 @@ class Spec:
   sm_scale: float | None = None
   queries_per_block: int | None = None  # None: default_config
   pages_per_compute_block: int | None = None
+  q_dtype: str | None = None  # None: same as the pages
+
+  @property
+  def quantized(self):
+    return quantization.is_quantized(self.dtype)
+
+  def scale_shapes(self):
+    """`{k_scales, v_scales}` shapes for 8-bit pages, else empty."""
+    if not self.quantized:
+      return {}
+    scales = jax.ShapeDtypeStruct(
+        (self.num_kv_heads, self.num_blocks, self.block_size), jnp.float32)
+    return dict(k_scales=scales, v_scales=scales)
 
   @property
   def num_blocks(self):  # fixed, so every case of a spec has the same shapes
@@ -68,7 +87,9 @@ class Spec:
     s = jax.ShapeDtypeStruct
     k = s((self.num_kv_heads, self.num_blocks, self.block_size,
            self.head_dim), dtype)
-    return (s((self.num_tokens, self.num_q_heads, self.head_dim), dtype), k, k,
+    q_dtype = jnp.dtype(self.q_dtype or dtype)
+    return (s((self.num_tokens, self.num_q_heads, self.head_dim), q_dtype), k,
+            k,
             s((self.max_num_seqs, self.max_blocks_per_seq), jnp.int32),
             s((self.max_num_seqs,), jnp.int32),
             s((self.max_num_seqs + 1,), jnp.int32), s((1,), jnp.int32))
@@ -91,6 +112,19 @@ DEFAULT_SPECS = [
          pages_per_compute_block=2),
 ]
 BASE = DEFAULT_SPECS[0]
+# 8-bit pages (block sizes fill 32-row tiles): lowered by default, numerics
+# behind -m slow (the shared contract runs int8 and fp8 by default).
+QUANTIZED_SPECS = [
+    # int8, bfloat16 queries, GQA 4, window + cap, two pages per block.
+    Spec(dtype="int8", q_dtype="bfloat16", num_q_heads=8, num_kv_heads=2,
+         head_dim=128, block_size=32, max_blocks_per_seq=4, num_tokens=48,
+         soft_cap=10.0, sliding_window=37, queries_per_block=16,
+         pages_per_compute_block=2),
+    # fp8, float32 queries, MHA, head_dim 64, default config.
+    Spec(dtype="float8_e4m3fn", q_dtype="float32", num_q_heads=2,
+         num_kv_heads=2, head_dim=64, block_size=64, max_blocks_per_seq=2,
+         num_tokens=40),
+]
 
 
 def _sample_slow_specs(n=16, seed=0):
@@ -174,16 +208,22 @@ def _hidden_tables(tables, kv_lens, cu_q_lens, num_seqs, block_size,
 
 
 def _make_case(spec: Spec, rng, q_lens=None, kv_lens=None, **kw):
+  """A random mix; 8-bit pages are quantised from float32 ones."""
   if q_lens is None:
     q_lens, kv_lens = random_mix(rng, spec, **kw)
   need = sum(-(-k // spec.block_size) for k in kv_lens)
-  return make_ragged_case(
+  case = make_ragged_case(
       rng, q_lens=q_lens, kv_lens=kv_lens, num_q_heads=spec.num_q_heads,
       num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
       block_size=spec.block_size, max_blocks_per_seq=spec.max_blocks_per_seq,
       max_num_seqs=spec.max_num_seqs, num_tokens=spec.num_tokens,
-      dtype=jnp.dtype(spec.dtype), extra_blocks=spec.num_blocks - need,
-      unused_entry=FAR_BLOCK)
+      dtype=jnp.float32 if spec.quantized else jnp.dtype(spec.dtype),
+      extra_blocks=spec.num_blocks - need, unused_entry=FAR_BLOCK)
+  if spec.quantized:
+    case = quantize_case(case, spec.dtype)
+  if spec.q_dtype is not None:
+    case.q = case.q.astype(spec.q_dtype)
+  return case
 
 
 def _run(spec: Spec, case, *, hide=True):
@@ -195,7 +235,7 @@ def _run(spec: Spec, case, *, hide=True):
   out = ra.ragged_paged_attention(
       case.q, case.k_pages, case.v_pages, tables, case.kv_lens,
       case.cu_q_lens, case.num_seqs, config=spec.config, interpret=True,
-      **spec.attn_kwargs)
+      **spec.attn_kwargs, **case.scales())
   out = jax.block_until_ready(out)
   assert races_found() in (False, None), "race detected in interpret mode"
   assert out.shape == case.q.shape and out.dtype == case.q.dtype
@@ -208,14 +248,16 @@ def _check_against_reference(spec: Spec, case):
   out = _run(spec, case)
   ref = ragged_paged_attention_reference(
       case.q, case.k_pages, case.v_pages, case.block_tables, case.kv_lens,
-      case.cu_q_lens, case.num_seqs, **spec.attn_kwargs)
+      case.cu_q_lens, case.num_seqs, **spec.attn_kwargs, **case.scales())
   assert_rows_close(out, ref, case.q.dtype)
+  return out
 
 
 def _lower_for_tpu(spec: Spec):
   f = functools.partial(ra.ragged_paged_attention, config=spec.config,
                         **spec.attn_kwargs)
-  return jax.jit(f).trace(*spec.shapes()).lower(lowering_platforms=("tpu",))
+  return jax.jit(f).trace(*spec.shapes(), **spec.scale_shapes()).lower(
+      lowering_platforms=("tpu",))
 
 
 # ---------------------------------------------------------------------------
@@ -226,6 +268,21 @@ def _lower_for_tpu(spec: Spec):
 @pytest.mark.parametrize("spec", DEFAULT_SPECS, ids=_id)
 def test_matches_reference(spec):
   _check_against_reference(spec, _make_case(spec, np.random.default_rng(0)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", QUANTIZED_SPECS, ids=_id)
+def test_quantized_matches_reference(spec):
+  float_spec = dataclasses.replace(spec, dtype="float32")
+  float_case = _make_case(float_spec, np.random.default_rng(7))
+  case = _make_case(spec, np.random.default_rng(7))  # same draws, quantised
+  out = _check_against_reference(spec, case)
+  if jnp.dtype(case.q.dtype) == jnp.float32:
+    ref = ragged_paged_attention_reference(
+        float_case.q, float_case.k_pages, float_case.v_pages,
+        float_case.block_tables, float_case.kv_lens, float_case.cu_q_lens,
+        float_case.num_seqs, **spec.attn_kwargs)
+    assert_rows_close(out, ref, spec.dtype)
 
 
 @pytest.mark.slow
@@ -319,7 +376,7 @@ def test_one_trace_for_many_batch_mixes():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", DEFAULT_SPECS, ids=_id)
+@pytest.mark.parametrize("spec", DEFAULT_SPECS + QUANTIZED_SPECS, ids=_id)
 def test_lowers_for_tpu(spec):
   assert "tpu_custom_call" in _lower_for_tpu(spec).as_text()
 
@@ -339,12 +396,14 @@ def test_lowering_grid():
   refused for a bfloat16 tiling reason."""
   refused = set()
   for dtype, group, head_dim, block_size, tq in itertools.product(
-      ["float32", "bfloat16"], [1, 2, 4, 8], [64, 128, 256],
-      [8, 16, 32, 64, 128], [8, 16, 64]):
+      ["float32", "bfloat16", "int8", "float8_e4m3fn"], [1, 2, 4, 8],
+      [64, 128, 256], [8, 16, 32, 64, 128], [8, 16, 64]):
     spec = Spec(dtype=dtype, num_q_heads=2 * group, num_kv_heads=2,
                 head_dim=head_dim, block_size=block_size, soft_cap=20.0,
                 sliding_window=100, max_blocks_per_seq=16, num_tokens=100,
-                queries_per_block=tq, pages_per_compute_block=2)
+                queries_per_block=tq, pages_per_compute_block=2,
+                q_dtype="float32" if quantization.is_quantized(dtype)
+                else None)
     q, k, _, tables, *_ = spec.shapes()
     reason = ra.unsupported_reason(q, k, tables, config=spec.config)
     if reason is not None:
@@ -353,7 +412,9 @@ def test_lowering_grid():
       continue
     _lower_for_tpu(spec)
   assert refused == {("bfloat16", "block_size", 8),
-                     ("bfloat16", "queries_per_block", 8)}
+                     ("bfloat16", "queries_per_block", 8),
+                     *((d, "block_size", bs) for d in ("int8", "float8_e4m3fn")
+                       for bs in (8, 16))}
 
 
 # ---------------------------------------------------------------------------
@@ -404,6 +465,9 @@ def _shapes(**changes):
      "block_size=8 must be a multiple of 16 for bfloat16 pages"),
     (dict(q=((64, 2, 96), f32), k=((2, 50, 8, 96), f32),
           v=((2, 50, 8, 96), f32)), None, r"head_dim=96 is not one of"),
+    (dict(k=((2, 50, 16, 128), jnp.int8), v=((2, 50, 16, 128), jnp.int8)),
+     None, r"block_size=16 must be a multiple of 32 for int8 pages \(VMEM "
+     r"sublane tiling\)"),
     (dict(tables=((6, 40000), i32)), None, "bytes of SMEM"),
     ({}, ra.RaggedAttentionConfig(256, 512), "bytes of VMEM"),
 ])
@@ -411,9 +475,13 @@ def test_unsupported_inputs(changes, config, match):
   q, k, v, tables, *rest = _shapes(**changes)
   reason = ra.unsupported_reason(q, k, tables, config=config)
   assert reason is not None and re.search(match, reason), reason
+  scales = {}
+  if quantization.is_quantized(k.dtype):
+    s = jax.ShapeDtypeStruct(k.shape[:3], jnp.float32)
+    scales = dict(k_scales=s, v_scales=s)
   with pytest.raises(ValueError, match="cannot serve these inputs: .*" + match):
     jax.eval_shape(functools.partial(ra.ragged_paged_attention, config=config),
-                   q, k, v, tables, *rest)
+                   q, k, v, tables, *rest, **scales)
 
 
 def test_unsupported_reason_of_invalid_and_valid_inputs():
