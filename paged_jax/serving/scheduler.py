@@ -633,7 +633,8 @@ class Scheduler:
 
   def _mirror_lowerer(self, present, x):
     specs = [compiler.spec(a, self._cpu) for a in x]
-    return lambda: _trial.lower(self._mirror, *specs, present=present)
+    return lambda: compiler.HostLowered(
+        _trial.lower(self._mirror, *specs, present=present))
 
   def _run_mirror(self, x, present):
     exe = self._mirror_exes.get(present)

@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 from examples import generate
+from tests.conftest import TEST_XLA_FLAGS
 from tests.examples import test_generate
 from tests.examples.test_generate import SMALL
 
@@ -35,7 +36,9 @@ def test_two_processes_serve_what_one_device_serves(tmp_path, capsys):
   assert generate.main(ARGS + ["--output", str(one)]) == 0
   capsys.readouterr()
   port = _free_port()
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  # Not the session's 8 simulated devices (each process has its own 2), but
+  # the session's compile flags (tests/conftest.py).
+  env = dict(os.environ, XLA_FLAGS=" ".join(TEST_XLA_FLAGS))
   env["PYTHONPATH"] = str(ROOT)
   procs = []
   for pid in (0, 1):
