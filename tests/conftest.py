@@ -13,10 +13,16 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # serving step of the tiny model in about 40% of the default's CPU time
 # (2026-12-01, JAX 0.10.2: 2 step shapes 11-16 s -> 4.4-5 s) and run the
 # tests no slower; the results are the same programs' (tests compare with
-# tolerances, never against one backend's bits). Both flags exist in every
-# supported jaxlib (0.10.2 .. 0.12); an explicit setting in XLA_FLAGS wins.
-TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",
-                  "--xla_cpu_use_fusion_emitters=false")
+# tolerances, never against one backend's bits). The legacy emitters exist
+# only before jaxlib 0.11 (0.11.2 and 0.12 abort on an unknown flag), so
+# later ones get -O0 alone; an explicit setting in XLA_FLAGS wins.
+def _jaxlib_version() -> tuple[int, ...]:
+  from importlib import metadata  # pylint: disable=import-outside-toplevel
+  return tuple(int(p) for p in metadata.version("jaxlib").split(".")[:2])
+
+
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",) + (
+    ("--xla_cpu_use_fusion_emitters=false",) if _jaxlib_version() < (0, 11) else ())
 for _flag in TEST_XLA_FLAGS:
   if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + _flag

@@ -56,8 +56,11 @@ def spec(a, sharding=None) -> jax.ShapeDtypeStruct:
 # default's CPU time and run them as fast (measured 2026-12-01, JAX 0.10.2:
 # the 6 mirror variants of a 64-block pool 9.5 s -> ~3.5 s of CPU). Integer
 # programs: the results are exactly the default's.
-HOST_OPTIONS = {"xla_backend_optimization_level": 0,
-                "xla_cpu_use_fusion_emitters": False}
+# `xla_cpu_use_fusion_emitters` exists only in jaxlib < 0.11 (later ones
+# have no legacy emitters and reject the option); -O0 alone still helps.
+HOST_OPTIONS = {"xla_backend_optimization_level": 0}
+if tuple(int(p) for p in jax.lib.__version__.split(".")[:2] if p.isdigit()) < (0, 11):
+  HOST_OPTIONS["xla_cpu_use_fusion_emitters"] = False
 
 
 class HostLowered:
