@@ -232,9 +232,11 @@ def test_default_config_heuristic():
   # Never more splits than the table has compute blocks.
   assert config(1, 64).k_splits == 1
   c = config(8, 8192)
-  assert c.pages_per_compute_block * 16 == 64
-  assert config(8, 8192, head_dim=256).pages_per_compute_block * 16 == 32
-  assert config(8, 8192, dtype=jnp.float32).pages_per_compute_block * 16 == 32
+  assert c.pages_per_compute_block * 16 == 32
+  assert (c.num_warps, c.num_stages) == (4, 3)
+  assert config(8, 8192, head_dim=256).pages_per_compute_block * 16 == 16
+  assert config(8, 8192, head_dim=64).pages_per_compute_block * 16 == 64
+  assert config(8, 8192, dtype=jnp.float32).pages_per_compute_block * 16 == 16
   assert config(8, 8192, block_size=128).pages_per_compute_block == 1
   # Every default is servable.
   for batch, context, bs in itertools.product((1, 8, 256), (16, 4096), (8, 128)):
