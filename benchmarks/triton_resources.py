@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gpu import paged_decode as pd
-from tests.pallas_kernels.gpu_lowering import lower_for_cuda
+from tests.pallas_kernels.gpu_lowering import triton_ir
 
 # Hopper (sm_90) per multiprocessor.
 REGS_PER_SM = 65536
@@ -42,23 +42,9 @@ MAX_BLOCKS_PER_SM = 32
 NUM_SMS = 132
 
 
-def triton_ir(config, args) -> str:
+def kernel_ir(config, args) -> str:
   """The Triton IR (text) of `paged_decode(*args, config=config)`."""
-  from jax._src.pallas.triton import pallas_call_registration as reg  # pylint: disable=g-import-not-at-top
-  captured = []
-  original = reg.lowering.lower_jaxpr_to_triton_module
-
-  def capture(*a, **k):
-    result = original(*a, **k)
-    captured.append(result.module.operation.get_asm(enable_debug_info=False))
-    return result
-
-  reg.lowering.lower_jaxpr_to_triton_module = capture
-  try:
-    lower_for_cuda(lambda *a: pd.paged_decode(*a, config=config), *args)
-  finally:
-    reg.lowering.lower_jaxpr_to_triton_module = original
-  return captured[0]
+  return triton_ir(lambda *a: pd.paged_decode(*a, config=config), *args)[0]
 
 
 def programs_per_sm(regs: int, shared: int, warps: int) -> int:
@@ -123,7 +109,7 @@ def main(argv=None):
     config = dataclasses.replace(default, pages_per_compute_block=ppcb,
                                  num_warps=warps, num_stages=stages)
     try:
-      r = compile_sm90(triton_ir(config, shape), config, args.triton)
+      r = compile_sm90(kernel_ir(config, shape), config, args.triton)
     except Exception as e:  # pylint: disable=broad-except
       print(f"{ppcb:4d} {warps:5d} {stages:6d} | {type(e).__name__}: "
             f"{str(e)[:100]}")
