@@ -84,3 +84,66 @@ def time_calls(fn: Callable[[], object], *, repeats: int, warmup: int = 2) -> di
   q = statistics.quantiles(times, n=4) if len(times) > 1 else times * 3
   return {"median_s": statistics.median(times), "p25_s": q[0], "p75_s": q[2],
           "repeats": repeats}
+
+
+def time_in_loop(fn: Callable, args: tuple, *, repeats: int = 5,
+                 target_s: float = 0.01, max_calls: int = 200,
+                 keep_output: bool = True) -> dict:
+  """Device seconds per call of `fn(*args)`, many calls per dispatch.
+
+  One jitted `lax.fori_loop` runs `n` calls back to back on the device; it is
+  timed at `n` and `2 n` calls (the trip count is an argument: one
+  compilation), and a call costs `median(T(2n) - T(n)) / n` over `repeats`
+  pairs, so dispatch and the host's sync cancel out. `n` is chosen so that
+  `n` calls take about `target_s`. Each call's first argument is the previous
+  one's plus 1e-6 x its output (which must have the first argument's shape),
+  so XLA can neither hoist a call out of the loop nor merge two; that adds one
+  elementwise pass over the first argument (the queries) per call. The last
+  output is carried out of the loop unless `keep_output` is False (then
+  `out` is None: for a copy-bandwidth probe, where it would be a second copy).
+
+  Returns:
+    dict(s=seconds per call, calls=n, repeats, spread=(max - min) / median of
+    the per-call estimates, first_s=the first call's wall time (compile
+    included), dispatch_included=True where the difference was not positive
+    (noise; then `s` is T(2n) / 2n, an upper bound), out=fn(*args)'s output).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  first, rest = args[0], tuple(args[1:])
+
+  @jax.jit
+  def loop(n, x, *rest):
+    def body(_, carry):
+      x, _ = carry
+      out = fn(x, *rest)
+      x = (x.astype(jnp.float32)
+           + 1e-6 * out.astype(jnp.float32)).astype(x.dtype)
+      return x, (out if keep_output else None)
+    return jax.lax.fori_loop(
+        0, n, body, (x, jnp.zeros_like(x) if keep_output else None))
+
+  def wall(n):
+    t0 = time.perf_counter()
+    jax.block_until_ready(loop(n, first, *rest))
+    return time.perf_counter() - t0
+
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(loop(1, first, *rest))[1]  # compiles
+  first_s = time.perf_counter() - t0
+  one = wall(1)
+  n = max(1, min(max_calls, int(target_s / max(one, 1e-6))))
+  per_call, whole = [], []
+  for _ in range(repeats):
+    t_n = wall(n)
+    whole.append(wall(2 * n))
+    per_call.append((whole[-1] - t_n) / n)
+  med = statistics.median(per_call)
+  upper_bound = med <= 0  # noise beat the difference (tiny CPU runs)
+  if upper_bound:
+    per_call = [t / (2 * n) for t in whole]
+    med = statistics.median(per_call)
+  return {"s": med, "calls": n, "repeats": repeats, "first_s": first_s,
+          "spread": (max(per_call) - min(per_call)) / med,
+          "dispatch_included": upper_bound, "out": out}

@@ -3,13 +3,15 @@
 Run from the repository root on a machine with one NVIDIA GPU:
 
     PYTHONPATH=. python benchmarks/gpu_prefill.py            # ~1.5 min on an H200
-    PYTHONPATH=. python benchmarks/gpu_prefill.py --smoke    # tiny, CPU interpret mode
+    PYTHONPATH=. python benchmarks/gpu_prefill.py --dry-run  # tiny, CPU interpret mode
 
 Llama-3.1-8B attention (32 query heads, 8 KV heads, head_dim 128), bfloat16,
-block_size 16. In one run it
+block_size 16. The kernels' correctness on the GPU is checked first, by
+`benchmarks/gpu_check.py` (gpu_all.sh stops if it fails); here every timed
+row's output is still compared with a float32 reference. In one run it
 
-  1. checks `paged_jax.attention.ragged_paged_attention` (pallas_gpu and xla)
-     against the float32 reference on a small NaN-poisoned mixed batch;
+  1. (with `--correctness` only) checks `ragged_paged_attention` (pallas_gpu
+     and xla) against the float32 reference on a NaN-poisoned mixed batch;
   2. measures the two ceilings: the bf16 matmul rate (an 8192^3 `jnp.dot` on
      random data) and the device copy bandwidth;
   3. prefill: 8 prompts of 2048 tokens, no cached prefix. Paged rows:
@@ -19,7 +21,9 @@ block_size 16. In one run it
      with implementation "cudnn" and "xla", JAX's Pallas Triton flash attention
      (`pallas.ops.gpu.attention.mha`; it has no GQA, so K/V are repeated to 32
      heads before timing) and JAX's Mosaic GPU (Hopper) flash attention
-     (`pallas.ops.gpu.attention_mgpu`). Every output is compared with a float32
+     (`pallas.ops.gpu.attention_mgpu`) in float16: its shared-memory scratch
+     is hard-coded float16 (JAX 0.10-0.12), so bfloat16 inputs fail there; the
+     row times the same tokens cast to float16 (same bytes and FLOPs). Every output is compared with a float32
      reference on sequence 0. Goals: >= 50% of the measured matmul rate, and
      paged / fastest contiguous <= 1.10;
   4. mixed batch, half the tokens each: 2 prefill chunks of 512 tokens (the
@@ -32,15 +36,16 @@ block_size 16. In one run it
      copy bandwidth).
 
 FLOPs are counted honestly for causal attention: 4 * num_q_heads * head_dim *
-(sum over queries of the keys each one sees). Timing: compile and warm up,
-then the median of up to `--runs` timed calls (block_until_ready); fast
-kernels run 4 calls per jitted function, each on a different query set, so
-that dispatch does not count and XLA cannot merge identical calls. These
-inputs are all larger than the 60 MB L2, so nothing else is rotated.
+(sum over queries of the keys each one sees). Timing: many calls per dispatch
+in one jitted `lax.fori_loop` (`benchmarks.common.time_in_loop`: median over
+repeats of (T(2n) - T(n)) / n, each call's queries depending on the last
+output so XLA can neither hoist nor merge calls). These inputs are all larger
+than the 60 MB L2, so nothing is rotated.
 
-Prints a table and writes JSON to benchmarks/results/gpu_prefill.json (the smoke
-run to gpu_prefill_smoke.json) and to $OUT/ when that variable is set; the JSON
-is rewritten after every section, so a run cut short keeps what it measured.
+Prints a table and writes JSON to benchmarks/results/gpu_prefill.json (the dry
+run to gpu_prefill_dry_run.json) and to $OUT/ when that variable is set; the
+JSON is rewritten after every section, so a run cut short keeps what it
+measured; `--budget-s` skips (and says so) a section that cannot start in time.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import common
 from benchmarks import gpu_decode
 from paged_jax import attention
 
@@ -116,30 +122,13 @@ def min_bytes(num_tokens: int, kv_tokens: int, s: Shapes) -> int:
                               + 2 * kv_tokens * s.num_kv_heads)
 
 
-def measure(fn, sets, *, unroll: int, max_runs: int, budget_s: float):
-  """Median seconds per call of `fn(*set)`, and the output for `sets[0]`.
-
-  `unroll` calls, on the first `unroll` (distinct) sets, run inside one jitted
-  function, timed as a whole after a warm-up call; up to `max_runs` timings
-  (fewer if one takes long: about `budget_s` in all, at least 1).
-  """
-  group = tuple(sets[:unroll])
-  many = jax.jit(lambda g: [fn(*s) for s in g])
-  t0 = time.perf_counter()
-  first = jax.block_until_ready(many(group))[0]
-  compile_s = time.perf_counter() - t0
-  times = []
-  while True:
-    t0 = time.perf_counter()
-    jax.block_until_ready(many(group))
-    times.append(time.perf_counter() - t0)
-    runs = min(max_runs, max(1, int(budget_s / times[0])))
-    if len(times) >= runs:
-      break
-  stats = dict(s=statistics.median(times) / len(group), runs=len(times),
-               unroll=len(group), first_call_s=compile_s,
-               spread=(max(times) - min(times)) / statistics.median(times))
-  return stats, first
+def measure(fn, sets, *, runs: int):
+  """Seconds per call of `fn(*sets[0])` (many calls per dispatch, median of
+  `runs` repeats; `benchmarks.common.time_in_loop`) and its output."""
+  m = common.time_in_loop(fn, tuple(sets[0]), repeats=runs, target_s=0.02)
+  first = m.pop("out")
+  return dict(m, runs=m["repeats"], unroll=m["calls"],
+              first_call_s=m["first_s"]), first
 
 
 def rel_err(out, ref) -> float:
@@ -336,8 +325,7 @@ def ceilings(s: Shapes, smoke: bool) -> dict:
   keys = jax.random.split(jax.random.key(11), 5)
   b = jax.random.normal(keys[0], (n, n), DTYPE)
   sets = [(jax.random.normal(k, (n, n), DTYPE), b) for k in keys[1:]]
-  m, _ = measure(jnp.dot, sets, unroll=1 if smoke else 4,
-                 max_runs=2 if smoke else 20, budget_s=1.0)
+  m, _ = measure(jnp.dot, sets, runs=1 if smoke else 5)
   out = dict(matmul_n=n, matmul_s=m["s"],
              matmul_tflops=2.0 * n**3 / m["s"] / 1e12, matmul_runs=m["runs"])
   log(f"  bf16 matmul {n}^3: {out['matmul_tflops']:.0f} TFLOP/s "
@@ -345,8 +333,7 @@ def ceilings(s: Shapes, smoke: bool) -> dict:
   del sets, b
   out["copy"] = gpu_decode.copy_bandwidth(smoke)
   out["copy_gbps"] = out["copy"]["gbps"]
-  log(f"  copy {out['copy']['copy_gbps']:.0f} GB/s, "
-      f"elementwise {out['copy']['add_gbps']:.0f} GB/s")
+  log(f"  copy {out['copy_gbps']:.0f} GB/s (one fused read + write)")
   return out
 
 
@@ -371,20 +358,26 @@ class Impl:
   nbytes: int | None = None
 
 
+# The dry run times one row of each kind, the paged rows on the XLA path
+# (interpret-mode compiles of the kernels are slow; gpu_check.py's dry run
+# runs them), and shows the GPU-only rows' refusals.
+DRY_RUN_ROWS = ("ours xla", "dot_product_attention xla", "cudnn",
+                "pallas mosaic (f16)", "chunks xla", "decodes dense")
+
+
 def time_rows(impls, *, flops, nbytes, ceil, smoke, runs) -> list[dict]:
   """Times and checks every `Impl`; a failure becomes the row's `error`."""
   rows = []
+  if smoke:
+    impls = [i for i in impls if i.name in DRY_RUN_ROWS]
   for impl in impls:
     row = dict(name=impl.name, kind=impl.kind, note=impl.note, part=impl.part)
     f = impl.flops or flops
     b = impl.nbytes or nbytes
     try:
       fn = impl.make()
-      slow = impl.name.endswith("xla") or smoke
       sets = impl.sets() if callable(impl.sets) else impl.sets
-      m, out = measure(fn, sets, unroll=1 if slow else 4,
-                       max_runs=2 if smoke else runs,
-                       budget_s=3.0 if slow else 1.5)
+      m, out = measure(fn, sets, runs=1 if smoke else runs)
       row.update(m, flops=f, bytes=b)
       row["tflops"] = f / m["s"] / 1e12
       row["frac_matmul"] = row["tflops"] / ceil["matmul_tflops"]
@@ -436,6 +429,9 @@ def prefill(s: Shapes, ceil: dict, args) -> dict:
   def check_dense(out):  # [n, t, heads, dim]
     return rel_err(out[0], ref)
 
+  def mosaic_sets():  # float16: attention_mgpu's scratch is float16 only
+    return [tuple(x.astype(jnp.float16) for x in d) for d in dense]
+
   def repeated_kv():  # the Triton mha has no GQA: one K/V head per q head
     kr, vr = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
     return [(q, kr, vr) for q in dense_q]
@@ -444,7 +440,7 @@ def prefill(s: Shapes, ceil: dict, args) -> dict:
     for block_kv in (128, 64):
       fn = mosaic_fn(block_kv)
       try:
-        jax.jit(fn).lower(*dense[0])
+        jax.jit(fn).lower(*mosaic_sets()[0])
         return fn
       except Exception as e:  # pylint: disable=broad-except
         if block_kv == 64:
@@ -467,8 +463,9 @@ def prefill(s: Shapes, ceil: dict, args) -> dict:
       Impl("pallas triton mha", "contiguous",
            lambda: triton_mha_fn(smoke), repeated_kv, check_dense,
            "pallas.ops.gpu.attention.mha, K/V repeated to all q heads"),
-      Impl("pallas mosaic", "contiguous", gpu_only(mosaic), dense,
-           check_dense, "pallas.ops.gpu.attention_mgpu (Hopper)"),
+      Impl("pallas mosaic (f16)", "contiguous", gpu_only(mosaic), mosaic_sets,
+           check_dense, "pallas.ops.gpu.attention_mgpu (Hopper), float16: its"
+           " scratch is hard-coded float16, bf16 fails"),
   ]
   log(f"  {n} x {t} tokens, {flops / 1e9:.1f} GFLOP causal, "
       f"{nbytes / 1e6:.0f} MB minimum traffic")
@@ -576,13 +573,14 @@ def mixed(s: Shapes, ceil: dict, args) -> dict:
                    runs=args.runs)
   out = dict(chunks=nc, chunk_len=tc, chunk_kv_len=sc, decodes=nd,
              decode_kv_len=sd, flops=flops, min_bytes=nbytes, rows=rows)
-  whole, parts = rows[0], rows[2:4]
+  whole = rows[0]
+  parts = [r for r in rows if r["kind"] == "part"]
   if "s" in whole:
     out["ours_s"] = whole["s"]
     out["ours_frac_floor"] = whole["frac_floor"]
     out["ours_tflops"] = whole["tflops"]
     out["ours_gbps"] = whole["gbps"]
-    if all("s" in p for p in parts):
+    if len(parts) == 2 and all("s" in p for p in parts):
       out["mixed_over_separate"] = whole["s"] / sum(p["s"] for p in parts)
   best = [best_contiguous(rows, "chunks"), best_contiguous(rows, "decodes")]
   if all(b is not None for b in best):
@@ -645,7 +643,7 @@ def summary_lines(result) -> list[str]:
 
 
 def write_json(result, smoke):
-  name = "gpu_prefill_smoke.json" if smoke else "gpu_prefill.json"
+  name = "gpu_prefill_dry_run.json" if smoke else "gpu_prefill.json"
   paths = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                         name)]
   if os.environ.get("OUT"):
@@ -659,10 +657,15 @@ def write_json(result, smoke):
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--smoke", action="store_true",
+  p.add_argument("--dry-run", "--smoke", action="store_true", dest="smoke",
                  help="tiny shapes on CPU in Pallas interpret mode")
-  p.add_argument("--runs", type=int, default=20,
-                 help="at most this many timed runs per row (median)")
+  p.add_argument("--runs", type=int, default=5,
+                 help="timed repeats per row (median)")
+  p.add_argument("--correctness", action="store_true",
+                 help="also run the ragged correctness section (gpu_check.py"
+                 " covers it)")
+  p.add_argument("--budget-s", type=float, default=1e9,
+                 help="skip sections that start after this many seconds")
   p.add_argument("--skip", nargs="*", default=(),
                  choices=("prefill", "mixed"), help="sections to leave out")
   return p.parse_args(argv)
@@ -686,6 +689,10 @@ def main(argv=None):
 
   def section(key, title, fn, *a):
     log(f"\n== {title}")
+    if time.time() - t_start > args.budget_s - 10:
+      log(f"  skipped: out of time ({args.budget_s:.0f} s budget)")
+      result[key] = dict(error="skipped: out of time")
+      return
     t0 = time.time()
     try:
       result[key] = fn(*a)
@@ -697,8 +704,9 @@ def main(argv=None):
     result["seconds"] = time.time() - t_start
     write_json(result, args.smoke)
 
-  section("correctness", "correctness (vs float32 reference, NaN-poisoned)",
-          correctness, args.smoke)
+  if args.correctness:
+    section("correctness", "correctness (vs float32 reference, NaN-poisoned)",
+            correctness, args.smoke)
   section("ceilings", "ceilings", ceilings, shapes, args.smoke)
   ceil = result["ceilings"]
   if "matmul_tflops" not in ceil:
@@ -714,7 +722,7 @@ def main(argv=None):
     log("  " + line)
   for path in write_json(result, args.smoke):
     log(f"wrote {path}")
-  corr = result["correctness"]
+  corr = result.get("correctness", [])
   return 0 if isinstance(corr, list) and all(c["ok"] for c in corr) else 1
 
 

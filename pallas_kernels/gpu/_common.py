@@ -32,14 +32,15 @@ def next_pow2(n: int) -> int:
   return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def default_block_k(q, k_pages, max_blocks_per_seq: int) -> int:
-  """KV tokens per compute block: one K tile of about 16 KiB (64 tokens for
-  bf16 at head_dim 128), in [16, 128], at most the table's capacity (rounded
-  up to a power of two) and at least one page."""
+def default_block_k(q, k_pages, max_blocks_per_seq: int, *,
+                    tile_bytes: int = 16 * 1024) -> int:
+  """KV tokens per compute block: one K tile of about `tile_bytes` (16 KiB:
+  64 tokens for bf16 at head_dim 128), in [16, 128], at most the table's
+  capacity (rounded up to a power of two) and at least one page."""
   head_dim = q.shape[-1]
   block_size = k_pages.shape[2]
   itemsize = max(jnp.dtype(q.dtype).itemsize, jnp.dtype(k_pages.dtype).itemsize)
-  block_k = next_pow2(max(16 * 1024 // (head_dim * itemsize), 1))
+  block_k = next_pow2(max(tile_bytes // (head_dim * itemsize), 1))
   block_k = min(max(block_k, MIN_DOT_DIM), 128)
   block_k = min(block_k, max(next_pow2(max_blocks_per_seq * block_size),
                              MIN_DOT_DIM))

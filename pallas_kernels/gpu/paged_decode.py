@@ -1,21 +1,29 @@
 """Paged decode attention for GPUs: Pallas on the Triton lowering.
 
 Flash-decoding over a paged KV cache. One program handles one (sequence,
-KV head, k-split): it holds the query heads of that KV head's GQA group as one
+KV head, k-split): it loads the query heads of that KV head's GQA group as one
 `[block_h, head_dim]` tile (the group padded to the 16 rows a Triton `dot`
-needs) and walks its share of the sequence's visible tokens in compute blocks of
+needs, by a masked load: q is never padded or copied outside) and walks its
+share of the sequence's visible tokens in compute blocks of
 `pages_per_compute_block * block_size` tokens, with an online softmax in
-float32. Splitting the KV sequence across programs (k-splits) keeps the GPU busy
-when `batch * num_kv_heads` is small; the per-split partial results `(o, m, l)`
-are merged with a log-sum-exp outside the kernel.
+float32. It stores only its group's rows (masked), straight into the
+`[batch, num_q_heads, head_dim]` output. Splitting the KV sequence across
+programs (k-splits) keeps the GPU busy when `batch * num_kv_heads` is small;
+the per-split partial results `(o, m, l)`, again only for the real rows, are
+merged with a log-sum-exp by one XLA reduction after the call (a reduction
+across programs, which one Pallas call cannot do).
 
-Paging: each token of a compute block finds its physical row through the block
-table (`page * block_size + token % block_size`) and K/V rows are gathered with
-masked loads. A token is loaded only if it is visible (`< kv_len`, and inside
-the sliding window) and its table entry names a block in `[0, num_blocks)`:
-pages past `kv_len` and table entries that are not blocks (`NULL_BLOCK` = -1
-included, see `pallas_kernels.contract`) are never dereferenced, and each split walks only the visible range of its own sequence,
-so short sequences and sliding windows cost what they read.
+Paging: a compute block's table entries are read as one contiguous vector a
+block ahead, through the loop carry, so the K/V addresses of a block never
+wait on a table load and Triton's software pipeliner keeps the next block's
+copies in flight during this block's matmuls (see `default_config`). Each token
+finds its physical row as `page * block_size + token % block_size` and K/V rows
+are gathered with masked loads. A token is loaded only if it is visible
+(`< kv_len`, and inside the sliding window) and its table entry names a block
+in `[0, num_blocks)`: pages past `kv_len` and table entries that are not blocks
+(`NULL_BLOCK` = -1 included, see `pallas_kernels.contract`) are never
+dereferenced, and each split walks only the visible range of its own
+sequence, so short sequences and sliding windows cost what they read.
 
 The Triton backend is selected explicitly through `CompilerParams` (recent JAX
 lowers GPU Pallas with Mosaic GPU by default). Layout as everywhere in
@@ -56,9 +64,9 @@ class PagedDecodeConfig:
     num_stages: Triton software-pipelining stages for the inner loop.
   """
   k_splits: int = 1
-  pages_per_compute_block: int = 4
+  pages_per_compute_block: int = 2
   num_warps: int = 4
-  num_stages: int = 2
+  num_stages: int = 3
 
 
 def _block_h(num_q_heads: int, num_kv_heads: int) -> int:
@@ -76,20 +84,45 @@ def _device_num_sms() -> int:
   return int(getattr(device, "core_count", 0) or DEFAULT_NUM_SMS)
 
 
+# The launch knobs, from the kernel's resource use when compiled for sm_90a
+# (H200: 132 multiprocessors, 64K registers and 228 KiB of shared memory each).
+# `benchmarks/triton_resources.py` lowers the kernel on a CPU and compiles its
+# Triton IR with the `triton` package (3.9); at the issue's shape (batch 64 x
+# 4096 tokens, 32/8 heads, head_dim 128, bf16, block 16: 512 programs, one
+# wave needs 4 per multiprocessor) it reported, per (K tile, warps, stages):
+#   32 tokens, 4 warps, 3 stages:  96 registers, 37 KiB, 5 per SM, 0.78 waves
+#   32 tokens, 4 warps, 4 stages:  96 registers, 53 KiB, 4 per SM, 0.97 waves
+#   64 tokens, 4 warps, 2 stages: 106 registers, 38 KiB, 4 per SM, 0.97 waves
+#   64 tokens, 4 warps, 3 stages: 136 registers, 70 KiB, 3 per SM, 1.29 waves
+# At 2 stages the PTX waits for every copy (`cp.async.wait_group 0`) before
+# each block's compute; from 3 stages it keeps the next block's K and V
+# copies in flight (`cp.async.wait_group 2`) - possible only because the page
+# ids arrive a block ahead. So: a K tile of 8 KiB (32 tokens at bf16 x 128),
+# 4 warps, 3 stages: one wave with a program to spare per SM for whatever
+# XLA's own Triton adds, and two blocks of K/V (32 KiB) in flight per
+# program. UNTESTED ON A GPU: no timing has confirmed it yet;
+# `benchmarks/gpu_decode.py` sweeps stages 2-5 and tiles of 16-64 tokens
+# around it.
+DEFAULT_TILE_BYTES = 8 * 1024
+DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_STAGES = 3
+
+
 def default_config(q, k_pages, block_tables, *,
                    num_sms: int | None = None) -> PagedDecodeConfig:
   """Picks a config from the shapes (arrays or `jax.ShapeDtypeStruct`s).
 
-  Heuristic:
-    * compute block (`block_k` tokens) sized so one K tile is about 16 KiB:
-      64 tokens for bf16 at head_dim 128, clamped to [16, 128] tokens, to the
+  Heuristic (the numbers behind it are in the comment above):
+    * compute block (`block_k` tokens) sized so one K tile is about 8 KiB:
+      32 tokens for bf16 at head_dim 128, clamped to [16, 128] tokens, to the
       table's capacity and to at least one page;
     * k-splits: `batch * num_kv_heads` programs rarely fill the GPU in decode,
       so split each sequence until there are about two programs per
       multiprocessor (`num_sms`, queried from the device when on GPU, else
       132), a power of two, at most 64, and never more splits than the table
       has compute blocks;
-    * 4 warps, 2 stages (the tiles are small: 16 query rows).
+    * 4 warps, 3 stages (the next block's K/V in flight during this one's
+      compute).
 
   Args:
     q: `[batch, num_q_heads, head_dim]` queries.
@@ -100,12 +133,13 @@ def default_config(q, k_pages, block_tables, *,
   Returns:
     A `PagedDecodeConfig`.
   """
-  batch, _, head_dim = q.shape
+  batch = q.shape[0]
   num_kv_heads, _, block_size, _ = k_pages.shape
   max_blocks_per_seq = block_tables.shape[1]
   if num_sms is None:
     num_sms = _device_num_sms()
-  block_k = _common.default_block_k(q, k_pages, max_blocks_per_seq)
+  block_k = _common.default_block_k(q, k_pages, max_blocks_per_seq,
+                                    tile_bytes=DEFAULT_TILE_BYTES)
   pages_per_compute_block = max(1, block_k // block_size)
   num_compute_blocks = pl.cdiv(max_blocks_per_seq, pages_per_compute_block)
   programs = max(batch * num_kv_heads, 1)
@@ -114,7 +148,7 @@ def default_config(q, k_pages, block_tables, *,
                         _common.next_pow2(num_compute_blocks) // 2 or 1))
   return PagedDecodeConfig(
       k_splits=k_splits, pages_per_compute_block=pages_per_compute_block,
-      num_warps=4, num_stages=2)
+      num_warps=DEFAULT_NUM_WARPS, num_stages=DEFAULT_NUM_STAGES)
 
 
 def unsupported_reason(q, k_pages, block_tables, *, soft_cap=None,
@@ -144,15 +178,18 @@ def _limitation(q, k_pages, block_tables, config) -> str | None:
 
 
 def _paged_decode_kernel(
-    q_ref,  # [block_h, head_dim]
+    q_ref,  # [num_q_heads, head_dim]  (this sequence's queries)
     k_ref,  # [num_blocks * block_size, head_dim]  (one KV head)
     v_ref,  # [num_blocks * block_size, head_dim]
     table_ref,  # i32[max_blocks_per_seq]
     kv_len_ref,  # i32[]
     *refs,  # quantised pages: ks_ref, vs_ref f32[num_blocks * block_size];
-    # then o_ref [block_h, head_dim]: normalised (one split) or f32 partial,
-    # and (several splits only) m_ref, l_ref f32[block_h]
+    # then o_ref [num_q_heads, head_dim]: normalised (one split) or this
+    # split's f32 partial, and (several splits only) m_ref, l_ref
+    # f32[num_q_heads]; each program writes only its GQA group's rows
     quantized: bool,
+    group: int,
+    block_h: int,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
@@ -163,11 +200,20 @@ def _paged_decode_kernel(
   scale_refs, (o_ref, *ml_refs) = (refs[:2], refs[2:]) if quantized else (
       (None, None), refs)
   ks_ref, vs_ref = scale_refs
-  block_h, head_dim = q_ref.shape
+  head_dim = q_ref.shape[1]
   max_blocks_per_seq = table_ref.shape[0]
   num_blocks = k_ref.shape[0] // block_size
-  block_k = pages_per_compute_block * block_size
+  ppcb = pages_per_compute_block
+  block_k = ppcb * block_size
   split = pl.program_id(2)
+
+  # This KV head's query heads, padded to `block_h` rows with masked loads
+  # and stores (no padded copy of q, no slice of the output outside).
+  row = lax.iota(jnp.int32, block_h)
+  heads = pl.program_id(1) * group + row  # i32[block_h]
+  real = row < group  # bool[block_h]
+  head_idx = (heads[:, None], lax.iota(jnp.int32, head_dim)[None, :])
+  head_mask = jnp.broadcast_to(real[:, None], (block_h, head_dim))
 
   # Visible tokens are [lo, hi); this split owns compute blocks [start, end).
   hi = kv_len_ref[()]  # clamped to the table's capacity by the caller
@@ -180,22 +226,33 @@ def _paged_decode_kernel(
   start = first + split * per_split
   end = jnp.minimum(start + per_split, first + num_compute_blocks)
 
-  q = q_ref[...]
+  q = plgpu.load(q_ref.at[head_idx], mask=head_mask,
+                 other=_common.zero(q_ref.dtype))
   compute_dtype = _common.compute_dtype(q.dtype, k_ref.dtype)
   q = q.astype(compute_dtype)
   precision = (lax.Precision.HIGHEST if compute_dtype == jnp.float32
                else None)
 
+  def table_entries(i):
+    """i32[ppcb]: compute block i's table entries, one contiguous read
+    (entries past the table read as -1: not a block)."""
+    slots = i * ppcb + lax.iota(jnp.int32, ppcb)
+    return plgpu.load(table_ref.at[slots], mask=slots < max_blocks_per_seq,
+                      other=-1)
+
   def body(i, carry):
-    o, m, l = carry
+    o, m, l, pages = carry  # pages: i32[ppcb], compute block i's entries
+    # The next block's entries, a block ahead: the K/V addresses of block i
+    # never wait on a table load, so the pipeliner can overlap them.
+    next_pages = table_entries(i + 1)
     tokens = i * block_k + lax.iota(jnp.int32, block_k)  # i32[block_k]
-    in_range = (tokens >= lo) & (tokens < hi)  # bool[block_k]
-    slots = jnp.minimum(lax.div(tokens, block_size), max_blocks_per_seq - 1)
-    pages = plgpu.load(table_ref.at[slots], mask=in_range, other=0)
+    page_of_token = jnp.broadcast_to(
+        pages[:, None], (ppcb, block_size)).reshape(block_k)
     # A table entry that is not a block contributes no tokens, unread.
-    visible = in_range & contract.valid_block(pages, num_blocks)
-    pages = jnp.where(visible, pages, 0)  # never a bad id in an address
-    rows = pages * block_size + lax.rem(tokens, block_size)  # i32[block_k]
+    visible = ((tokens >= lo) & (tokens < hi)
+               & contract.valid_block(page_of_token, num_blocks))
+    page_of_token = jnp.where(visible, page_of_token, 0)  # no bad address
+    rows = page_of_token * block_size + lax.rem(tokens, block_size)
     # Gather [block_k, head_dim] with two broadcast integer indices (interpret
     # mode cannot mix an integer-array index with a slice).
     idx = (rows[:, None], lax.iota(jnp.int32, head_dim)[None, :])
@@ -203,6 +260,8 @@ def _paged_decode_kernel(
 
     k = plgpu.load(k_ref.at[idx], mask=row_mask,
                    other=_common.zero(k_ref.dtype))
+    v = plgpu.load(v_ref.at[idx], mask=row_mask,
+                   other=_common.zero(v_ref.dtype))
     ks = vs = None
     if quantized:  # invisible tokens' scales load as 0 (never NaN)
       ks = plgpu.load(ks_ref.at[rows], mask=visible, other=0.0)[None, :]
@@ -213,25 +272,26 @@ def _paged_decode_kernel(
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(visible[None, :], s, -jnp.inf)
-    v = plgpu.load(v_ref.at[idx], mask=row_mask,
-                   other=_common.zero(v_ref.dtype))
-    return _common.online_softmax_step(o, m, l, s, v,
-                                       compute_dtype=compute_dtype,
-                                       precision=precision, v_scales=vs)
+    o, m, l = _common.online_softmax_step(o, m, l, s, v,
+                                          compute_dtype=compute_dtype,
+                                          precision=precision, v_scales=vs)
+    return o, m, l, next_pages
 
   o = jnp.zeros((block_h, head_dim), jnp.float32)
   # A finite start keeps `exp(m - m_next)` a number when a row sees nothing.
   m = jnp.full((block_h,), jnp.finfo(jnp.float32).min, jnp.float32)
   l = jnp.zeros((block_h,), jnp.float32)
-  o, m, l = lax.fori_loop(start, end, body, (o, m, l))
+  o, m, l, _ = lax.fori_loop(start, end, body,
+                             (o, m, l, table_entries(start)))
 
   if ml_refs:
     m_ref, l_ref = ml_refs
-    o_ref[...] = o
-    m_ref[...] = m
-    l_ref[...] = l
+    plgpu.store(o_ref.at[head_idx], o, mask=head_mask)
+    plgpu.store(m_ref.at[heads], m, mask=real)
+    plgpu.store(l_ref.at[heads], l, mask=real)
   else:
-    o_ref[...] = _common.normalise(o, l).astype(o_ref.dtype)
+    plgpu.store(o_ref.at[head_idx], _common.normalise(o, l).astype(o_ref.dtype),
+                mask=head_mask)
 
 
 def _paged_decode_call(q, k_pages, v_pages, block_tables, kv_lens, k_scales,
@@ -243,26 +303,25 @@ def _paged_decode_call(q, k_pages, v_pages, block_tables, kv_lens, k_scales,
   group = num_q_heads // num_kv_heads
   block_h = _block_h(num_q_heads, num_kv_heads)
   k_splits = config.k_splits
-
-  q = q.reshape(batch, num_kv_heads, group, head_dim)
-  if block_h != group:
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
   # One row per token: [num_kv_heads, num_blocks * block_size, head_dim].
   k_rows = k_pages.reshape(num_kv_heads, num_blocks * block_size, head_dim)
   v_rows = v_pages.reshape(num_kv_heads, num_blocks * block_size, head_dim)
 
   quantized = k_scales is not None
   kernel = functools.partial(
-      _paged_decode_kernel, quantized=quantized, sm_scale=sm_scale,
-      soft_cap=soft_cap,
-      sliding_window=sliding_window, block_size=block_size,
+      _paged_decode_kernel, quantized=quantized, group=group, block_h=block_h,
+      sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+      block_size=block_size,
       pages_per_compute_block=config.pages_per_compute_block,
       k_splits=k_splits)
   rows_spec = pl.BlockSpec((None, num_blocks * block_size, head_dim),
                            lambda b, h, s: (h, 0, 0))
+  # Every program of sequence b sees all its query heads and picks (masked)
+  # its group's rows: the block is the whole last two dims, any head count.
+  heads_spec = pl.BlockSpec((None, num_q_heads, head_dim),
+                            lambda b, h, s: (b, 0, 0))
   in_specs = [
-      pl.BlockSpec((None, None, block_h, head_dim),
-                   lambda b, h, s: (b, h, 0, 0)),  # q
+      heads_spec,  # q
       rows_spec,  # k
       rows_spec,  # v
       pl.BlockSpec((None, max_blocks_per_seq), lambda b, h, s: (b, 0)),  # table
@@ -275,21 +334,18 @@ def _paged_decode_call(q, k_pages, v_pages, block_tables, kv_lens, k_scales,
     in_specs += [pl.BlockSpec((None, num_blocks * block_size),
                               lambda b, h, s: (h, 0))] * 2
   if k_splits == 1:
-    out_shape = jax.ShapeDtypeStruct((batch, num_kv_heads, block_h, head_dim),
-                                     q.dtype)
-    out_specs = pl.BlockSpec((None, None, block_h, head_dim),
-                             lambda b, h, s: (b, h, 0, 0))
-  else:
-    ml = jax.ShapeDtypeStruct((k_splits, batch, num_kv_heads, block_h),
-                              jnp.float32)
+    out_shape = jax.ShapeDtypeStruct((batch, num_q_heads, head_dim), q.dtype)
+    out_specs = heads_spec
+  else:  # per split: f32 partial outputs, running max and sum, real rows only
+    ml = jax.ShapeDtypeStruct((k_splits, batch, num_q_heads), jnp.float32)
     out_shape = [
-        jax.ShapeDtypeStruct((k_splits, batch, num_kv_heads, block_h, head_dim),
+        jax.ShapeDtypeStruct((k_splits, batch, num_q_heads, head_dim),
                              jnp.float32), ml, ml]
-    ml_spec = pl.BlockSpec((None, None, None, block_h),
-                           lambda b, h, s: (s, b, h, 0))
+    ml_spec = pl.BlockSpec((None, None, num_q_heads),
+                           lambda b, h, s: (s, b, 0))
     out_specs = [
-        pl.BlockSpec((None, None, None, block_h, head_dim),
-                     lambda b, h, s: (s, b, h, 0, 0)), ml_spec, ml_spec]
+        pl.BlockSpec((None, None, num_q_heads, head_dim),
+                     lambda b, h, s: (s, b, 0, 0)), ml_spec, ml_spec]
 
   out = pl.pallas_call(
       kernel,
@@ -298,7 +354,7 @@ def _paged_decode_call(q, k_pages, v_pages, block_tables, kv_lens, k_scales,
       out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=_common.CompilerParams(num_warps=config.num_warps,
-                                      num_stages=config.num_stages),
+                                             num_stages=config.num_stages),
       interpret=interpret,
       name=(f"paged_decode_bh{block_h}_bk{config.pages_per_compute_block}"
             f"x{block_size}_ks{k_splits}"
@@ -306,19 +362,19 @@ def _paged_decode_call(q, k_pages, v_pages, block_tables, kv_lens, k_scales,
   )(q, k_rows, v_rows, block_tables, kv_lens, *scales)
 
   if k_splits == 1:
-    o = out
-  else:
-    o, m, l = out  # [k_splits, batch, num_kv_heads, block_h(, head_dim)]
-    m_max = m.max(axis=0)
-    # JAX's decode_attention needs this barrier against NaNs after XLA fusion
-    # (b/389925439); it costs nothing measurable here.
-    m_max = lax.optimization_barrier(m_max)
-    w = jnp.exp(m - m_max[None])
-    l_sum = (w * l).sum(axis=0)
-    o = (w[..., None] * o).sum(axis=0)
-    o = jnp.where(l_sum[..., None] > 0,
-                  o / jnp.where(l_sum > 0, l_sum, 1.0)[..., None], 0.0)
-  o = o[:, :, :group].reshape(batch, num_q_heads, head_dim)
+    return out
+  # The log-sum-exp merge of the splits is a reduction across programs: one
+  # fused XLA reduction over [k_splits, batch, num_q_heads(, head_dim)].
+  o, m, l = out
+  m_max = m.max(axis=0)
+  # JAX's decode_attention needs this barrier against NaNs after XLA fusion
+  # (b/389925439); it costs nothing measurable here.
+  m_max = lax.optimization_barrier(m_max)
+  w = jnp.exp(m - m_max[None])
+  l_sum = (w * l).sum(axis=0)
+  o = (w[..., None] * o).sum(axis=0)
+  o = jnp.where(l_sum[..., None] > 0,
+                o / jnp.where(l_sum > 0, l_sum, 1.0)[..., None], 0.0)
   return o.astype(q.dtype)
 
 

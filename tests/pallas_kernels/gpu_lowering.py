@@ -51,3 +51,23 @@ def shape_structs(*arrays):
   """`jax.ShapeDtypeStruct`s for arrays (None passes through)."""
   return tuple(None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype)
                for a in arrays)
+
+
+def triton_ir(f, *args) -> list[str]:
+  """The Triton IR (text) of every Pallas kernel in `f(*args)`, lowered for
+  CUDA as `lower_for_cuda` does (for checks of the kernel's structure)."""
+  from jax._src.pallas.triton import pallas_call_registration as registration  # pylint: disable=g-import-not-at-top
+  captured = []
+  original = registration.lowering.lower_jaxpr_to_triton_module
+
+  def capture(*a, **k):
+    result = original(*a, **k)
+    captured.append(result.module.operation.get_asm(enable_debug_info=False))
+    return result
+
+  registration.lowering.lower_jaxpr_to_triton_module = capture
+  try:
+    lower_for_cuda(f, *args)
+  finally:
+    registration.lowering.lower_jaxpr_to_triton_module = original
+  return captured

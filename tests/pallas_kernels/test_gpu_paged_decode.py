@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import re
 import warnings
 
 import chex
@@ -17,7 +18,7 @@ from paged_jax.reference import paged_attention_reference
 from pallas_kernels.gpu import paged_decode as pd
 from pallas_kernels.gpu.paged_decode import PagedDecodeConfig
 from tests.cases import TOLERANCES, assert_rows_close, make_decode_case
-from tests.pallas_kernels.gpu_lowering import lower_for_cuda, shape_structs
+from tests.pallas_kernels.gpu_lowering import lower_for_cuda, shape_structs, triton_ir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,9 +233,11 @@ def test_default_config_heuristic():
   # Never more splits than the table has compute blocks.
   assert config(1, 64).k_splits == 1
   c = config(8, 8192)
-  assert c.pages_per_compute_block * 16 == 64
-  assert config(8, 8192, head_dim=256).pages_per_compute_block * 16 == 32
-  assert config(8, 8192, dtype=jnp.float32).pages_per_compute_block * 16 == 32
+  assert c.pages_per_compute_block * 16 == 32
+  assert (c.num_warps, c.num_stages) == (4, 3)
+  assert config(8, 8192, head_dim=256).pages_per_compute_block * 16 == 16
+  assert config(8, 8192, head_dim=64).pages_per_compute_block * 16 == 64
+  assert config(8, 8192, dtype=jnp.float32).pages_per_compute_block * 16 == 16
   assert config(8, 8192, block_size=128).pages_per_compute_block == 1
   # Every default is servable.
   for batch, context, bs in itertools.product((1, 8, 256), (16, 4096), (8, 128)):
@@ -360,3 +363,22 @@ def test_quantized_pages_lower_for_cuda(kv_dtype, k_splits):
       lambda *a: pd.paged_decode(*a[:5], k_scales=a[5], v_scales=a[6],
                                  config=config), *args, scales, scales)
   assert jnp.dtype(kv_dtype).name in text
+
+
+@pytest.mark.parametrize("ppcb", [1, 4])
+def test_page_ids_arrive_a_block_ahead_in_one_read(ppcb):
+  """In the Triton IR, the loop's only integer load is the next compute
+  block's `ppcb` table entries (one vector, carried to the next step), never
+  one table entry per token."""
+  s = jax.ShapeDtypeStruct
+  args = (s((4, 32, 128), jnp.bfloat16), s((8, 256, 16, 128), jnp.bfloat16),
+          s((8, 256, 16, 128), jnp.bfloat16), s((4, 64), jnp.int32),
+          s((4,), jnp.int32))
+  config = PagedDecodeConfig(pages_per_compute_block=ppcb)
+  (ir,) = triton_ir(functools.partial(pd.paged_decode, config=config), *args)
+  loop = ir[ir.index("scf.for"):ir.index("scf.yield")]
+  int_loads = re.findall(r"tt\.load [^\n]*: (tensor<[^>]*i32>>|!tt\.ptr<i32>)",
+                         loop)
+  assert int_loads == [f"tensor<{ppcb}x!tt.ptr<i32>>"]
+  carried = re.search(r"scf\.for [^\n]*-> \(([^\n]*)\)", ir).group(1)
+  assert carried.endswith(f"tensor<{ppcb}xi32>")
