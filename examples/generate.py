@@ -162,11 +162,13 @@ def add_engine_flags(p: argparse.ArgumentParser):
                    help="dispatch each step before reading the previous step's "
                    "results, so host work overlaps the device (default on)")
   eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True,
+                   default=False,
                    help="keep finished requests' full KV blocks cached and start "
                    "new requests on the longest cached prefix of their prompt "
-                   "(vLLM's flag and default); the contiguous baseline never "
-                   "caches")
+                   "(vLLM's flag; off by default here: at a 0%% hit rate it "
+                   "cost 8-20%% of output tokens/s on the 2-core CPU, "
+                   "benchmarks/RESULTS.md section 11); the contiguous "
+                   "baseline never caches")
   eng.add_argument("--max-model-len", type=count(2, MAX_MODEL_LEN), default=256,
                    help="longest prompt + output (at least 2: one prompt and "
                    "one generated token)")

@@ -122,8 +122,9 @@ class EngineConfig:
     enable_prefix_caching: keep the full blocks of finished (and preempted)
       sequences cached and start new sequences on the longest cached prefix
       of their tokens (vLLM's automatic prefix caching; see the module
-      docstring). Off by default in the library: the step's shapes and the
-      pool's accounting are the plain allocator's; the CLIs turn it on.
+      docstring). Off by default: without it the step is the plain
+      allocator's, and with it a workload that shares nothing paid 8-20% of
+      its output tokens/s on a 2-core CPU (benchmarks/RESULTS.md section 11).
   """
 
   num_blocks: int

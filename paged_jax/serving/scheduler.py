@@ -139,6 +139,7 @@ class Scheduler:
     self._shares: dict[Seq, list[int]] = {}  # this step's hits (admissions)
     self._num_cached = 0  # the mirror's cached blocks, as an int
     self._fitted = None  # the bookkeeping inputs `_fit` accepted this step
+    self._tables = np.asarray(initial_state.block_tables)  # the mirror's
 
   # ----------------------------------------------------------------- requests
 
@@ -348,8 +349,11 @@ class Scheduler:
       forks = int(np.sum(x[3] >= 0))
       present = (bool(self._release_next), forks > 0, bool(self._release_late_next))
       state, fork_ok, res, cache_ok = self._run_mirror(x, present)
-      ok, fork_ok, num_free, cache_ok = jax.device_get(
-          (res.ok, fork_ok, state.num_free, cache_ok))
+      # One transfer for everything the host reads of the trial.
+      caching = self._index is not None
+      ok, fork_ok, num_free, cache_ok, num_cached, evicted, tables = jax.device_get(
+          (res.ok, fork_ok, state.num_free, cache_ok, state.num_cached,
+           res.evicted, state.block_tables if caching else None))
       if not fork_ok[:forks].all():
         raise RuntimeError(f"a fork was refused: engine bookkeeping bug ({self.usage()})")
       if not cache_ok.all():
@@ -363,8 +367,9 @@ class Scheduler:
         # for it now would be read from a table gone by the next step. (None
         # are: its blocks were collected in `_prepare_registrations`.)
         del self._register_next[queued:]
-        if self._index is not None:
-          self._commit_prefix_cache(state, res, admitted)
+        if caching:
+          self._tables = tables  # the mirror's block tables, on the host
+          self._commit_prefix_cache(int(num_cached), evicted, admitted)
         return plan
       self.stats.refused_reservations += 1
       seq = plan[refused[0]][0]
@@ -461,7 +466,7 @@ class Scheduler:
     self._registering = []
     if not queued:
       return
-    tables = np.asarray(self._mirror.block_tables)
+    tables = self._tables
     taken: set[bytes] = set()
     for seq, slot, col, h in queued:
       if len(self._registering) == self._register_rows:
@@ -473,7 +478,7 @@ class Scheduler:
       taken.add(h)
       self._registering.append((slot, col, h, int(tables[slot, col])))
 
-  def _commit_prefix_cache(self, state: bm.BlockState, res: bm.Reservation,
+  def _commit_prefix_cache(self, num_cached: int, evicted: np.ndarray,
                            admitted: list[Seq]):
     """After the mirror accepted a step: index this step's registered blocks,
     drop the evicted ones, count the hits."""
@@ -482,10 +487,9 @@ class Scheduler:
       if not self._index.insert(h, block):
         raise RuntimeError("a registered block's hash was indexed already "
                            "(engine bug)")
-    evicted = np.asarray(res.evicted)
     st.prefix_blocks_evicted += self._index.evict(evicted[evicted >= 0])
     st.prefix_blocks_registered += len(self._registering)
-    self._num_cached = int(state.num_cached)
+    self._num_cached = num_cached
     for seq in admitted:
       hit = len(self._shares.get(seq, ())) * bs
       st.prefix_tokens_saved += hit

@@ -62,11 +62,10 @@ def test_synthetic_workload_with_baseline_is_deterministic(tmp_path, capsys):
   assert stats["paged"]["kv_bytes"] == stats["contiguous"]["kv_bytes"]
   # --min-bucket reaches both engines: 2 step shapes each (decode, mixed).
   assert stats["paged"]["buckets_compiled"] == stats["contiguous"]["buckets_compiled"] == 2
-  # Prefix caching is on by default, for the paged engine only.
-  assert stats["paged"]["prefix_caching"] and not stats["contiguous"]["prefix_caching"]
-  hit = stats["paged"]
-  assert 0 <= hit["prefix_hit_tokens"] <= hit["prefix_queried_tokens"] > 0
-  assert "  prefix cache        hit rate " in out
+  # Prefix caching is off by default (its cost at 0% hits, RESULTS.md 11).
+  assert not stats["paged"]["prefix_caching"] and not stats["contiguous"]["prefix_caching"]
+  assert stats["paged"]["prefix_queried_tokens"] == 0
+  assert "  prefix cache        off" in out
 
 
 def test_mesh_run_matches_one_device(tmp_path, capsys):
@@ -268,8 +267,8 @@ def test_block_size_keeps_the_kv_memory(capsys):
 
 
 def test_prefix_caching_flag():
-  assert generate.parse_and_check([]).enable_prefix_caching
-  assert not generate.parse_and_check(["--no-enable-prefix-caching"]).enable_prefix_caching
+  assert not generate.parse_and_check([]).enable_prefix_caching
+  assert generate.parse_and_check(["--enable-prefix-caching"]).enable_prefix_caching
 
 
 def test_vllm_aliases():
