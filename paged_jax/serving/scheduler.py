@@ -173,6 +173,8 @@ class Scheduler:
     prompt = request.prompt
     if not prompt:
       return "empty prompt"
+    if request.cache_salt is not None and not isinstance(request.cache_salt, (str, bytes)):
+      return f"cache_salt must be a str or bytes, got {request.cache_salt!r}"
     vocab = self.model_config.vocab_size
     bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
     if bad:
@@ -436,8 +438,8 @@ class Scheduler:
     """Admission: starts `seq` on the longest cached prefix of its tokens
     (its last token is always computed: `prefix_cache.max_hit_blocks`)."""
     bs = self.config.block_size
-    self._extend_hashes(seq, prefix_cache.max_hit_blocks(len(seq.tokens), bs))
     limit = prefix_cache.max_hit_blocks(len(seq.tokens), bs)
+    self._extend_hashes(seq, limit)
     blocks = self._index.lookup(seq.hashes[:limit])
     if blocks:
       self._shares[seq] = blocks

@@ -158,6 +158,12 @@ def test_caching_off_has_no_prefix_inputs_and_no_statistics(model):
   assert engine._pools[0].prefix_index is None  # pylint: disable=protected-access
 
 
+def test_a_salt_that_is_not_str_or_bytes_is_rejected(model):
+  engine = make_engine(model, **TWO_SHAPES, enable_prefix_caching=True)
+  out = engine.add_request(Request("s", [5, 6, 7], cache_salt=7))
+  assert out.rejected == "cache_salt must be a str or bytes, got 7"
+
+
 def test_enable_prefix_caching_must_be_a_bool():
   with pytest.raises(ValueError, match="enable_prefix_caching must be a bool, got 1"):
     EngineConfig(num_blocks=8, enable_prefix_caching=1)
