@@ -17,8 +17,8 @@ import time
 
 import jax
 
-from examples.llama import model as model_lib
-from examples.serving import workload
+from paged_jax.models.llama import model as model_lib
+from paged_jax.entrypoints import workload
 from paged_jax import sharding
 
 

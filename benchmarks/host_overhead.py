@@ -142,8 +142,8 @@ def engine_share(num_requests: int) -> dict:
   """(c): host share of the engine's steps on the tiny model (see the module
   docstring)."""
   # pylint: disable=import-outside-toplevel
-  from examples.llama import model as model_lib
-  from examples.serving import workload
+  from paged_jax.models.llama import model as model_lib
+  from paged_jax.entrypoints import workload
   cfg = model_lib.LlamaConfig.tiny()
   model = model_lib.init_model(cfg)
   reqs = workload.synthetic_requests(num_requests, vocab_size=cfg.vocab_size,

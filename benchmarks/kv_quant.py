@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import common
-from examples.llama import model as model_lib
+from paged_jax.models.llama import model as model_lib
 from paged_jax import attention
 from paged_jax import block_manager as bm
 from paged_jax import capacity

@@ -30,8 +30,8 @@ import numpy as np
 
 from benchmarks import common
 from benchmarks import prefix_cache_trace as trace_lib
-from examples.llama import model as model_lib
-from examples.serving import workload
+from paged_jax.models.llama import model as model_lib
+from paged_jax.entrypoints import workload
 from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
 

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
   import httpx  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   import uvicorn  # pylint: disable=import-outside-toplevel
-  from examples import serve  # pylint: disable=import-outside-toplevel
+  from paged_jax.entrypoints.openai import api_server as serve  # pylint: disable=import-outside-toplevel
 
   port = _free_port()
   sargs = serve.parse_args(["--port", str(port), *server_argv])

@@ -40,9 +40,9 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from examples.llama import model as model_lib  # noqa: E402
-from examples.llama import tensor_parallel  # noqa: E402
-from examples.serving import workload  # noqa: E402
+from paged_jax.models.llama import model as model_lib  # noqa: E402
+from paged_jax.models.llama import tensor_parallel  # noqa: E402
+from paged_jax.entrypoints import workload  # noqa: E402
 from paged_jax import block_manager as bm  # noqa: E402
 from paged_jax import flax_attention  # noqa: E402
 from paged_jax import sharding as ps  # noqa: E402

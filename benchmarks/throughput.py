@@ -1,6 +1,6 @@
 """Benchmark 3, throughput: the Flax decoder's serving loop, paged vs contiguous.
 
-The tiny Llama (`examples/llama`, seeded random weights) serves the same
+The tiny Llama (`paged_jax.models.llama`, seeded random weights) serves the same
 seeded ShareGPT-like workload (lengths scaled down for a CPU) twice, on the
 same KV memory:
 
@@ -42,8 +42,8 @@ def _latency_per_token(stats: dict, outputs) -> float:
 
 def run(quick: bool = False, out=common.RESULTS_DIR) -> dict:
   # Imported here: the examples pull in flax and the model code.
-  from examples.llama import model as model_lib  # pylint: disable=import-outside-toplevel
-  from examples.serving import workload  # pylint: disable=import-outside-toplevel
+  from paged_jax.models.llama import model as model_lib  # pylint: disable=import-outside-toplevel
+  from paged_jax.entrypoints import workload  # pylint: disable=import-outside-toplevel
 
   model = model_lib.init_model(model_lib.LlamaConfig.tiny(dtype="float32"), 0)
   num_requests = 24 if quick else 160

@@ -163,8 +163,8 @@ def write_prompts(path: pathlib.Path, lengths, seed: int) -> None:
 
 def write_checkpoint(path: pathlib.Path) -> int:
   """The benchmark model with seeded random weights; returns KV bytes/token."""
-  from examples.llama import checkpoint  # pylint: disable=import-outside-toplevel
-  from examples.llama import model as model_lib  # pylint: disable=import-outside-toplevel
+  from paged_jax.models.llama import checkpoint  # pylint: disable=import-outside-toplevel
+  from paged_jax.models.llama import model as model_lib  # pylint: disable=import-outside-toplevel
   config = model_lib.LlamaConfig(**MODEL)
   checkpoint.save_checkpoint(model_lib.init_model(config, seed=0), path)
   return config.kv_bytes_per_token()

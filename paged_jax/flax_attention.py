@@ -18,7 +18,7 @@ boundaries); rows past `cu_q_lens[num_seqs]` are padding. A decode-only step
 token of sequence `i`; it uses the decode kernel, every other step the ragged
 one. Both give the same numbers for a one-token query.
 
-Example (one layer, one step; see `examples/llama/model.py` for a model):
+Example (one layer, one step; see `paged_jax/models/llama/model.py` for a model):
 
     state, res = block_manager.reserve(state, seq_ids, q_lens)
     meta = step_metadata(state, seq_ids, q_lens, num_tokens=tokens.shape[0])

@@ -21,8 +21,8 @@ do the K/V writes (`write_kv_sharded`) and copy-on-write
 (`copy_blocks_sharded`). A Flax model needs no change: a `StepMetadata` from
 `flax_attention.sharded_step_metadata` carries the mesh, and
 `flax_attention.PagedAttention` then uses these functions (see
-`examples/llama/tensor_parallel.py` for the weights' layout and
-`examples/serving/step.py` for a whole serving step on a mesh).
+`paged_jax/models/llama/tensor_parallel.py` for the weights' layout and
+`paged_jax/serving/step.py` for a whole serving step on a mesh).
 
 Example (8 devices):
   >>> mesh = make_mesh(data=2, model=4)

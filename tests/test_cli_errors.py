@@ -16,7 +16,7 @@ import sys
 
 from hypothesis import given, settings, strategies as st
 
-from examples import generate
+from paged_jax.entrypoints import generate
 from paged_jax import capacity
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

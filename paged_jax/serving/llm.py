@@ -31,7 +31,7 @@ class LLM:
   """An engine with a batch API: give prompts, get completions.
 
   Args:
-    model: a `ServingModel` (e.g. `examples.llama.model.Llama`).
+    model: a `ServingModel` (e.g. `paged_jax.models.llama.model.Llama`).
     config: an `EngineConfig`, or None to build one from `**config_kw`.
     mesh: optional `(data, model)` mesh (see `Engine`).
     warmup: compile every step shape now rather than on first use.

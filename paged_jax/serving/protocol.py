@@ -1,7 +1,7 @@
 """What the engine needs from a model: a small protocol.
 
 The engine is model-independent. A model it serves implements `ServingModel`
-(structural typing: no base class to inherit). `examples/llama/model.py`'s
+(structural typing: no base class to inherit). `paged_jax/models/llama/model.py`'s
 `Llama` is one implementation.
 
 The step calls, inside one jitted function:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from examples.llama import model as model_lib
+from paged_jax.models.llama import model as model_lib
 from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams

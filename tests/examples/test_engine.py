@@ -183,7 +183,7 @@ def test_steps_never_retrace(model):
 
 
 def test_contiguous_static_batching_gives_the_same_outputs(model):
-  from examples.serving import workload  # pylint: disable=import-outside-toplevel
+  from paged_jax.entrypoints import workload  # pylint: disable=import-outside-toplevel
   requests = random_requests(4, 6)
   kw = dict(kv_tokens=128, progress=False, **{**SIZES, "min_bucket": 16})
   paged, paged_out = workload.run_workload("paged", model, requests, **kw)
@@ -250,7 +250,7 @@ def test_engine_config_errors(kw, match):
 
 
 def test_online_arrivals_and_trace_requests(model):
-  from examples.serving import workload  # pylint: disable=import-outside-toplevel
+  from paged_jax.entrypoints import workload  # pylint: disable=import-outside-toplevel
   from paged_jax import traces  # pylint: disable=import-outside-toplevel
   trace = traces.make_trace(workload.sharegpt_mini(48, scale=1 / 12), 5,
                             request_rate=200.0, seed=1)

@@ -21,7 +21,7 @@ from paged_jax.serving.sampling import SamplingParams
 from paged_jax import block_manager as bm
 from tests.examples.conftest import (SMALL_POOL, DenseOracle,
                                      assert_mirror_is_the_device_state, make_engine)
-from examples.llama import model as model_lib
+from paged_jax.models.llama import model as model_lib
 
 _MODEL = None
 _ORACLE = None

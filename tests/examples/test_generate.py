@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from examples import generate
-from examples.llama import checkpoint
-from examples.llama import model as model_lib
+from paged_jax.entrypoints import generate
+from paged_jax.models.llama import checkpoint
+from paged_jax.models.llama import model as model_lib
 
 # The sizes of the engine tests (tests/examples/conftest.py), so that the
 # compiled steps are shared: 32 blocks x 4 tokens = 128 KV tokens.
@@ -332,7 +332,7 @@ def test_kv_cache_dtype_is_allocated_and_reported(model):
   8-bit pages hold as many more tokens as their bytes (scales counted) allow;
   what is reported is read from the allocated arrays, so a dtype the engine
   ignored would show."""
-  from examples.serving import workload  # pylint: disable=import-outside-toplevel
+  from paged_jax.entrypoints import workload  # pylint: disable=import-outside-toplevel
   from paged_jax.serving.engine import Engine  # pylint: disable=import-outside-toplevel
   cfg = model.config  # float32, head_dim 16, 2 layers, 2 KV heads
   want = {"auto": "float32", "bfloat16": "bfloat16", "int8": "int8",

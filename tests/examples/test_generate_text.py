@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from examples import generate
+from paged_jax.entrypoints import generate
 from tests.examples.test_generate import SMALL, run
 
 

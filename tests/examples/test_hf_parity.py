@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from examples.llama import checkpoint  # noqa: E402
+from paged_jax.models.llama import checkpoint  # noqa: E402
 from paged_jax import block_manager as bm  # noqa: E402
 from paged_jax import flax_attention  # noqa: E402
 

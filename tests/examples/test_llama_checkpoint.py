@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from examples.llama import checkpoint
-from examples.llama import model as model_lib
+from paged_jax.models.llama import checkpoint
+from paged_jax.models.llama import model as model_lib
 from paged_jax import rope
 
 dense_logits = nnx.jit(lambda m, t: m.dense_logits(t))

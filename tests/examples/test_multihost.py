@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 
-from examples import generate
+from paged_jax.entrypoints import generate
 from tests.conftest import TEST_XLA_FLAGS
 from tests.examples import test_generate
 from tests.examples.test_generate import SMALL

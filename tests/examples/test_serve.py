@@ -17,7 +17,7 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 prom = pytest.importorskip("prometheus_client")
 
-from examples import serve  # noqa: E402
+from paged_jax.entrypoints.openai import api_server as serve  # noqa: E402
 from paged_jax.serving import Engine, EngineConfig  # noqa: E402
 from paged_jax.serving.tokenizer import ByteTokenizer  # noqa: E402
 

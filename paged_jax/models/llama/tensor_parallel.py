@@ -39,7 +39,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from examples.llama import model as model_lib
+from paged_jax.models.llama import model as model_lib
 from paged_jax import sharding
 
 MODEL = sharding.MODEL

@@ -21,7 +21,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from examples.llama.model import Llama
+from paged_jax.models.llama.model import Llama
 from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.requests import Request, RequestOutput
 from paged_jax.serving.sampling import SamplingParams

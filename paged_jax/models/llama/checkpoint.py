@@ -19,7 +19,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from examples.llama import model as model_lib
+from paged_jax.models.llama import model as model_lib
 from paged_jax import rope as rope_lib
 
 _DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",

@@ -221,9 +221,9 @@ class Llama(nnx.Module):
 
   def shard(self, mesh) -> "Llama":
     """This model laid out tensor-parallel on a `(data, model)` mesh
-    (`examples.llama.tensor_parallel.shard_model`; `paged_jax.serving`'s
+    (`paged_jax.models.llama.tensor_parallel.shard_model`; `paged_jax.serving`'s
     `ServingModel.shard`)."""
-    from examples.llama import tensor_parallel  # pylint: disable=import-outside-toplevel
+    from paged_jax.models.llama import tensor_parallel  # pylint: disable=import-outside-toplevel
     return tensor_parallel.shard_model(self, mesh)
 
   def logits(self, hidden: jax.Array) -> jax.Array:
