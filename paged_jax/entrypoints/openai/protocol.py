@@ -148,7 +148,7 @@ def _prompt(value, outer: bool = True):
 def _stop(value):
   if value is None:
     return ()
-  stops = (value,) if isinstance(value, str) else value
+  stops = [value] if isinstance(value, str) else value
   if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
     raise ValueError(f"must be a string or an array of strings, got {shown(value)}")
   if any(not s for s in stops):
@@ -394,7 +394,8 @@ def _error(err: dict) -> RequestError:
             "less_than": "<"}
   if kind in bounds:
     limit = next(iter(ctx.values()))
-    limit = "2**31 - 1" if limit == INT32_MAX else limit
+    limit = ("2**31 - 1" if limit == INT32_MAX else
+             int(limit) if isinstance(limit, float) and limit.is_integer() else limit)
     return RequestError(f"{param} must be {bounds[kind]} {limit}{given}", param)
   if kind == "finite_number":
     return RequestError(f"{param} must be a finite number{given}", param)
