@@ -104,9 +104,26 @@ class _CatchAll:
       await send({"type": "http.response.body", "body": body})
 
 
+MAX_BODY_BYTES = 32 * 2**20
+
+
+async def _read_body(http: HTTPRequest, limit: int) -> bytes | None:
+  """The whole body, or None past `limit` bytes (then the rest is unread and
+  the connection must close)."""
+  length = http.headers.get("content-length", "")
+  if length.isdigit() and int(length) > limit:
+    return None
+  body = bytearray()
+  async for chunk in http.stream():
+    body += chunk
+    if len(body) > limit:
+      return None
+  return bytes(body)
+
+
 def make_app(loop: EngineLoop, tokenizer: Tokenizer, *, model_name: str,
              registry, max_waiting: int, default_max_tokens: int = 16,
-             retry_after: int = 1):
+             retry_after: int = 1, max_body_bytes: int = MAX_BODY_BYTES):
   """The FastAPI app over a running `EngineLoop`.
 
   Args:
@@ -118,6 +135,8 @@ def make_app(loop: EngineLoop, tokenizer: Tokenizer, *, model_name: str,
     default_max_tokens: `max_tokens` when a request gives none (cut to what
       the context leaves).
     retry_after: seconds in the 503's `Retry-After`.
+    max_body_bytes: a larger body gets 413 and `Connection: close` (it is
+      not read).
   """
   import prometheus_client as prom  # pylint: disable=import-outside-toplevel
 
@@ -168,7 +187,12 @@ def make_app(loop: EngineLoop, tokenizer: Tokenizer, *, model_name: str,
 
   async def serve(http: HTTPRequest, kind):
     chat = kind is ChatCompletionRequest
-    body = await http.body()  # read whole: the connection stays usable after errors
+    # Read whole, so that the connection stays usable after any answer.
+    body = await _read_body(http, max_body_bytes)
+    if body is None:
+      return _error(413, protocol.error_body(
+          f"the body is larger than this server's limit of {max_body_bytes} bytes", 413,
+          code="body_too_large"), headers={"Connection": "close"})
     try:
       req = protocol.parse_request(body, kind)
       protocol.check_model(req, model_name)
@@ -380,6 +404,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="max_tokens of a request that gives none")
   srv.add_argument("--model-name", help="the model id served (default: the "
                    "checkpoint folder's name, or paged-jax-tiny)")
+  srv.add_argument("--max-body-bytes", type=_cli.int_in(1024, 2**31 - 1),
+                   default=MAX_BODY_BYTES,
+                   help="a request body past it gets 413 (and the connection closes)")
   srv.add_argument("--no-warmup", action="store_true",
                    help="compile step shapes on first use, not at start")
   args = p.parse_args(argv)
@@ -412,7 +439,8 @@ def build(args):
   name = args.model_name or (pathlib.Path(args.checkpoint).name if args.checkpoint
                              else "paged-jax-tiny")
   app = make_app(loop, tokenizer, model_name=name, registry=registry,
-                 max_waiting=args.max_waiting, default_max_tokens=args.max_tokens)
+                 max_waiting=args.max_waiting, default_max_tokens=args.max_tokens,
+                 max_body_bytes=args.max_body_bytes)
   return loop, app
 
 

@@ -32,7 +32,7 @@ def free_port() -> int:
 class Server:
   """`api_server.make_app` over a warmed-up engine, served on 127.0.0.1."""
 
-  def __init__(self, model, max_waiting=64, tokenizer=None):
+  def __init__(self, model, max_waiting=64, tokenizer=None, max_body_bytes=2**16):
     engine = Engine(model, EngineConfig(**CONFIG))
     engine.warmup()
     self.registry = prom.CollectorRegistry()
@@ -42,7 +42,8 @@ class Server:
                                       on_fatal=self.fatal.set)
     self.loop.start()
     app = api_server.make_app(self.loop, tok, model_name="tiny", registry=self.registry,
-                              max_waiting=max_waiting, default_max_tokens=8)
+                              max_waiting=max_waiting, default_max_tokens=8,
+                              max_body_bytes=max_body_bytes)
     self.port = free_port()
     self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                 log_level="critical"))

@@ -282,6 +282,24 @@ def test_hostile_requests_table(server):
   assert int(server.loop.engine.block_state.num_free) == NUM_BLOCKS
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_past_the_limit_is_413_and_closes_the_connection(server, chunked):
+  body = json.dumps({"prompt": "x" * 2**17}).encode()  # the harness allows 64 KiB
+  conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+  if chunked:  # no Content-Length: the server finds out while reading
+    conn.request("POST", CMPL, body=iter([body[:2**15], body[2**15:]]),
+                 headers={"Content-Type": "application/json"}, encode_chunked=True)
+  else:
+    conn.request("POST", CMPL, body=body, headers={"Content-Type": "application/json"})
+  r = conn.getresponse()
+  data = r.read()
+  assert r.status == 413 and r.getheader("connection") == "close"
+  assert "larger than this server's limit of 65536 bytes" in json.loads(data)["error"][
+      "message"]
+  conn.close()
+  _Conn(server.port).normal_request_succeeds()
+
+
 @pytest.mark.parametrize("path,body", [
     (CMPL, dict(prompt=[65], max_tokens=2)),  # one token id is a valid prompt
     (CMPL, dict(prompt=[[65, 66]], max_tokens=2)),
