@@ -145,3 +145,17 @@ def test_past_the_waiting_limit_is_503_then_serving_goes_on(server):
   assert m["paged_jax_kv_cache_blocks_total"] == NUM_BLOCKS
   r = server.client.completions.create(model="tiny", prompt="after", max_tokens=3)
   assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streamed_samples_with_usage_match_the_whole_answer(server):
+  kw = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            n=2, temperature=1, seed=3, extra_body={"ignore_eos": True})
+  whole = server.client.chat.completions.create(**kw)
+  chunks = list(server.client.chat.completions.create(
+      **kw, stream=True, stream_options={"include_usage": True}))
+  assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+  for i in range(2):
+    text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1]
+                   if c.choices[0].index == i)
+    assert text == whole.choices[i].message.content  # the same seed, the same samples
+  assert whole.usage.completion_tokens == 8

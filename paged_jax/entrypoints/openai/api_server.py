@@ -217,7 +217,7 @@ def make_app(loop: EngineLoop, tokenizer: Tokenizer, *, model_name: str,
     loop.submit(request, lambda d: aloop.call_soon_threadsafe(events.put_nowait, d))
     first = await _next(events, http, loop, rid)
     if first.error is not None:
-      return _error(500, protocol.error_body(first.error, 500, code="internal_error"))
+      return _error(500, protocol.error_body(first.error, 500, code=_code(loop)))
     if first.output is not None and first.output.rejected:
       return _error(400, protocol.error_body(f"request rejected: {first.output.rejected}",
                                              400, code="request_rejected"))
@@ -233,7 +233,7 @@ def make_app(loop: EngineLoop, tokenizer: Tokenizer, *, model_name: str,
       if final.output is None and final.error is None:  # cancelled: the client left
         loop.abort(rid)
     if final.error is not None:
-      return _error(500, protocol.error_body(final.error, 500, code="internal_error"))
+      return _error(500, protocol.error_body(final.error, 500, code=_code(loop)))
     try:
       return JSONResponse(reply.whole(final))
     except Exception:  # pylint: disable=broad-except  # this request alone
@@ -282,8 +282,7 @@ async def _sse(reply: "_Reply", first: TextDelta, events, http, loop: EngineLoop
         yield reply.usage_chunk(d)
       yield "data: [DONE]\n\n"
     else:
-      yield _event({"error": protocol.error_body(d.error, 500,
-                                                 code="internal_error")["error"]})
+      yield _event({"error": protocol.error_body(d.error, 500, code=_code(loop))["error"]})
   except Exception:  # pylint: disable=broad-except  # this request alone
     traceback.print_exc(file=sys.stderr)
     yield _event({"error": protocol.error_body(INTERNAL_ERROR, 500,
@@ -291,6 +290,11 @@ async def _sse(reply: "_Reply", first: TextDelta, events, http, loop: EngineLoop
   finally:
     if not done:  # the client went away, or this request failed: free it
       loop.abort(rid)
+
+
+def _code(loop: EngineLoop) -> str:
+  """The error code of a request that failed: its own failure, or the engine's."""
+  return "internal_error" if loop.alive else "engine_failed"
 
 
 def _event(obj) -> str:

@@ -66,3 +66,12 @@ def test_stop_ids_is_the_one_rule():
   assert SamplingParams(eos_token_ids=(5,), stop_token_ids=(7,)).stop_ids((2,)) == {5, 7}
   assert SamplingParams(ignore_eos=True, stop_token_ids=(7,)).stop_ids((2,)) == {7}
   assert SamplingParams(ignore_eos=True).stop_ids((2,)) == frozenset()
+
+
+def test_request_fields():
+  from paged_jax.serving.requests import Request  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match="request_id must be hashable, got a list"):
+    Request([1], [3, 4])
+  with pytest.raises(ValueError, match="params must be a SamplingParams, got a dict"):
+    Request("a", [3, 4], {"max_new_tokens": 4})
+  assert Request("a", [3], cache_salt=7).cache_salt == 7  # the engine rejects it

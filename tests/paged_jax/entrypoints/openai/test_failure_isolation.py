@@ -3,7 +3,7 @@ serving one request fails it alone (an error event ends its stream, never
 `[DONE]`; 500 with a JSON body when not streamed) while the requests beside
 it are served and `/health` stays 200. An engine fault (a step raises) marks
 the server unhealthy, ends every request in flight with an error and calls
-`on_fatal` (the server then exits for a supervisor)."""
+`on_fatal`; `api_server.main` then returns 1, for a supervisor to restart it."""
 
 from __future__ import annotations
 
@@ -161,7 +161,8 @@ def test_an_engine_fault_marks_the_server_unhealthy_and_ends_every_request(model
     streamed, (status, body) = _run_side_by_side(
         s, lambda c, u: _stream(c, u, "streamed", 30), whole)
     assert "[DONE]" not in streamed
-    assert "engine failed" in json.loads(streamed[-1])["error"]["message"]
+    err = json.loads(streamed[-1])["error"]
+    assert "engine failed" in err["message"] and err["code"] == "engine_failed"
     assert status == 500 and "engine failed" in body["error"]["message"]
     assert s.fatal.wait(timeout=30)
     health = httpx.get(s.url + "/health")
@@ -170,3 +171,58 @@ def test_an_engine_fault_marks_the_server_unhealthy_and_ends_every_request(model
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
   finally:
     s.close()
+
+
+def test_an_engine_fault_makes_main_exit_1_for_a_supervisor(model, monkeypatch):
+  import threading  # pylint: disable=import-outside-toplevel
+
+  import prometheus_client as prom  # pylint: disable=import-outside-toplevel
+
+  from paged_jax.entrypoints.openai import api_server  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving import Engine, EngineConfig  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving.tokenizer import ByteTokenizer  # pylint: disable=import-outside-toplevel
+  from tests.paged_jax.entrypoints.openai import server_harness  # pylint: disable=import-outside-toplevel
+
+  engine = Engine(model, EngineConfig(**server_harness.CONFIG))
+  engine.warmup()
+  step, calls = engine.step, [0]
+
+  def faulty_step():
+    calls[0] += 1
+    if calls[0] == 4:
+      raise Injected("injected engine fault")
+    return step()
+
+  engine.step = faulty_step
+  tok, registry = ByteTokenizer(), prom.CollectorRegistry()
+  loop = api_server.EngineLoop(engine, tok, registry)
+  app = api_server.make_app(loop, tok, model_name="tiny", registry=registry, max_waiting=8)
+  monkeypatch.setattr(api_server, "build", lambda args: (loop, app))
+  port, got = server_harness.free_port(), {}
+
+  def client():
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):  # until the server is up (bounded)
+      try:
+        if httpx.get(url + "/health").status_code == 200:
+          break
+      except httpx.HTTPError:
+        pass
+      threading.Event().wait(0.05)
+    with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+        "prompt": "x", "max_tokens": 30, "ignore_eos": True, "stream": True}) as r:
+      got["events"] = sse_events(r.iter_lines())
+
+  thread = threading.Thread(target=client, daemon=True)
+  thread.start()
+  # Bounded: should the fault never come, a watchdog ends the server (and the test fails).
+  watchdog = threading.Timer(120, lambda: loop._fail("test watchdog"))  # pylint: disable=protected-access
+  watchdog.start()
+  try:
+    assert api_server.main(["--port", str(port)]) == 1
+  finally:
+    watchdog.cancel()
+  thread.join(timeout=30)
+  assert calls[0] >= 4, "the watchdog ended the server, not the fault"
+  assert "[DONE]" not in got["events"]
+  assert json.loads(got["events"][-1])["error"]["code"] == "engine_failed"
