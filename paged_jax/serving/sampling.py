@@ -78,10 +78,16 @@ class SamplingParams:
       self._set(name, _int(name, getattr(self, name), lo, INT32_MAX))
     for name in ("temperature", "top_p", "length_penalty"):
       self._set(name, _real(name, getattr(self, name)))
+    # Both are float32 on the device: finite there, and top_p not rounded to 0.
     if not (math.isfinite(self.temperature) and self.temperature >= 0):
       raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
+    if self.temperature > FLOAT32_MAX:
+      raise ValueError(f"temperature must be <= {FLOAT32_MAX:.4g} (float32), got "
+                       f"{self.temperature!r}")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+    if np.float32(self.top_p) == 0:
+      raise ValueError(f"top_p must be in (0, 1] in float32, got {self.top_p!r}")
     if not math.isfinite(self.length_penalty):
       raise ValueError(f"length_penalty must be finite, got {self.length_penalty!r}")
     if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) \
@@ -126,6 +132,7 @@ class SamplingParams:
     return max(self.n, self.beam_width)
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 _REPR = reprlib.Repr()  # (keyword arguments only from Python 3.12)
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 2, 40, 40, 40
 

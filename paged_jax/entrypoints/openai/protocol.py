@@ -27,6 +27,7 @@ passed both, and `SamplingParams` checks again what the engine can hold.
 from __future__ import annotations
 
 import json
+import re
 import reprlib
 from typing import Any, Literal
 
@@ -34,7 +35,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paged_jax._int32 import INT32_MAX
-from paged_jax.serving.sampling import SamplingParams
+from paged_jax.serving.sampling import FLOAT32_MAX, SamplingParams
 
 MAX_STOP_STRINGS = 16  # stop strings per request (each one is searched per delta)
 
@@ -186,8 +187,8 @@ class _SamplingRequest(_Strict):
 
   model: str | None = None
   max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
-  temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
-  top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+  temperature: float | None = Field(None, ge=0, le=FLOAT32_MAX, allow_inf_nan=False)
+  top_p: float | None = Field(None, ge=1e-30, le=1, allow_inf_nan=False)
   top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # vLLM: -1 or 0 keeps all
   n: int | None = Field(None, ge=1, le=INT32_MAX)
   seed: int | None = Int32
@@ -326,10 +327,20 @@ def _constant(name):
   raise _NotJSON(f"{name} is not a JSON number")
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def parse_json(body: bytes):
-  """The JSON value of a request body (strict: no NaN or Infinity)."""
+  """The JSON value of a request body (strict: no NaN or Infinity, no string
+  that is not Unicode text, i.e. a lone surrogate escape like "\\ud800")."""
   try:
-    return json.loads(body.decode("utf-8"), parse_constant=_constant)
+    value = json.loads(body.decode("utf-8"), parse_constant=_constant)
+    if _SURROGATE_ESCAPE.search(body):  # a pair is fine; a lone one is no text
+      json.dumps(value, ensure_ascii=False).encode("utf-8")
+    return value
+  except UnicodeEncodeError:
+    raise RequestError("the body holds a string that is not Unicode text (a lone "
+                       "surrogate escape)", code="invalid_json") from None
   except UnicodeDecodeError:
     raise RequestError("the body is not UTF-8", code="invalid_json") from None
   except RecursionError:
@@ -338,6 +349,9 @@ def parse_json(body: bytes):
     raise RequestError(f"the body is not valid JSON: {e}", code="invalid_json") from None
   except json.JSONDecodeError as e:
     raise RequestError(f"the body is not valid JSON: {e.msg} at position {e.pos}",
+                       code="invalid_json") from None
+  except ValueError:  # an integer of more than 4300 digits (Python's limit)
+    raise RequestError("the body is not valid JSON here: a number has too many digits",
                        code="invalid_json") from None
 
 
@@ -395,7 +409,8 @@ def _error(err: dict) -> RequestError:
   if kind in bounds:
     limit = next(iter(ctx.values()))
     limit = ("2**31 - 1" if limit == INT32_MAX else
-             int(limit) if isinstance(limit, float) and limit.is_integer() else limit)
+             int(limit) if isinstance(limit, float) and limit.is_integer()
+             and abs(limit) < 1e15 else limit)
     return RequestError(f"{param} must be {bounds[kind]} {limit}{given}", param)
   if kind == "finite_number":
     return RequestError(f"{param} must be a finite number{given}", param)

@@ -34,6 +34,8 @@ DEEP = json.loads("[" * 500 + "]" * 500)
     (dict(temperature="1"), "temperature must be a real number, got '1'"),
     (dict(temperature=float("inf")), "temperature must be >= 0 and finite, got inf"),
     (dict(top_p=float("nan")), r"top_p must be in \(0, 1\], got nan"),
+    (dict(top_p=1e-46), r"top_p must be in \(0, 1\] in float32, got 1e-46"),
+    (dict(temperature=1e39), r"temperature must be <= 3.403e\+38 \(float32\), got 1e\+39"),
     (dict(length_penalty=float("inf")), "length_penalty must be finite, got inf"),
     (dict(seed=2**70), r"seed must be an int in \[0, 2\*\*31\), got 1180591620717411303424"),
     (dict(seed=1.0), r"seed must be an int in \[0, 2\*\*31\), got 1.0"),
@@ -75,3 +77,37 @@ def test_request_fields():
   with pytest.raises(ValueError, match="params must be a SamplingParams, got a dict"):
     Request("a", [3, 4], {"max_new_tokens": 4})
   assert Request("a", [3], cache_salt=7).cache_salt == 7  # the engine rejects it
+
+
+def _values():
+  from hypothesis import strategies as st  # pylint: disable=import-outside-toplevel
+  scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                      st.floats(), st.text(max_size=3))
+  return st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                       st.tuples(inner)), max_leaves=4)
+
+
+def test_any_value_is_refused_with_a_value_error_or_fits_the_engine():
+  hypothesis = pytest.importorskip("hypothesis")
+  from hypothesis import strategies as st  # pylint: disable=import-outside-toplevel
+  names = ["max_new_tokens", "temperature", "top_k", "top_p", "seed", "n", "beam_width",
+           "eos_token_ids", "length_penalty", "stop_token_ids", "min_tokens", "stop",
+           "ignore_eos"]
+
+  @hypothesis.settings(max_examples=300, deadline=None, derandomize=True)
+  @hypothesis.given(st.dictionaries(st.sampled_from(names), _values(), max_size=4))
+  def check(kw):
+    try:
+      p = SamplingParams(**kw)
+    except ValueError:
+      return
+    for name in ("max_new_tokens", "top_k", "n", "beam_width", "min_tokens"):
+      assert type(getattr(p, name)) is int and 0 <= getattr(p, name) < 2**31
+    assert 0 <= p.seed and p.seed + p.num_seqs - 1 < 2**31
+    for ids in (p.eos_token_ids, p.stop_token_ids):
+      assert type(ids) is tuple and all(type(t) is int and -2**31 <= t < 2**31 for t in ids)
+    assert all(type(s) is str and s for s in p.stop) and type(p.ignore_eos) is bool
+    assert all(np.isfinite(np.float32([p.temperature, p.top_p]))) and np.float32(p.top_p) > 0
+    assert np.isfinite(p.length_penalty)
+
+  check()  # pylint: disable=no-value-for-parameter

@@ -61,6 +61,14 @@ CASES = [
      "-Infinity is not a JSON number", None),
     ("min_tokens NaN", CMPL, _raw('{"prompt":"hi","min_tokens":NaN}'), 400,
      "NaN is not a JSON number", None),
+    ("an integer of 5,000 digits", CMPL, _raw('{"prompt":"hi","n":1' + "0" * 5000 + "}"),
+     400, "a number has too many digits", None),
+    ("temperature 1e400", CMPL, _raw('{"prompt":"hi","temperature":1e400}'), 400,
+     "temperature must be a finite number, got inf", "temperature"),
+    ("a lone surrogate", CMPL, _raw('{"prompt":"hi \\ud800"}'), 400,
+     "a string that is not Unicode text", None),
+    ("a lone surrogate salt", CMPL, _raw('{"prompt":"hi","cache_salt":"\\uDFFF"}'), 400,
+     "a string that is not Unicode text", None),
     ("nested 10,000 deep", CMPL, _raw("[" * 10000 + "]" * 10000), 400,
      "the body is nested too deeply", None),
     ("a field nested 10,000 deep", CMPL, _raw('{"prompt":"hi","stop":' + "[" * 10000
@@ -89,7 +97,12 @@ CASES = [
      "temperature must be >= 0, got -1", "temperature"),
     ("temperature a string", CMPL, dict(prompt="hi", temperature="hot"), 400,
      'temperature must be a number, got "hot"', "temperature"),
-    ("top_p 0", CMPL, dict(prompt="hi", top_p=0), 400, "top_p must be > 0, got 0", "top_p"),
+    ("top_p 0", CMPL, dict(prompt="hi", top_p=0), 400, "top_p must be >= 1e-30, got 0",
+     "top_p"),
+    ("top_p 1e-300", CMPL, dict(prompt="hi", top_p=1e-300), 400,
+     "top_p must be >= 1e-30, got 1e-300", "top_p"),
+    ("temperature 1e300", CMPL, dict(prompt="hi", temperature=1e300), 400,
+     r"temperature must be <= 3.4028234663852886e\+38, got 1e\+300", "temperature"),
     ("top_p 1.5", CMPL, dict(prompt="hi", top_p=1.5), 400, "top_p must be <= 1, got 1.5",
      "top_p"),
     ("top_k -2", CMPL, dict(prompt="hi", top_k=-2), 400, "top_k must be >= -1, got -2",
@@ -302,6 +315,7 @@ def test_a_body_past_the_limit_is_413_and_closes_the_connection(server, chunked)
 
 @pytest.mark.parametrize("path,body", [
     (CMPL, dict(prompt=[65], max_tokens=2)),  # one token id is a valid prompt
+    (CMPL, dict(prompt="a \U0001F600 pair of surrogates", max_tokens=2)),
     (CMPL, dict(prompt=[[65, 66]], max_tokens=2)),
     (CMPL, dict(prompt=["hi"], max_tokens=2, top_k=-1, presence_penalty=0,
                 frequency_penalty=0, logit_bias={}, user="u", model="tiny")),
