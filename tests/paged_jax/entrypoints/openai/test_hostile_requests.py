@@ -385,15 +385,40 @@ _JSON = st.recursive(_SCALARS, lambda inner: st.one_of(
     st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=2)),
                      max_leaves=6)
 _VALUE = st.one_of(_INTS, _JSON, st.lists(_INTS, max_size=3))
+# Plausible values, so that about half the generated requests are served.
+_VALID = {
+    "max_tokens": st.integers(1, 4), "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.05, 1), "top_k": st.integers(-1, 600), "n": st.integers(1, 4),
+    "seed": st.integers(0, 2**31 - 5), "min_tokens": st.integers(0, 1),
+    "stop": st.one_of(st.text(min_size=1, max_size=2),
+                      st.lists(st.text(min_size=1, max_size=2), max_size=3)),
+    "stop_token_ids": st.lists(st.integers(0, 600), max_size=3),
+    "ignore_eos": st.booleans(), "cache_salt": st.text(min_size=1, max_size=4),
+    "stream": st.booleans(), "logprobs": st.just(0), "echo": st.booleans(),
+    "best_of": st.integers(1, 4), "user": st.text(max_size=4), "model": st.just("tiny"),
+    "logit_bias": st.just({}), "presence_penalty": st.just(0),
+}
+
+
+def _mostly(valid):
+  """`valid` four times in five, else any JSON value."""
+  return st.integers(0, 4).flatmap(lambda i: valid if i else _VALUE)
+
+
+_BODIES = st.sets(st.sampled_from(_FIELDS), max_size=5).flatmap(
+    lambda keys: st.fixed_dictionaries(
+        {k: _mostly(_VALID[k]) if k in _VALID else _VALUE
+         for k in sorted(keys)}))
 
 
 @hypothesis.settings(max_examples=60, deadline=None, derandomize=True,
                      suppress_health_check=list(hypothesis.HealthCheck))
-@hypothesis.given(body=st.dictionaries(st.sampled_from(_FIELDS), _VALUE, max_size=5),
-                  chat=st.booleans())
+@hypothesis.given(body=_BODIES, chat=st.booleans())
 def test_generated_requests_never_harm_the_server(server, body, chat):
   if chat:
     body = {"messages": MSG, **{k: v for k, v in body.items() if k != "prompt"}}
+  else:
+    body.setdefault("prompt", "hi")  # (a missing prompt is in the table)
   if body.get("max_tokens") is None or isinstance(body.get("max_tokens"), int):
     body.setdefault("max_tokens", 2)  # keep each served request short
   conn = _Conn(server.port)
