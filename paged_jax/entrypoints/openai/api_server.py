@@ -48,6 +48,7 @@ import uuid
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import (JSONResponse, PlainTextResponse, Response,
                                StreamingResponse)
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from paged_jax.entrypoints import generate as gen
 from paged_jax.entrypoints import workload
 from paged_jax.entrypoints.openai import protocol
@@ -142,6 +143,14 @@ def make_app(loop: EngineLoop, tokenizer: Tokenizer, *, model_name: str,
 
   app = FastAPI(title="paged-jax")
   app.add_middleware(_CatchAll)
+
+  @app.exception_handler(StarletteHTTPException)
+  async def http_error(http: HTTPRequest, e: StarletteHTTPException):
+    """Starlette's own errors (an unknown path, a wrong method) in OpenAI's shape."""
+    message = f"{http.method} {http.url.path}: {e.detail}"
+    return _error(e.status_code, protocol.error_body(message, e.status_code,
+                                                     code=str(e.detail).lower().replace(" ", "_")),
+                  headers=e.headers)
   created = int(time.time())
   engine = loop.engine
 

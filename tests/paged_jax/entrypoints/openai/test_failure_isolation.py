@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import pytest
 
@@ -18,6 +19,12 @@ pytest.importorskip("openai")
 pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
 
+import prometheus_client as prom  # noqa: E402
+
+from paged_jax.entrypoints.openai import api_server  # noqa: E402
+from paged_jax.serving import Engine, EngineConfig  # noqa: E402
+from paged_jax.serving.tokenizer import ByteTokenizer  # noqa: E402
+from tests.paged_jax.entrypoints.openai import server_harness  # noqa: E402
 from tests.paged_jax.entrypoints.openai.server_harness import (  # noqa: E402
     NUM_BLOCKS, Server, sse_events)
 from tests.paged_jax.entrypoints.openai.test_hostile_requests import _Conn  # noqa: E402
@@ -174,15 +181,6 @@ def test_an_engine_fault_marks_the_server_unhealthy_and_ends_every_request(model
 
 
 def test_an_engine_fault_makes_main_exit_1_for_a_supervisor(model, monkeypatch):
-  import threading  # pylint: disable=import-outside-toplevel
-
-  import prometheus_client as prom  # pylint: disable=import-outside-toplevel
-
-  from paged_jax.entrypoints.openai import api_server  # pylint: disable=import-outside-toplevel
-  from paged_jax.serving import Engine, EngineConfig  # pylint: disable=import-outside-toplevel
-  from paged_jax.serving.tokenizer import ByteTokenizer  # pylint: disable=import-outside-toplevel
-  from tests.paged_jax.entrypoints.openai import server_harness  # pylint: disable=import-outside-toplevel
-
   engine = Engine(model, EngineConfig(**server_harness.CONFIG))
   engine.warmup()
   step, calls = engine.step, [0]

@@ -295,6 +295,16 @@ def test_hostile_requests_table(server):
   assert int(server.loop.engine.block_state.num_free) == NUM_BLOCKS
 
 
+def test_an_unknown_path_or_method_is_an_openai_error(server):
+  conn = _Conn(server.port)
+  for method, path, status, match in (("POST", "/v1/embeddings", 404, "Not Found"),
+                                      ("GET", CMPL, 405, "Method Not Allowed")):
+    r, data = conn.request(method, path, b"{}" if method == "POST" else None)
+    err = json.loads(data)["error"]
+    assert r.status == status and err["message"] == f"{method} {path}: {match}"
+  conn.normal_request_succeeds()
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_a_body_past_the_limit_is_413_and_closes_the_connection(server, chunked):
   body = json.dumps({"prompt": "x" * 2**17}).encode()  # the harness allows 64 KiB
