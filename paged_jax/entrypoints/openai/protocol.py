@@ -226,10 +226,6 @@ class _SamplingRequest(_Strict):
     for name, (neutral, why) in _NEUTRAL.items():
       if name in type(self).model_fields and not neutral(getattr(self, name)):
         raise RequestError(why, name, code="unsupported_parameter")
-    if self.min_tokens and self.requested_max_tokens is not None \
-        and self.min_tokens > self.requested_max_tokens:
-      raise RequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
-                         f"({self.requested_max_tokens})", "min_tokens")
     if self.seed is not None and self.seed + self.num_seqs - 1 > INT32_MAX:
       raise RequestError(f"seed + {self.num_seqs - 1} must be < 2**31 (sample i uses "
                          f"seed + i), got seed {self.seed}", "seed")
@@ -455,7 +451,7 @@ def check_limits(req: _SamplingRequest, *, prompt_len: int, max_model_len: int,
                        f"tokens; the prompt has {prompt_len} and {name} asks for "
                        f"{max_tokens} more ({prompt_len + max_tokens})", name,
                        code="context_length_exceeded")
-  if req.min_tokens and req.min_tokens > max_tokens:
+  if req.min_tokens and req.min_tokens > max_tokens:  # (the default one too)
     raise RequestError(f"min_tokens ({req.min_tokens}) must be <= max_tokens "
                        f"({max_tokens})", "min_tokens")
   if req.num_seqs > max_seqs:

@@ -109,6 +109,8 @@ CASES = [
      "top_k"),
     ("min_tokens past max_tokens", CMPL, dict(prompt="hi", max_tokens=2, min_tokens=5), 400,
      r"min_tokens \(5\) must be <= max_tokens \(2\)", "min_tokens"),
+    ("min_tokens past the default max_tokens", CMPL, dict(prompt="hi", min_tokens=9), 400,
+     r"min_tokens \(9\) must be <= max_tokens \(8\)", "min_tokens"),
     ("stream a string", CMPL, dict(prompt="hi", stream="yes"), 400,
      'stream must be a boolean, got "yes"', "stream"),
     ("stream_options without stream", CMPL,
