@@ -38,6 +38,7 @@ from paged_jax._int32 import INT32_MAX
 from paged_jax.serving.sampling import FLOAT32_MAX, SamplingParams
 
 MAX_STOP_STRINGS = 16  # stop strings per request (each one is searched per delta)
+MAX_SALT_CHARS = 1024  # the salt is hashed into every block's prefix hash
 
 
 class RequestError(Exception):
@@ -196,7 +197,7 @@ class _SamplingRequest(_Strict):
   stop_token_ids: list[TokenId] | None = None
   min_tokens: int | None = Int32
   ignore_eos: bool | None = False
-  cache_salt: str | None = Field(None, min_length=1)
+  cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
   stream: bool | None = False
   stream_options: StreamOptions | None = None
   user: str | None = None  # metadata: accepted, unused
@@ -412,6 +413,10 @@ def _error(err: dict) -> RequestError:
     return RequestError(f"{param} must be a finite number{given}", param)
   if kind in ("too_short", "string_too_short"):
     return RequestError(f"{param} must not be empty", param)
+  if kind in ("too_long", "string_too_long"):
+    limit = ctx.get("max_length")
+    unit = "characters" if kind == "string_too_long" else "items"
+    return RequestError(f"{param} must hold at most {limit} {unit}", param)
   if kind == "literal_error":
     return RequestError(f"{param} must be one of {ctx.get('expected')}{given}", param)
   if kind == "value_error":

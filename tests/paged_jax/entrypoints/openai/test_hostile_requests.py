@@ -127,6 +127,8 @@ CASES = [
      "stop must hold at most 16 strings, got 17", "stop"),
     ("cache_salt a number", CMPL, dict(prompt="hi", cache_salt=7), 400,
      "cache_salt must be a string, got 7", "cache_salt"),
+    ("cache_salt too long", CMPL, dict(prompt="hi", cache_salt="s" * 1025), 400,
+     "cache_salt must hold at most 1024 characters", "cache_salt"),
     ("cache_salt empty", CMPL, dict(prompt="hi", cache_salt=""), 400,
      "cache_salt must not be empty", "cache_salt"),
     # Prompts.
