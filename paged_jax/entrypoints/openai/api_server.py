@@ -221,6 +221,8 @@ def make_app(loop: EngineLoop, tokenizer: Tokenizer, *, model_name: str,
     except RequestError as e:
       return _error(e.status, e.body())
     rid = request.request_id
+    # Before the engine has it, so that an error here leaves nothing running.
+    reply = _Reply(req, chat, rid, model_name, tokenizer, prompt_text, prompt)
     events: asyncio.Queue = asyncio.Queue()
     aloop = asyncio.get_running_loop()
     loop.submit(request, lambda d: aloop.call_soon_threadsafe(events.put_nowait, d))
@@ -230,7 +232,6 @@ def make_app(loop: EngineLoop, tokenizer: Tokenizer, *, model_name: str,
     if first.output is not None and first.output.rejected:
       return _error(400, protocol.error_body(f"request rejected: {first.output.rejected}",
                                              400, code="request_rejected"))
-    reply = _Reply(req, chat, rid, model_name, tokenizer, prompt_text, prompt)
     if req.stream:
       return StreamingResponse(_sse(reply, first, events, http, loop),
                                media_type="text/event-stream")
