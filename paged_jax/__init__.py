@@ -2,7 +2,8 @@
 
 Public API:
   * block manager (`paged_jax.block_manager`): `BlockState`, `Reservation`,
-    `init`, `reserve`, `release`, `fork`, `slot_mapping`, `gather_tables`,
+    `init`, `reserve`, `release`, `fork`, `truncate` (speculative
+    decoding's rollback), `slot_mapping`, `gather_tables`,
     `check_invariants`, `usage`, `NULL_BLOCK`; prefix caching: `register`,
     `share`, `cached_blocks`;
   * prefix-cache index (`import paged_jax.prefix_cache`): `PrefixIndex`,
