@@ -59,6 +59,15 @@ block, and allocation clears `cacheable` for every block it hands out, so a
 block named by the host's index holds exactly the tokens it was hashed from
 until `reserve` reports it evicted (`Reservation.evicted`).
 
+Speculative decoding is a transaction on this state: a verification step
+reserves `1 + k` slots per sequence (`reserve`: its last sampled token and
+`k` draft tokens), and once `a` drafts are accepted rolls back to what it
+keeps (`truncate`, to `L + 1 + a`). The rollback gives back the blocks past
+the accepted length, never one that a fork or the prefix cache still holds,
+and leaves copy-on-write exactly as before; truncating in the same step as
+the verification, before the next `register`, keeps draft tokens out of the
+prefix cache (see `truncate`; the verifiers are in `paged_jax.speculative`).
+
 Operations are vectorised over the batch: each touches the listed sequences'
 table rows and at most `max_blocks_per_seq` blocks per sequence, with one
 scatter per pool-sized array, so the cost is O(batch x max_blocks_per_seq)

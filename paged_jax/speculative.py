@@ -24,7 +24,8 @@ cached. The emitted token `a + 1` is not cached yet: it is next step's `t`.
   samples. A deterministic draft (the n-gram proposer) is `q` one-hot:
   `draft_probs=None`.
 * `ngram_propose`: prompt lookup (vLLM's `"method": "ngram"`, with its
-  `prompt_lookup_min` / `prompt_lookup_max`).
+  `prompt_lookup_min` / `prompt_lookup_max`); `SpeculativeConfig` reads
+  vLLM's `--speculative-config` JSON for it.
 
 All three are pure, jittable and batched; ragged batches pass `num_draft`
 per row, padding rows `num_draft = 0`.
@@ -38,6 +39,9 @@ Example:
 """
 
 from __future__ import annotations
+
+import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -296,3 +300,91 @@ def ngram_propose(tokens, lens, *, num_speculative_tokens: int,
   count = jnp.where(best >= n_min, jnp.maximum(count, 0), 0)
   draft = tokens[rows[:, None], jnp.clip(start[:, None] + cols, 0, t - 1)]
   return jnp.where(cols < count[:, None], draft, NO_TOKEN), count
+
+
+METHODS = ("ngram",)  # vLLM's names; "draft_model", "eagle": not yet
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+  """vLLM's `--speculative-config`, for the methods implemented here.
+
+  `{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": ...,
+  "prompt_lookup_min": ...}`. As in vLLM, the n-gram bounds default to 5 and
+  5 when both are left out, and one given alone sets the other.
+
+  Attributes:
+    method: one of `METHODS`.
+    num_speculative_tokens: drafts per sequence and step, `k >= 1`.
+    prompt_lookup_min: shortest n-gram to match (`>= 1`).
+    prompt_lookup_max: longest n-gram to match (`>= prompt_lookup_min`).
+
+  Raises:
+    ValueError: naming the field: an unknown method (the supported ones
+      listed), a count that is not a positive int, `prompt_lookup_max <
+      prompt_lookup_min`.
+
+  Example:
+    >>> config = SpeculativeConfig.from_json(
+    ...     '{"method": "ngram", "num_speculative_tokens": 3, '
+    ...     '"prompt_lookup_max": 4}')
+    >>> config.prompt_lookup_min, config.prompt_lookup_max
+    (4, 4)
+  """
+
+  num_speculative_tokens: int
+  method: str = "ngram"
+  prompt_lookup_min: int | None = None
+  prompt_lookup_max: int | None = None
+
+  def __post_init__(self):
+    if self.method not in METHODS:
+      raise ValueError(f"method={self.method!r} is not supported; supported: "
+                       f"{', '.join(METHODS)}")
+    set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731
+    set_("num_speculative_tokens", _int32.positive_int(
+        "num_speculative_tokens", self.num_speculative_tokens))
+    lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+    if lo is None and hi is None:
+      lo = hi = 5
+    lo = hi if lo is None else lo
+    hi = lo if hi is None else hi
+    set_("prompt_lookup_min", _int32.positive_int("prompt_lookup_min", lo))
+    set_("prompt_lookup_max", _int32.positive_int("prompt_lookup_max", hi))
+    if self.prompt_lookup_max < self.prompt_lookup_min:
+      raise ValueError(f"prompt_lookup_max={self.prompt_lookup_max} must be >= "
+                       f"prompt_lookup_min={self.prompt_lookup_min}")
+
+  @classmethod
+  def from_json(cls, config) -> SpeculativeConfig:
+    """From the JSON text of `--speculative-config` (or its parsed dict).
+
+    Raises:
+      ValueError: if the text is not a JSON object, names a key this config
+        does not have, or a field is invalid (see the class).
+    """
+    if isinstance(config, str):
+      try:
+        config = json.loads(config)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"speculative config is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+      raise ValueError(f"speculative config must be a JSON object, got "
+                       f"{type(config).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(config) - names)
+    if unknown:
+      raise ValueError(f"unknown speculative config keys {unknown}; known: "
+                       f"{sorted(names)}")
+    if "num_speculative_tokens" not in config:
+      raise ValueError("speculative config needs num_speculative_tokens")
+    return cls(**config)
+
+  def propose(self, tokens, lens, max_len=None) -> tuple[jax.Array, jax.Array]:
+    """This config's proposer (`ngram_propose`) on `tokens` `int[B, T]`,
+    `lens` `int[B]`: `(draft i32[B, k], num_draft i32[B])`."""
+    return ngram_propose(tokens, lens,
+                         num_speculative_tokens=self.num_speculative_tokens,
+                         prompt_lookup_min=self.prompt_lookup_min,
+                         prompt_lookup_max=self.prompt_lookup_max,
+                         max_len=max_len)

@@ -401,3 +401,47 @@ def test_ngram_argument_errors():
                      "got float64"):
     spec.ngram_propose(jnp.zeros((1, 4), jnp.int32), jnp.array([4]),
                        max_len=2.5, **args)
+
+
+# --- vLLM's --speculative-config. ---
+
+
+def test_speculative_config_from_vllm_json():
+  config = spec.SpeculativeConfig.from_json(
+      '{"method": "ngram", "num_speculative_tokens": 4, '
+      '"prompt_lookup_max": 3, "prompt_lookup_min": 2}')
+  assert (config.num_speculative_tokens, config.prompt_lookup_min,
+          config.prompt_lookup_max) == (4, 2, 3)
+  draft, n = config.propose(jnp.array([[1, 2, 3, 4, 2, 3]]), jnp.array([6]))
+  assert draft.tolist() == [[4, 2, 3, -1]] and n.tolist() == [3]
+  # vLLM's defaults: 5 and 5, or one bound given sets the other.
+  both = spec.SpeculativeConfig.from_json({"num_speculative_tokens": 2})
+  assert (both.method, both.prompt_lookup_min, both.prompt_lookup_max) == (
+      "ngram", 5, 5)
+  low = spec.SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=2)
+  assert (low.prompt_lookup_min, low.prompt_lookup_max) == (2, 2)
+
+
+@pytest.mark.parametrize("config, match", [
+    ('{"method": "draft_model", "num_speculative_tokens": 2}',
+     "method='draft_model' is not supported; supported: ngram"),
+    ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be a "
+     "positive int, got num_speculative_tokens=0"),
+    ('{"num_speculative_tokens": true}', "num_speculative_tokens must be a "
+     "positive int, got True"),
+    ('{"num_speculative_tokens": 2, "prompt_lookup_min": 4, '
+     '"prompt_lookup_max": 3}', "prompt_lookup_max=3 must be >= "
+     "prompt_lookup_min=4"),
+    ('{"num_speculative_tokens": 2, "prompt_lookup_min": -1}',
+     "prompt_lookup_min must be a positive int"),
+    ('{"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}',
+     r"unknown speculative config keys \['draft_tensor_parallel_size'\]; "
+     r"known: \['method', 'num_speculative_tokens', 'prompt_lookup_max', "
+     r"'prompt_lookup_min'\]"),
+    ('{"method": "ngram"}', "speculative config needs num_speculative_tokens"),
+    ("[2]", "speculative config must be a JSON object, got list"),
+    ("{ngram", "speculative config is not valid JSON"),
+])
+def test_speculative_config_errors(config, match):
+  with pytest.raises(ValueError, match=match):
+    spec.SpeculativeConfig.from_json(config)
