@@ -137,8 +137,11 @@ def rejection_sample(draft_tokens, draft_probs, target_probs, num_draft, keys
   drawn from `p_j` (as if `q_j` put its mass outside the vocabulary).
 
   `p` and `q` are the distributions the tokens are meant to follow, after
-  temperature, top-k and top-p (both models' filtered, normalised
-  probabilities); rows need not be normalised exactly.
+  temperature, top-k and top-p: both models' filtered probabilities,
+  normalised (the acceptance test compares their values; the draws
+  normalise for themselves). A one-hot `p` (a temperature-0 row) makes this
+  exactly `greedy_accept`, so a batch mixing greedy and sampled requests can
+  run this function alone.
 
   Args:
     draft_tokens: `int[B, K]` proposed tokens, drawn from `draft_probs`.
