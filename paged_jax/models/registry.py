@@ -39,9 +39,12 @@ class Family:
 
 
 def _no_sliding_window(d: dict, get: Getter, name: str):
-  if get("use_sliding_window", bool, False):
-    raise ValueError(f"config.json: {name} with use_sliding_window=true (a window "
-                     "on some layers only) is not supported")
+  """Qwen's sliding windows are per layer (`layer_types`); refused."""
+  layer_types = d.get("layer_types") or []
+  if get("use_sliding_window", bool, False) or any(
+      t != "full_attention" for t in layer_types):
+    raise ValueError(f"config.json: {name} with sliding-window layers "
+                     "(use_sliding_window / layer_types) is not supported")
 
 
 def _llama(d: dict, get: Getter) -> dict:
