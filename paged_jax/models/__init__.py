@@ -11,9 +11,10 @@ The API (every function returns a `ServingModel`, today always a
         Face-named tensors (`model.embed_tokens.weight`,
         `model.layers.0.self_attn.q_proj.weight` `[out, in]`, ...; NumPy
         arrays, float32 / bfloat16 / float16, or lazy ones with `shape`,
-        `dtype` and `__array__`, read once each). `dtype` ("float32", "bfloat16", "float16"): the parameter and
-        compute dtype, default the config's `torch_dtype` (or `dtype`), else
-        float32. `implementation`: the attention backend
+        `dtype` and `__array__`, read once each). `dtype` ("float32",
+        "bfloat16", "float16"): the parameter and compute dtype, default
+        the config's `torch_dtype` (or `dtype`), else float32.
+        `implementation`: the attention backend
         (`paged_jax.attention`). Every name, shape and dtype is checked
         against the config before anything is built.
 

@@ -291,8 +291,10 @@ def from_tensors(config: model_lib.LlamaConfig, tensors: Mapping[str, np.ndarray
 
   Args:
     config: the model's configuration.
-    tensors: `{Hugging Face name: array}` (NumPy, or anything with `shape`
-      and `dtype` that `np.asarray` takes, such as `safetensors_io.Tensor`), e.g. `model.layers.0.self_attn.q_proj.weight` `[out, in]`.
+    tensors: `{Hugging Face name: array}`, e.g.
+      `model.layers.0.self_attn.q_proj.weight` `[out, in]`: NumPy arrays, or
+      anything with `shape` and `dtype` that `np.asarray` takes (such as
+      `safetensors_io.Tensor`).
     implementation: attention backend passed to the model.
     where: optional `{name: file}` for error messages.
 

@@ -16,8 +16,9 @@ Hugging Face (`embed_tokens`, `layers.self_attn.q_proj`, ...) so that
 
 Layers are stacked, MaxText's scan_layers: `Llama.layers` is one
 `DecoderLayer` whose parameters carry a leading `[num_layers]` axis (drawn
-layer by layer from the seed, so a seed's weights did not change), and both forward paths run them with `jax.lax.scan`, so a
-step compiles one layer whatever the depth. The paged step carries the whole
+layer by layer from the seed, so a seed's weights did not change), and both
+forward paths run them with `jax.lax.scan`, so a step compiles one layer
+whatever the depth. The paged step carries the whole
 `KVCache` through the scan and updates layer `i`'s pages in place
 (`dynamic_update_slice` on the carry), so a donated cache stays one buffer.
 
