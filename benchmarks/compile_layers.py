@@ -42,7 +42,7 @@ ENGINE = dict(num_blocks=256, block_size=16, max_batch=16,
               max_tokens_per_step=256, max_model_len=2048)
 
 
-def child(num_layers: int) -> dict:
+def child(num_layers: int, warmup: bool = False) -> dict:
   """Measures one depth in this process (the package on `sys.path`)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -57,6 +57,12 @@ def child(num_layers: int) -> dict:
       model_lib.LlamaConfig(num_layers=num_layers, **SMOLLM2), seed=0)
   out = {"init_s": time.perf_counter() - t0}
   engine = Engine(model, EngineConfig(**ENGINE))
+  if warmup:  # every step shape, compiled concurrently as the engine does
+    t0, c0 = time.perf_counter(), time.process_time()
+    engine.warmup()
+    out["warmup"] = {"s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+                     "shapes": len(engine.config.buckets)}
+    return out
   for kind, decode_only in (("decode", True), ("mixed", False)):
     t0, c0 = time.perf_counter(), time.process_time()
     lowered = engine.lower_step(decode_only)
@@ -105,12 +111,14 @@ def main(argv=None):
                  help="source tree of the baseline package (layers in a loop)")
   p.add_argument("--layers", type=int, nargs="+", default=[2, 8, 30])
   p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--warmup", action="store_true",
+                 help="time the engine's whole warm-up (every step shape) instead")
   p.add_argument("--child", type=int, help=argparse_hidden())
   args = p.parse_args(argv)
   if args.child is not None:
     import paged_jax  # pylint: disable=import-outside-toplevel
     print("RESULT " + json.dumps({"package": paged_jax.__file__,
-                                  **child(args.child)}))
+                                  **child(args.child, args.warmup)}))
     return 0
   here = pathlib.Path(__file__).resolve().parents[1]
   codes = {"scan": here}
@@ -127,13 +135,20 @@ def main(argv=None):
         # Run as a script from elsewhere: `-m` would put the current
         # directory ahead of PYTHONPATH, and with it this tree's package.
         proc = subprocess.run(
-            [sys.executable, __file__, "--child", str(n)], cwd=here.parent,
+            [sys.executable, __file__, "--child", str(n)]
+            + ["--warmup"] * args.warmup, cwd=here.parent,
             env=env, capture_output=True, text=True, check=False)
         line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         if proc.returncode or not line:
           sys.exit(f"{code} at {n} layers failed:\n{proc.stderr[-3000:]}")
         res = json.loads(line[0][7:])
         assert res["package"].startswith(str(src)), (res["package"], src)
+        if args.warmup:
+          runs[code][n].append(res)
+          w = res["warmup"]
+          print(f"repeat {r} {code:4s} {n:2d} layers: warm-up of {w['shapes']} "
+                f"shapes {w['s']:.1f} s (CPU {w['cpu_s']:.1f} s)", flush=True)
+          continue
         runs[code][n].append(res)
         d, m = res["decode"], res["mixed"]
         print(f"repeat {r} {code:4s} {n:2d} layers: decode lower "
@@ -141,6 +156,23 @@ def main(argv=None):
               f"{d['compile_cpu_s']:.2f} s), mixed lower {m['lower_s']:.2f} s + "
               f"compile {m['compile_s']:.2f} s (CPU {m['compile_cpu_s']:.2f} s), "
               f"decode forward {res['decode_forward_ms']:.1f} ms", flush=True)
+
+  if args.warmup:
+    summary = {code: {n: {"warmup_s": statistics.median(x["warmup"]["s"] for x in rs),
+                          "warmup_cpu_s": statistics.median(
+                              x["warmup"]["cpu_s"] for x in rs),
+                          "shapes": rs[0]["warmup"]["shapes"]}
+                      for n, rs in per.items()} for code, per in runs.items()}
+    print(json.dumps(summary, indent=1))
+    path = common.write_json(args.out, "compile_layers_warmup", {
+        "model": "SmolLM2-135M shape, float32, random weights", "engine": ENGINE,
+        "layers": args.layers, "repeats": args.repeats,
+        "conditions": "engine.warmup() (all step shapes, compiled on a thread "
+                      "pool), fresh process each, loop and scan interleaved; "
+                      "2 CPU cores shared with other jobs",
+        "summary": summary, "runs": runs}, quick=args.quick)
+    print(f"wrote {path}")
+    return 0
 
   def med(rs, *keys):
     vals = []
