@@ -230,7 +230,9 @@ def _slots(model: nnx.Module) -> list[_Slot]:
 
 
 def _abstract(config, implementation):
-  return model_lib.Llama.abstract(config, implementation=implementation)
+  """The registered family's module for `config`, without weights."""
+  model_cls = registry.FAMILIES[config.architecture].model
+  return model_cls.abstract(config, implementation=implementation)
 
 
 def _set_nested(tree: dict, path: tuple, value):

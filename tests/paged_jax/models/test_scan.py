@@ -82,3 +82,20 @@ def test_cache_with_other_layer_count_is_refused():
   cache = models.tiny(0, num_layers=3).make_cache(BLOCKS, BS)
   with pytest.raises(ValueError, match="the KV cache has 3 layers, the model num_layers=2"):
     model.paged_forward(jnp.zeros(26, jnp.int32), _step(), cache)
+
+
+def test_a_seed_gives_the_weights_separate_layers_would():
+  """Stacking kept the seeded weights: layer i of the stack is the i-th
+  `DecoderLayer` drawn from the same `Rngs` after the embedding."""
+  from paged_jax.models.llama import model as model_lib  # pylint: disable=import-outside-toplevel
+  config = model_lib.LlamaConfig.tiny(num_layers=3)
+  stacked = model_lib.init_model(config, seed=7)
+  rngs = nnx.Rngs(7)
+  nnx.Embed(config.vocab_size, config.hidden_size, rngs=rngs,
+            embedding_init=nnx.initializers.normal(1.0))
+  for i in range(3):
+    layer = model_lib.DecoderLayer(config, implementation=None, rngs=rngs)
+    np.testing.assert_array_equal(stacked.layers.mlp.up_proj.kernel[...][i],
+                                  layer.mlp.up_proj.kernel[...])
+    np.testing.assert_array_equal(stacked.layers.self_attn.q_proj.kernel[...][i],
+                                  layer.self_attn.q_proj.kernel[...])
