@@ -19,8 +19,12 @@ Layers are stacked, MaxText's scan_layers: `Llama.layers` is one
 layer by layer from the seed, so a seed's weights did not change), and both
 forward paths run them with `jax.lax.scan`, so a step compiles one layer
 whatever the depth. The paged step carries the whole
-`KVCache` through the scan and updates layer `i`'s pages in place
-(`dynamic_update_slice` on the carry), so a donated cache stays one buffer.
+`KVCache` through the scan: layer `i` slices its pages out, writes this step's
+K/V into them (`flax_attention.write_and_attend`) and puts them back
+(`dynamic_update_slice` on the carry), so a donated cache stays one buffer
+(its arrays alias the outputs). The slice and the write-back copy one layer's
+pages per layer per step; a write into the 5-D cache at the traced layer
+index would avoid it (`benchmarks/RESULTS.md`, section 12).
 
 `Llama` implements `paged_jax.serving.ServingModel`:
 
