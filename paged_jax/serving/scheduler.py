@@ -10,22 +10,22 @@ The oldest running sequence (or beam group) is never preempted, and admission
 guarantees that any single request fits the pool alone, so every accepted
 request completes.
 
-Blocks have one source of truth, the block manager's pure functions. Each
-`Scheduler` holds a host mirror of its pool's `BlockState` (on the host CPU)
-and, before a step is dispatched, runs on it `step.bookkeeping` -- the very
-function the device step runs (release -> fork -> release -> reserve) -- with
-the very inputs the device will get (`_fit`). So the scheduler plans from
-exact answers: which reservations fit, how many blocks a release returns,
-where copy-on-write happens are all decided by `block_manager.reserve` /
-`release` / `fork`, never re-derived here. When the mirror refuses an entry,
-the scheduler takes back this step's admissions from that entry on, or
-preempts the newest running sequence (the entry itself when nothing newer is
-left), and runs the bookkeeping again; the device then grants exactly what
-the mirror granted (checked: a difference raises). Why a mirror rather than
-reading the device's state: the host must decide before it dispatches, and
-reading the device every step would stall the pipeline; the bookkeeping is
-deterministic and small (O(batch x blocks per sequence)), so running it twice
-is cheap and the two copies cannot drift.
+Blocks have one source of truth, the block manager's pure functions, which
+the device runs in every step (`step.bookkeeping`: register -> release ->
+fork -> release -> share -> reserve). Each `Scheduler` keeps an exact NumPy
+model of its pool (`host_pool.HostPool`, proven equal to `block_manager` by
+a model-based test) and, before a step is dispatched, applies to it the same
+bookkeeping with the very inputs the device will get (`_fit`). So the
+scheduler plans from exact answers -- which reservations fit, which blocks a
+hit or a registration names, what an allocation evicts -- without running or
+reading anything on the device: planning step N+1 never waits for step N.
+When the model refuses an entry, the scheduler rolls the trial back, takes
+back this step's admissions from that entry on or preempts the newest
+running sequence (the entry itself when nothing newer is left), and tries
+again. The device then grants exactly what the model granted; at resolve the
+step's `ok` masks and a fingerprint of the device's state
+(`step.state_fingerprint`) are checked against the model's (a difference
+raises).
 
 `Engine` drives one `Scheduler` per pool (one per data shard on a mesh); the
 device arrays live in the `Runner`.
@@ -34,43 +34,43 @@ device arrays live in the `Runner`.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
 
-import jax
 import numpy as np
 
 from paged_jax import block_manager as bm
 from paged_jax import prefix_cache
 from paged_jax.serving import beam as beam_lib
-from paged_jax.serving import compiler
 from paged_jax.serving import sampling as sampling_lib
 from paged_jax.serving import step as step_lib
 from paged_jax.serving.buckets import Bucket
+from paged_jax.serving.host_pool import HostPool
 from paged_jax.serving.requests import (PENDING, Completion, Group, Request,
                                         RequestDelta, RequestOutput, Seq)
 from paged_jax.serving.stats import EngineStats
 from paged_jax.serving.step import StepInputs, StepOutputs
 
-# The bookkeeping on the host mirror: the device step's own function.
-_trial = jax.jit(step_lib.bookkeeping, static_argnames="present")
-# (release_early, forks, release_late) present: a late release (a finished
-# fork parent) only comes with forks.
-_PRESENT = tuple((a, b, c) for a in (False, True) for b in (False, True)
-                 for c in (False, True) if b or not c)
-
-
+@dataclasses.dataclass
 class Pending:
-  """What `Scheduler.resolve` needs of a dispatched step: the sample rows of
-  the tokens it left `PENDING` (`(row, seq, token index)`) and its beam-search
-  rows (`(row, seq)`; their group waits for them before its next step)."""
+  """What `Scheduler.resolve` needs of a dispatched step.
 
-  __slots__ = ("records", "beam", "num_entries", "num_forks")
+  Attributes:
+    records: `(sample row, seq, token index)` of each token the step left
+      `PENDING`.
+    beam: `(sample row, seq)` of its beam-search rows (their group waits for
+      them before its next step).
+    num_entries: rows of `ok` that were real entries.
+    num_forks: rows of `fork_ok` that were real forks.
+    fingerprint: u32[5], the host model's `HostPool.fingerprint()` after
+      this step's bookkeeping (the device's must equal it).
+  """
 
-  def __init__(self, records, beam, num_entries: int, num_forks: int):
-    self.records = records
-    self.beam = beam
-    self.num_entries = num_entries  # rows of `ok` that were real entries
-    self.num_forks = num_forks  # rows of `fork_ok` that were real forks
+  records: list
+  beam: list
+  num_entries: int
+  num_forks: int
+  fingerprint: np.ndarray
 
   def live(self) -> bool:
     """Whether applying the results still changes a request (a token of an
@@ -103,16 +103,11 @@ class Scheduler:
     self.max_model_len = max_model_len
     self.max_seqs = 2 * config.max_batch
     self.stats = stats
-    # The host mirror of this pool's block state (on the host CPU): the same
-    # pure bookkeeping the device runs, on the same inputs (see `_fit`).
-    # (a local device: on several hosts each process keeps its own mirror).
-    self._cpu = jax.sharding.SingleDeviceSharding(
-        jax.local_devices(backend="cpu")[0])
-    self._mirror = jax.device_put(initial_state, self._cpu)
-    self._mirror_sig = compiler.signature(self._mirror)
-    self._mirror_exes: dict = {}  # present -> compiled bookkeeping
-    self.compile_seconds = 0.0  # mirror variants compiled on first use
-    self._num_free = initial_state.num_blocks  # the mirror's, as an int
+    # The exact NumPy model of this pool's block state: the bookkeeping the
+    # device runs, applied on the host to the same inputs (see `_fit`); on
+    # several hosts each process keeps its own.
+    self._pool = HostPool(initial_state)
+    self._fingerprint = self._pool.fingerprint()  # after the last fitted step
     self._waiting: list[Seq] = []  # sorted by order
     self._running: list[Seq] = []  # sorted by order
     self._free_slots = list(range(self.max_seqs - 1, -1, -1))
@@ -127,8 +122,8 @@ class Scheduler:
     self._now = time.perf_counter()  # when the last step's results arrived
     # Prefix caching (`initial_state.prefix_caching`): the host index of
     # cached blocks (`prefix_cache.py`), kept exactly in step with the
-    # mirror: a block is indexed when this step registers it, dropped when
-    # the mirror's reserve reports it evicted.
+    # host model of the pool: a block is indexed when this step registers
+    # it, dropped when the model's reserve reports it evicted.
     caching = initial_state.prefix_caching
     self._index = (prefix_cache.PrefixIndex(config.block_size)
                    if caching else None)
@@ -137,9 +132,7 @@ class Scheduler:
     self._register_next: list[tuple[Seq, int, int, bytes]] = []  # candidates
     self._registering: list[tuple[int, int, bytes, int]] = []  # this step's
     self._shares: dict[Seq, list[int]] = {}  # this step's hits (admissions)
-    self._num_cached = 0  # the mirror's cached blocks, as an int
     self._fitted = None  # the bookkeeping inputs `_fit` accepted this step
-    self._tables = np.asarray(initial_state.block_tables)  # the mirror's
 
   # ----------------------------------------------------------------- requests
 
@@ -210,8 +203,9 @@ class Scheduler:
     """Blocks used (held by sequences) / cached (free to reuse, their K/V
     kept for prefix-cache hits) / total, running and waiting sequences (from
     the last step)."""
-    used = self.config.num_blocks - self._num_free - self._num_cached
-    return {"blocks_used": used, "blocks_cached": self._num_cached,
+    pool = self._pool
+    used = self.config.num_blocks - pool.num_free - pool.num_cached
+    return {"blocks_used": used, "blocks_cached": pool.num_cached,
             "blocks_total": self.config.num_blocks,
             "running": len(self._running), "waiting": len(self._waiting)}
 
@@ -221,10 +215,15 @@ class Scheduler:
     return self._index
 
   def check_prefix_index(self):
-    """Asserts that the index names exactly the mirror's cacheable blocks
+    """Asserts that the index names exactly the pool's cacheable blocks
     (tests: no entry points at a block that was evicted and reused)."""
     if self._index is not None:
-      prefix_cache.check_consistent(self._index, jax.device_get(self._mirror))
+      prefix_cache.check_consistent(self._index, self.mirror_state())
+
+  def mirror_state(self) -> bm.BlockState:
+    """The host model's `BlockState` (NumPy copies; equal to the device's
+    once the steps dispatched so far have run)."""
+    return self._pool.to_state()
 
   @property
   def num_running(self) -> int:
@@ -336,43 +335,42 @@ class Scheduler:
 
   def _fit(self, plan, admitted: list[Seq], first: Seq | None):
     """Makes `plan` fit the pool exactly: runs the step's bookkeeping (the
-    same pure function the device runs, on the host mirror) and, while it
+    same bookkeeping the device runs, on the host model) and, while it
     refuses an entry, takes back the admissions from that entry on, or
     preempts the newest running sequence (the entry itself when nothing newer
-    is left and it is not the oldest). Commits the mirror to the result.
+    is left and it is not the oldest). Commits the model to the result.
 
     Raises:
       RuntimeError: if a fork is refused or the oldest sequence cannot grow
         alone (admission guarantees neither happens).
     """
     queued = len(self._register_next)
+    pool = self._pool
     while True:
       x = self._bookkeeping_inputs(plan, self.config.max_batch)
       forks = int(np.sum(x[3] >= 0))
-      present = (bool(self._release_next), forks > 0, bool(self._release_late_next))
-      state, fork_ok, res, cache_ok = self._run_mirror(x, present)
-      # One transfer for everything the host reads of the trial.
-      caching = self._index is not None
-      ok, fork_ok, num_free, cache_ok, num_cached, evicted, tables = jax.device_get(
-          (res.ok, fork_ok, state.num_free, cache_ok, state.num_cached,
-           res.evicted, state.block_tables if caching else None))
+      pool.begin()
+      fork_ok, res, cache_ok = pool.bookkeeping(*x)
       if not fork_ok[:forks].all():
+        pool.rollback()
         raise RuntimeError(f"a fork was refused: engine bookkeeping bug ({self.usage()})")
       if not cache_ok.all():
+        pool.rollback()
         raise RuntimeError("a prefix-cache registration or hit was refused: "
                            f"the index and the pool disagree (engine bug)")
-      refused = np.flatnonzero(~ok[:len(plan)])
+      refused = np.flatnonzero(~res.ok[:len(plan)])
       if not refused.size:
-        self._mirror, self._num_free = state, int(num_free)
+        pool.commit()
+        self._fingerprint = pool.fingerprint()
         self._fitted = x  # `build_step` reuses them
         # A slot preempted here is released by this very step: blocks queued
         # for it now would be read from a table gone by the next step. (None
         # are: its blocks were collected in `_prepare_registrations`.)
         del self._register_next[queued:]
-        if caching:
-          self._tables = tables  # the mirror's block tables, on the host
-          self._commit_prefix_cache(int(num_cached), evicted, admitted)
+        if self._index is not None:
+          self._commit_prefix_cache(res.evicted, admitted)
         return plan
+      pool.rollback()
       self.stats.refused_reservations += 1
       seq = plan[refused[0]][0]
       if seq in admitted:  # it and every later admission wait
@@ -460,7 +458,8 @@ class Scheduler:
     (a block whose hash is indexed already, or repeated in this step, stays
     unregistered and is emptied when released), at most `register_rows`; the
     rest of a live sequence waits for the next step. Reads the physical blocks
-    from the mirror before this step (a full block's entry never changes)."""
+    from the host model before this step (a full block's entry never
+    changes)."""
     for seq in self._running:
       if seq.slot >= 0 and seq.fork_from < 0:
         self._collect_registrations(seq)
@@ -468,7 +467,7 @@ class Scheduler:
     self._registering = []
     if not queued:
       return
-    tables = self._tables
+    tables = self._pool.tables  # before this step: a full block's entry stays
     taken: set[bytes] = set()
     for seq, slot, col, h in queued:
       if len(self._registering) == self._register_rows:
@@ -480,9 +479,8 @@ class Scheduler:
       taken.add(h)
       self._registering.append((slot, col, h, int(tables[slot, col])))
 
-  def _commit_prefix_cache(self, num_cached: int, evicted: np.ndarray,
-                           admitted: list[Seq]):
-    """After the mirror accepted a step: index this step's registered blocks,
+  def _commit_prefix_cache(self, evicted: np.ndarray, admitted: list[Seq]):
+    """After the model accepted a step: index this step's registered blocks,
     drop the evicted ones, count the hits."""
     st, bs = self.stats, self.config.block_size
     for _, _, h, block in self._registering:
@@ -491,7 +489,6 @@ class Scheduler:
                            "(engine bug)")
     st.prefix_blocks_evicted += self._index.evict(evicted[evicted >= 0])
     st.prefix_blocks_registered += len(self._registering)
-    self._num_cached = num_cached
     for seq in admitted:
       hit = len(self._shares.get(seq, ())) * bs
       st.prefix_tokens_saved += hit
@@ -511,7 +508,7 @@ class Scheduler:
     register_cols = np.zeros(self._register_rows, np.int32)
     for i, (slot, col, _, _) in enumerate(self._registering):
       register_seqs[i], register_cols[i] = slot, col
-    width = self._mirror.max_blocks_per_seq
+    width = self._pool.width
     share_seqs = np.full(self._share_rows, -1, np.int32)
     share_blocks = np.full((self._share_rows, width), -1, np.int32)
     share_counts = np.zeros(self._share_rows, np.int32)
@@ -626,36 +623,6 @@ class Scheduler:
     outs, self._outputs = self._outputs, []
     return outs
 
-  def mirror_jobs(self) -> dict:
-    """The host mirror's bookkeeping variants to compile (`compiler.py`):
-    every `present` combination the engine can produce (a late release only
-    comes with forks)."""
-    x = self._bookkeeping_inputs([], self.config.max_batch)
-    return {self._mirror_key(present): self._mirror_lowerer(present, x)
-            for present in _PRESENT}
-
-  def _mirror_key(self, present):
-    return ("mirror", self._mirror_sig, present)
-
-  def _mirror_lowerer(self, present, x):
-    specs = [compiler.spec(a, self._cpu) for a in x]
-    return lambda: compiler.HostLowered(
-        _trial.lower(self._mirror, *specs, present=present))
-
-  def _run_mirror(self, x, present):
-    exe = self._mirror_exes.get(present)
-    if exe is None:
-      done, seconds = compiler.compile_all(
-          {self._mirror_key(present): self._mirror_lowerer(present, x)})
-      self.compile_seconds += seconds
-      exe = self._mirror_exes[present] = done[self._mirror_key(present)]
-    return exe(self._mirror, *x)
-
-  def set_mirror_executables(self, done: dict):
-    for key, exe in done.items():
-      if key[:2] == ("mirror", self._mirror_sig):
-        self._mirror_exes[key[2]] = exe
-
   def take_deltas(self) -> list[RequestDelta]:
     out, self._deltas = self._deltas, []
     return out
@@ -707,18 +674,24 @@ class Scheduler:
           finals.append(t)
     for t in finals:  # after every child exists (a parent may retire late)
       self._retire(t)
-    return Pending(records, beam, len(plan), len(forks))
+    return Pending(records, beam, len(plan), len(forks), self._fingerprint)
 
   def resolve(self, pending: "Pending", out: StepOutputs, now: float):
     """Applies a step's results: the pending tokens' values, EOS, streaming
     deltas, latency, beam search."""
     self._now = now
     # The device ran the same bookkeeping on the same state as the host
-    # mirror (`_fit`): it grants exactly what the mirror granted.
+    # model (`_fit`): it grants exactly what the model granted, and ends in
+    # the same state.
     if not (out.ok[:pending.num_entries].all()
             and out.fork_ok[:pending.num_forks].all()):
-      raise RuntimeError("the device refused what the host mirror granted: "
+      raise RuntimeError("the device refused what the host model granted: "
                          "the block states diverged (engine bug)")
+    if not np.array_equal(out.fingerprint, pending.fingerprint):
+      raise RuntimeError(
+          f"the device's block state fingerprint {out.fingerprint.tolist()} "
+          f"differs from the host model's {pending.fingerprint.tolist()}: the "
+          "block states diverged (engine bug)")
     for r, t, idx in pending.records:
       if t.done:  # stopped by an EOS the step before; this token is void
         continue
