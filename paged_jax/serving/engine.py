@@ -396,7 +396,7 @@ class Engine:
     """Waits for a dispatched step's results and applies them; returns the
     seconds spent waiting."""
     t = time.perf_counter()
-    outs = self._runner.fetch(flight.out, len(self._pools))
+    outs = self._runner.fetch(flight.out, len(self._pools), top=flight.has_beam)
     now = time.perf_counter()
     for p, rec, o in zip(self._pools, flight.pending, outs):
       p.resolve(rec, o, now)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -77,6 +78,28 @@ class Pending:
     unfinished sequence, a beam step of a group not aborted)."""
     return (any(not t.done for _, t, _ in self.records)
             or any(not s.group.aborted for _, s in self.beam))
+
+
+class Bookkeeping(NamedTuple):
+  """The inputs of `step.bookkeeping` (the `StepInputs` fields of the same
+  names, in `step.BOOKKEEPING_FIELDS` order)."""
+
+  register_seqs: np.ndarray  # i32[R]
+  register_cols: np.ndarray  # i32[R]
+  release_early: np.ndarray  # i32[max_seqs]
+  fork_parents: np.ndarray  # i32[max_batch]
+  fork_children: np.ndarray  # i32[max_batch]
+  release_late: np.ndarray  # i32[max_seqs]
+  share_seqs: np.ndarray  # i32[H]
+  share_blocks: np.ndarray  # i32[H, max_blocks_per_seq]
+  share_counts: np.ndarray  # i32[H]
+  seq_ids: np.ndarray  # i32[num_seqs]
+  q_lens: np.ndarray  # i32[num_seqs]
+
+  def cut(self, num_seqs: int) -> "Bookkeeping":
+    """The same inputs with `num_seqs` entry rows (the rest are padding)."""
+    return self._replace(seq_ids=self.seq_ids[:num_seqs],
+                         q_lens=self.q_lens[:num_seqs])
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -132,7 +155,17 @@ class Scheduler:
     self._register_next: list[tuple[Seq, int, int, bytes]] = []  # candidates
     self._registering: list[tuple[int, int, bytes, int]] = []  # this step's
     self._shares: dict[Seq, list[int]] = {}  # this step's hits (admissions)
-    self._fitted = None  # the bookkeeping inputs `_fit` accepted this step
+    self._fitted: Bookkeeping | None = None  # the inputs `_fit` accepted
+    # Per-slot sampling parameters, written when a sequence gets a slot
+    # (`_bind`: admission, fork), read by `_build` with one gather per field.
+    ms = self.max_seqs
+    self._slot_temperature = np.zeros(ms, np.float32)
+    self._slot_top_k = np.zeros(ms, np.int32)
+    self._slot_top_p = np.ones(ms, np.float32)
+    self._slot_seed = np.zeros(ms, np.int32)
+    self._slot_ban_until = np.zeros(ms, np.int32)  # EOS masked below this position
+    self._slot_banned = np.full((ms, sampling_lib.MAX_BANNED), -1, np.int32)
+    self._fork_pending = False  # a child may wait to fork (see `_forks`)
 
   # ----------------------------------------------------------------- requests
 
@@ -237,8 +270,27 @@ class Scheduler:
 
   @staticmethod
   def _insert(queue: list[Seq], seq: Seq):
+    if not queue or queue[-1].order < seq.order:  # the newest: O(1)
+      queue.append(seq)
+      return
     keys = [s.order for s in queue]
     queue.insert(bisect.bisect(keys, seq.order), seq)
+
+  def _bind(self, seq: Seq, slot: int):
+    """Gives `seq` sequence slot `slot` and writes its sampling parameters
+    there (read by every step that samples it, `_build`)."""
+    seq.slot = slot
+    g = seq.group
+    p = g.params
+    self._slot_temperature[slot] = 0.0 if p.beam_width > 1 else p.temperature
+    self._slot_top_k[slot] = p.top_k
+    self._slot_top_p[slot] = p.top_p
+    self._slot_seed[slot] = p.seed + seq.index
+    self._slot_ban_until[slot] = g.prompt_len + p.min_tokens if p.min_tokens else 0
+    self._slot_banned[slot] = -1
+    if p.min_tokens:
+      ban = sorted(g.eos)
+      self._slot_banned[slot, :len(ban)] = ban
 
   def _release(self, seq: Seq, late: bool = False):
     """Queues `seq`'s slot for release by the next step's bookkeeping (after
@@ -309,7 +361,8 @@ class Scheduler:
         plan.append((seq, n))
         budget -= n
     admitted: list[Seq] = []
-    rows = len(self._running) + sum(g.unborn for g in {s.group for s in self._running})
+    rows = len(self._running) + sum(s.group.unborn for s in self._running
+                                    if s.index == 0 and s.group.unborn)
     if c.static_batching and self._running:
       return plan, admitted, first
     while self._waiting and self._free_slots:
@@ -321,7 +374,7 @@ class Scheduler:
       if n <= 0 and not c.static_batching:
         break
       self._waiting.pop(0)
-      seq.slot = self._free_slots.pop()
+      self._bind(seq, self._free_slots.pop())
       self._insert(self._running, seq)
       admitted.append(seq)
       rows += new_rows
@@ -348,7 +401,7 @@ class Scheduler:
     pool = self._pool
     while True:
       x = self._bookkeeping_inputs(plan, self.config.max_batch)
-      forks = int(np.sum(x[3] >= 0))
+      forks = int(np.sum(x.fork_parents >= 0))
       pool.begin()
       fork_ok, res, cache_ok = pool.bookkeeping(*x)
       if not fork_ok[:forks].all():
@@ -408,14 +461,22 @@ class Scheduler:
   def work(cls, plan) -> tuple[int, int]:
     """`(token rows, sequence rows)` that `plan` needs: its tokens, and the
     larger of its entries and its sample rows."""
-    tokens = sum(n for _, n in plan)
-    samples = sum(len(cls._sample_lanes(s, n)) for s, n in plan)
+    tokens = samples = 0
+    for s, n in plan:
+      tokens += n
+      if s.num_cached + n == len(s.tokens):
+        g = s.group
+        samples += g.params.n if (g.unborn and not g.is_beam) else 1
     return tokens, max(len(plan), samples)
 
   def _forks(self) -> list[Seq]:
     """Every pending child forks at the next step, planned or not (its parent
-    may write its next token in that step)."""
-    return [s for s in self._running if s.fork_from >= 0]
+    may write its next token in that step). No scan while none was made."""
+    if not self._fork_pending:
+      return []
+    forks = [s for s in self._running if s.fork_from >= 0]
+    self._fork_pending = bool(forks)
+    return forks
 
   # ----------------------------------------------------------- prefix cache
 
@@ -499,10 +560,10 @@ class Scheduler:
         st.prefix_queried_tokens += g.prompt_len
         st.prefix_hit_tokens += hit
 
-  def _bookkeeping_inputs(self, plan, num_seqs: int) -> tuple[np.ndarray, ...]:
+  def _bookkeeping_inputs(self, plan, num_seqs: int) -> Bookkeeping:
     """The arguments of `step.bookkeeping` for `plan` with `num_seqs` entry
-    rows, in `step.BOOKKEEPING_FIELDS` order. Padding entries (-1, 0 tokens)
-    change nothing, so every row count gives the same state."""
+    rows. Padding entries (-1, 0 tokens) change nothing, so every row count
+    gives the same state."""
     c = self.config
     register_seqs = np.full(self._register_rows, -1, np.int32)
     register_cols = np.zeros(self._register_rows, np.int32)
@@ -526,61 +587,78 @@ class Scheduler:
       fork_children[i] = s.slot
     seq_ids = np.full(num_seqs, -1, np.int32)
     q_lens = np.zeros(num_seqs, np.int32)
-    for j, (s, n) in enumerate(plan):
-      seq_ids[j] = s.slot
-      q_lens[j] = n
-    return (register_seqs, register_cols, release_early, fork_parents,
-            fork_children, release_late, share_seqs, share_blocks, share_counts,
-            seq_ids, q_lens)
+    if plan:
+      seq_ids[:len(plan)] = [s.slot for s, _ in plan]
+      q_lens[:len(plan)] = [n for _, n in plan]
+    return Bookkeeping(register_seqs, register_cols, release_early, fork_parents,
+                       fork_children, release_late, share_seqs, share_blocks,
+                       share_counts, seq_ids, q_lens)
 
-  def _build(self, plan, bucket: Bucket, book=None):
+  def _build(self, plan, bucket: Bucket, book: Bookkeeping | None = None):
     """`(StepInputs, samples)` of `plan` in shape `bucket`; `samples` are the
     `(token row, seq, lane)` of each sample row. `book`: the bookkeeping
     inputs `_fit` accepted for `plan` (`max_batch` entry rows; cut to the
     bucket's here, the rows past the plan being padding), else built.
-    Changes nothing."""
+    Changes nothing.
+
+    One pass over the entries (each one's tokens, or the slot whose last
+    sampled token the device holds); the sample rows' parameters are
+    gathered from the per-slot arrays `_bind` wrote."""
     num_tokens, S = bucket.num_tokens, bucket.num_seqs
-    if book is None:
-      book = self._bookkeeping_inputs(plan, S)
-    else:
-      book = book[:-2] + tuple(a[:S] for a in book[-2:])  # seq_ids, q_lens
-    a = dict(zip(step_lib.BOOKKEEPING_FIELDS, book))
-    a.update(
-        tokens=np.zeros(num_tokens, np.int32),
-        token_slots=np.full(num_tokens, -1, np.int32),
-        sample_slots=np.full(S, -1, np.int32),
-        sample_rows=np.zeros(S, np.int32), temperature=np.zeros(S, np.float32),
-        top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32),
-        seeds=np.zeros(S, np.int32), positions=np.zeros(S, np.int32),
-        banned=np.full((S, sampling_lib.MAX_BANNED), -1, np.int32))
-    row = 0
-    for s, n in plan:
-      chunk = s.tokens[s.num_cached:s.num_cached + n]
-      a["tokens"][row:row + n] = chunk
-      if chunk[-1] == PENDING:  # sampled by the step in flight: on the device
-        if n != 1 or len(s.tokens) - s.num_cached != 1 or PENDING in chunk[:-1]:
-          raise RuntimeError("a pending token outside a decode row (engine bug)")
-        a["tokens"][row] = 0
-        a["token_slots"][row] = s.slot
-      row += n
+    book = self._bookkeeping_inputs(plan, S) if book is None else book.cut(S)
+    tokens = np.zeros(num_tokens, np.int32)
+    token_slots = np.full(num_tokens, -1, np.int32)
     samples = []  # (sample row, seq, sample index)
+    slots, ends, extra = [], [], []  # per sample: its seq's slot, position
     row = 0
     for s, n in plan:
+      toks, start = s.tokens, s.num_cached
+      end = start + n
+      if toks[end - 1] == PENDING:  # sampled by the step in flight: on the device
+        if n != 1 or end != len(toks):
+          raise RuntimeError("a pending token outside a decode row (engine bug)")
+        token_slots[row] = s.slot
+      else:
+        tokens[row:row + n] = toks[start:end]
       row += n
-      for lane in self._sample_lanes(s, n):
-        samples.append((row - 1, s, lane))
-    for r, (tok_row, s, lane) in enumerate(samples):
-      p = s.group.params
-      a["sample_rows"][r] = tok_row
-      a["temperature"][r] = 0.0 if p.beam_width > 1 else p.temperature
-      a["top_k"][r] = p.top_k
-      a["top_p"][r] = p.top_p
-      a["seeds"][r] = p.seed + lane
-      a["positions"][r] = len(s.tokens)
-      if len(s.tokens) - s.group.prompt_len < p.min_tokens:  # EOS masked
-        ban = sorted(s.group.eos)
-        a["banned"][r, :len(ban)] = ban
-    return StepInputs(**a), samples
+      if end == len(toks):  # the entry samples after this step
+        g = s.group
+        if g.unborn and not g.is_beam:  # the prompt's n samples, one row
+          for lane in range(g.params.n):
+            extra.append((len(samples), lane - s.index))
+            samples.append((row - 1, s, lane))
+            slots.append(s.slot)
+            ends.append(end)
+        else:
+          samples.append((row - 1, s, s.index))
+          slots.append(s.slot)
+          ends.append(end)
+    k = len(samples)
+    sample_rows = np.zeros(S, np.int32)
+    temperature = np.zeros(S, np.float32)
+    top_k = np.zeros(S, np.int32)
+    top_p = np.ones(S, np.float32)
+    seeds = np.zeros(S, np.int32)
+    positions = np.zeros(S, np.int32)
+    banned = np.full((S, sampling_lib.MAX_BANNED), -1, np.int32)
+    if k:
+      sl = np.asarray(slots, np.int32)
+      sample_rows[:k] = [r for r, _, _ in samples]
+      temperature[:k] = self._slot_temperature[sl]
+      top_k[:k] = self._slot_top_k[sl]
+      top_p[:k] = self._slot_top_p[sl]
+      seeds[:k] = self._slot_seed[sl]
+      for r, offset in extra:
+        seeds[r] += offset
+      positions[:k] = ends
+      masked = positions[:k] < self._slot_ban_until[sl]
+      if masked.any():
+        banned[:k][masked] = self._slot_banned[sl[masked]]
+    x = StepInputs(**book._asdict(), tokens=tokens, token_slots=token_slots,
+                   sample_slots=np.full(S, -1, np.int32), sample_rows=sample_rows,
+                   temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds,
+                   positions=positions, banned=banned)
+    return x, samples
 
   def begin_step(self) -> list[tuple[Seq, int]] | None:
     """Schedules this step; None when the pool has nothing to run or release.
@@ -639,39 +717,44 @@ class Scheduler:
     latency) waits for `resolve`."""
     for s in forks:
       s.fork_from = -1
+    computed = 0
     for s, n in plan:
       s.num_cached += n
-      self.stats.computed_tokens += n
+      computed += n
+    self.stats.computed_tokens += computed
     records = []  # (sample row, target seq, token index)
     beam = []  # (sample row, seq)
-    lanes_of: dict[int, list] = {}
-    for r, (_, s, lane) in enumerate(samples):
-      if s.group.is_beam:
-        beam.append((r, s))
-      else:
-        lanes_of.setdefault(id(s), [s, []])[1].append((r, lane))
     finals = []
-    for s, lanes in lanes_of.values():
+    sample_slots = x.sample_slots
+    children: dict[int, Seq] = {}  # lane -> child of the prompt sampled now
+    for r, (_, s, lane) in enumerate(samples):
       g = s.group
-      targets = [s]
-      if g.unborn:  # prompt done: the other samples fork from it next step
-        for _, lane in lanes[1:]:
-          child = Seq(g, lane, list(g.request.prompt))
-          child.hashes = s.hashes[:len(child.tokens) // self.config.block_size]
-          child.num_cached = s.num_cached
-          child.fork_from = s.slot
-          child.slot = self._free_slots.pop()
-          self._insert(self._running, child)
-          g.live.append(child)
-          targets.append(child)
-        g.unborn = 0
-      for t, (r, _) in zip(targets, lanes):
-        t.tokens.append(PENDING)
-        x.sample_slots[r] = t.slot
-        records.append((r, t, len(t.tokens) - 1))
-        if len(t.generated) >= g.params.max_new_tokens:
-          t.final = True
-          finals.append(t)
+      if g.is_beam:
+        beam.append((r, s))
+        continue
+      if lane != s.index:  # another sample of a prompt: its child's token
+        t = children[lane]
+      else:
+        t = s
+        if g.unborn:  # prompt done: the other samples fork from it next step
+          children = {}
+          for child_lane in range(1, g.params.n):
+            child = Seq(g, child_lane, list(g.request.prompt))
+            child.hashes = s.hashes[:len(child.tokens) // self.config.block_size]
+            child.num_cached = s.num_cached
+            child.fork_from = s.slot
+            self._fork_pending = True
+            self._bind(child, self._free_slots.pop())
+            self._insert(self._running, child)
+            g.live.append(child)
+            children[child_lane] = child
+          g.unborn = 0
+      t.tokens.append(PENDING)
+      sample_slots[r] = t.slot
+      records.append((r, t, len(t.tokens) - 1))
+      if len(t.tokens) - g.prompt_len >= g.params.max_new_tokens:
+        t.final = True
+        finals.append(t)
     for t in finals:  # after every child exists (a parent may retire late)
       self._retire(t)
     return Pending(records, beam, len(plan), len(forks), self._fingerprint)
@@ -692,13 +775,16 @@ class Scheduler:
           f"the device's block state fingerprint {out.fingerprint.tolist()} "
           f"differs from the host model's {pending.fingerprint.tolist()}: the "
           "block states diverged (engine bug)")
+    tokens = out.tokens.tolist()
+    logprobs = out.token_logprobs.tolist()
     for r, t, idx in pending.records:
       if t.done:  # stopped by an EOS the step before; this token is void
         continue
-      tok = int(out.tokens[r])
+      tok = tokens[r]
       t.tokens[idx] = tok
-      t.token_logprobs.append(float(out.token_logprobs[r]))
-      self._first_token(t.group)
+      t.token_logprobs.append(logprobs[r])
+      if t.group.output.first_token_step is None:
+        self._first_token(t.group)
       self._on_token(t, tok, idx)
     rows: dict[int, list] = {}
     for r, s in pending.beam:
@@ -889,8 +975,9 @@ class Scheduler:
       child.hashes = parent.hashes[:parent.num_cached // self.config.block_size]
       child.num_cached = parent.num_cached
       child.fork_from = parent.slot
+      self._fork_pending = True
       child.logprob = lp
-      child.slot = self._free_slots.pop()
+      self._bind(child, self._free_slots.pop())
       self._insert(self._running, child)
       g.live.append(child)
     g.live.sort(key=lambda s: s.index)

@@ -55,7 +55,7 @@ def test_results_are_read_after_the_next_dispatch(model):
   runner = engine._runner  # pylint: disable=protected-access
   dispatch, fetch = runner.dispatch, runner.fetch
   runner.dispatch = lambda *a: (events.append("dispatch"), dispatch(*a))[1]
-  runner.fetch = lambda *a: (events.append("fetch"), fetch(*a))[1]
+  runner.fetch = lambda *a, **k: (events.append("fetch"), fetch(*a, **k))[1]
   serve(engine, random_requests(6, 3, new=(6, 8)))
   # Every fetch but the last (the final step's, when nothing is left to
   # dispatch) comes right after the dispatch of the next step.
