@@ -318,8 +318,9 @@ class Engine:
     return self._runner.lower(bucket, xs)
 
   def _bucket(self, plans) -> Bucket:
-    decode_only = all(n == 1 for plan in plans for _, n in plan)
     work = [Scheduler.work(plan) for plan in plans]
+    # Every entry runs >= 1 token: one each exactly when tokens == entries.
+    decode_only = all(t == len(plan) for plan, (t, _) in zip(plans, work))
     return buckets_lib.choose(
         self.buckets, num_tokens=max(t for t, _ in work),
         num_seqs=max(s for _, s in work), decode_only=decode_only)

@@ -113,6 +113,8 @@ class HostPool:
                                   * self._w_cells)) & _MASK
     self._journal: list | None = None
     self._saved: tuple | None = None
+    self._arange = np.arange(self.max_seqs)  # scratch for `_leading_unique`
+    self._mark = np.zeros(self.max_seqs, np.int64)
 
   # ------------------------------------------------------------ transactions
 
@@ -345,27 +347,56 @@ class HostPool:
         ok=np.zeros(n, bool), copy_src=np.full(n, NULL, np.int32),
         copy_dst=np.full(n, NULL, np.int32),
         evicted=np.full((n, self.width), NULL, np.int32) if self.caching else None)
-    real = np.flatnonzero((seq_ids >= 0) & (seq_ids < ms) & (num_new >= 0))
-    if real.size:
-      real = real[_first_occurrence(seq_ids)[real]]
+    k = self._leading_unique(seq_ids, num_new)
+    if k is not None:  # the scheduler's layout: k valid entries, then padding
+      real = self._arange[:k]
+    else:
+      real = np.flatnonzero((seq_ids >= 0) & (seq_ids < ms) & (num_new >= 0))
+      if real.size:
+        real = real[_first_occurrence(seq_ids)[real]]
     if real.size:
       self._reserve(real, seq_ids[real], num_new[real].astype(np.int64), res)
     if self.caching and self.num_cached == 0:
       self.lru_len = 0
     return res
 
+  def _leading_unique(self, seq_ids, num_new) -> int | None:
+    """`k` when the first `k` entries are distinct valid slots with sizes
+    >= 0 and the rest are padding (-1): the layout the scheduler sends, which
+    then skips the general filtering (a few whole-array operations, no sort).
+    None otherwise."""
+    n = seq_ids.shape[0]
+    if n > self._arange.shape[0]:
+      return None
+    pad = seq_ids < 0
+    k = n - int(np.count_nonzero(pad))
+    if k == 0 or pad[:k].any():
+      return None
+    s = seq_ids[:k]
+    if int(s.max()) >= self.max_seqs or int(num_new[:k].min()) < 0:
+      return None
+    mark = self._mark
+    mark[s] = self._arange[:k]
+    if not np.array_equal(mark[s], self._arange[:k]):  # a repeated slot
+      return None
+    return k
+
   def _reserve(self, real, s, q, res: HostReservation):
     bs = self.block_size
     old = self.lens[s].astype(np.int64)
-    valid = q <= self.max_seq_len - old
-    new_len = old + np.where(valid, q, 0)
-    cur = _cdiv(old, bs)
-    grow = _cdiv(new_len, bs) - cur
+    new_len = old + q
+    if int(new_len.max()) <= self.max_seq_len:  # every size fits a sequence
+      valid = np.ones(s.shape, bool)
+    else:
+      valid = q <= self.max_seq_len - old
+      new_len = old + np.where(valid, q, 0)
+    cur = -(-old // bs)
+    grow = -(-new_len // bs) - cur
     last = self.tables[s, np.maximum(cur - 1, 0)]
     partial = valid & (q > 0) & (old % bs != 0)
-    cow_cand = partial & (self.refs[np.clip(last, 0, self.num_blocks - 1)] > 1)
+    cow_cand = partial & (self.refs[last] > 1)  # `last` is a block where partial
     avail = self.num_available
-    if not cow_cand.any() and int(np.sum(grow[valid])) <= avail:
+    if not cow_cand.any() and int(grow[valid].sum()) <= avail:
       ok, cow, need = valid, np.zeros(s.shape, bool), np.where(valid, grow, 0)
     else:  # the in-order scan, over the entries that take or copy a block
       ok = valid.copy()

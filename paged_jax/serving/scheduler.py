@@ -448,15 +448,6 @@ class Scheduler:
 
   # ------------------------------------------------------------------- a step
 
-  @staticmethod
-  def _sample_lanes(s: Seq, n: int) -> range | list[int]:
-    """Sample lanes that entry `(s, n)` samples after this step (none while a
-    prefill chunk has not reached the last token)."""
-    if s.num_cached + n != len(s.tokens):
-      return []
-    g = s.group
-    return range(g.params.n) if (g.unborn and not g.is_beam) else [s.index]
-
   @classmethod
   def work(cls, plan) -> tuple[int, int]:
     """`(token rows, sequence rows)` that `plan` needs: its tokens, and the
@@ -725,7 +716,7 @@ class Scheduler:
     records = []  # (sample row, target seq, token index)
     beam = []  # (sample row, seq)
     finals = []
-    sample_slots = x.sample_slots
+    target_slots = []  # the slot each non-beam sample row's token goes to
     children: dict[int, Seq] = {}  # lane -> child of the prompt sampled now
     for r, (_, s, lane) in enumerate(samples):
       g = s.group
@@ -750,11 +741,13 @@ class Scheduler:
             children[child_lane] = child
           g.unborn = 0
       t.tokens.append(PENDING)
-      sample_slots[r] = t.slot
+      target_slots.append(t.slot)
       records.append((r, t, len(t.tokens) - 1))
       if len(t.tokens) - g.prompt_len >= g.params.max_new_tokens:
         t.final = True
         finals.append(t)
+    if records:
+      x.sample_slots[np.array([r for r, _, _ in records])] = target_slots
     for t in finals:  # after every child exists (a parent may retire late)
       self._retire(t)
     return Pending(records, beam, len(plan), len(forks), self._fingerprint)
@@ -777,15 +770,33 @@ class Scheduler:
           "block states diverged (engine bug)")
     tokens = out.tokens.tolist()
     logprobs = out.token_logprobs.tolist()
+    deltas = self._deltas if self.collect_deltas else None
+    itls = []
     for r, t, idx in pending.records:
       if t.done:  # stopped by an EOS the step before; this token is void
         continue
       tok = tokens[r]
       t.tokens[idx] = tok
       t.token_logprobs.append(logprobs[r])
-      if t.group.output.first_token_step is None:
-        self._first_token(t.group)
-      self._on_token(t, tok, idx)
+      g = t.group
+      if g.output.first_token_step is None:
+        self._first_token(g)
+      # Latency, the stream, finishing (a sampled, non-beam token).
+      if t.last_token_time is not None:
+        itls.append(now - t.last_token_time)
+      t.last_token_time = now
+      reason = None
+      if tok in g.eos:
+        reason = "stop"
+      elif t.final and idx == len(t.tokens) - 1:
+        reason = "length"
+      if deltas is not None:
+        deltas.append(RequestDelta(g.request.request_id, t.index, [tok], reason,
+                                   logprobs=[logprobs[r]]))
+      if reason is not None:
+        del t.tokens[idx + 1:]  # a token sampled after the EOS is void
+        self._finish_seq(t, reason)
+    self.stats.itl.add_many(itls)
     rows: dict[int, list] = {}
     for r, s in pending.beam:
       if s.group.aborted:
@@ -801,25 +812,6 @@ class Scheduler:
       out.first_token_step = self._step
       out.first_token_time = self._now
       self.stats.ttft.add(self._now - out.arrival_time)
-
-  def _on_token(self, seq: Seq, tok: int, idx: int):
-    """A sampled (non-beam) token arrived: latency, the stream, finishing."""
-    g = seq.group
-    if seq.last_token_time is not None:
-      self.stats.itl.add(self._now - seq.last_token_time)
-    seq.last_token_time = self._now
-    reason = None
-    if tok in g.eos:
-      reason = "stop"
-    elif seq.final and idx == len(seq.tokens) - 1:
-      reason = "length"
-    if self.collect_deltas:
-      self._deltas.append(RequestDelta(g.request.request_id, seq.index, [tok],
-                                       reason, logprobs=[seq.token_logprobs[-1]]))
-    if reason is None:
-      return
-    del seq.tokens[idx + 1:]  # a token sampled after the EOS is void
-    self._finish_seq(seq, reason)
 
   def _finish_seq(self, seq: Seq, reason: str):
     """`seq` is done (`reason`): its completion, its blocks back next step.

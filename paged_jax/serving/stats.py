@@ -42,6 +42,14 @@ class Latency:
     self.max = max(self.max, seconds)
     self.recent.append(seconds)
 
+  def add_many(self, seconds: list[float]):
+    """`add` of each of `seconds`, in order (one call per step's batch)."""
+    if seconds:
+      self.count += len(seconds)
+      self.total += sum(seconds)
+      self.max = max(self.max, max(seconds))
+      self.recent.extend(seconds)
+
   @property
   def mean(self) -> float:
     return self.total / self.count if self.count else 0.0
