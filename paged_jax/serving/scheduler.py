@@ -324,6 +324,7 @@ class Scheduler:
         self._running.remove(seq)
       if seq in self._waiting:
         self._waiting.remove(seq)
+      self.stats.recomputed_tokens += seq.num_cached
       self._release(seq)
       seq.num_cached = 0
     group.output.preemptions += 1
@@ -349,17 +350,28 @@ class Scheduler:
     pool. Returns `(plan, admitted, first)`: the entries, this step's
     admissions, and the oldest running sequence (never preempted)."""
     c = self.config
+    bs = c.block_size
     budget = c.max_tokens_per_step
     plan: list[tuple[Seq, int]] = []
     running = list(self._running)
     first = running[0] if running else None
+    growth = 0  # blocks the running entries take this step (no copies counted)
     for i, seq in enumerate(running):
       # Leave one token of budget for each running sequence after this one.
       room = budget - (len(running) - 1 - i)
-      n = min(len(seq.tokens) - seq.num_cached, room)
+      cached = seq.num_cached
+      n = min(len(seq.tokens) - cached, room)
       if n > 0:
         plan.append((seq, n))
         budget -= n
+        growth += -(-(cached + n) // bs) - -(-cached // bs)
+    # Block-aware admission: a prompt is admitted only if its blocks leave
+    # the running sequences room to grow for `admission_headroom_steps`
+    # decode steps beyond this one (each crosses a block boundary once per
+    # `bs` steps), so an admission is not soon paid for by a preemption and
+    # its recomputation. (An estimate: `_fit` stays exact.)
+    free = self._pool.num_available - growth
+    headroom = -(-len(plan) * c.admission_headroom_steps // bs)
     admitted: list[Seq] = []
     rows = len(self._running) + sum(s.group.unborn for s in self._running
                                     if s.index == 0 and s.group.unborn)
@@ -373,6 +385,12 @@ class Scheduler:
       n = min(len(seq.tokens), budget)
       if n <= 0 and not c.static_batching:
         break
+      need = -(-n // bs)  # before a prefix-cache hit (a heuristic: `_fit` is exact)
+      if (c.admission_headroom_steps and self._running and not c.static_batching
+          and need > free - headroom):
+        self.stats.deferred_admissions += 1
+        break
+      free -= need
       self._waiting.pop(0)
       self._bind(seq, self._free_slots.pop())
       self._insert(self._running, seq)

@@ -26,7 +26,7 @@ from tests.examples.conftest import (SMALL_POOL, assert_mirror_is_the_device_sta
 BS = 4
 # Two step shapes (the largest decode and mixed buckets of `SIZES`): each
 # compiles once, and this file's engines share them.
-TWO_SHAPES = dict(num_blocks=SMALL_POOL, min_bucket=16)
+TWO_SHAPES = dict(num_blocks=SMALL_POOL, min_bucket=16, admission_headroom_steps=0)
 
 
 def _poison_unowned_blocks(engine):
