@@ -261,23 +261,39 @@ def bookkeeping(state: bm.BlockState, register_seqs, register_cols,
   early, forks, late = present
   cache_ok = jnp.ones((0,), bool)
   if state.prefix_caching:
-    state, reg_ok = bm.register(state, register_seqs, register_cols)
+    state, reg_ok = _unless_empty(bm.register, state, register_seqs, register_cols)
     cache_ok = reg_ok | (register_seqs < 0)
   if early:
-    state, _ = bm.release(state, release_early)
+    state, _ = _unless_empty(bm.release, state, release_early)
   if forks:
-    state, fork_ok = bm.fork(state, fork_parents, fork_children)
+    state, fork_ok = _unless_empty(bm.fork, state, fork_parents, fork_children)
   else:
     fork_ok = jnp.zeros(fork_parents.shape, bool)
   if late:
-    state, _ = bm.release(state, release_late)
+    state, _ = _unless_empty(bm.release, state, release_late)
   if state.prefix_caching:
     # Padding rows ask for 1 block of slot -1: refused, nothing changes.
-    state, share_ok = bm.share(state, share_seqs, share_blocks,
-                               jnp.maximum(share_counts, 1))
+    state, share_ok = _unless_empty(bm.share, state, share_seqs, share_blocks,
+                                    jnp.maximum(share_counts, 1))
     cache_ok = jnp.concatenate([cache_ok, share_ok | (share_seqs < 0)])
   state, res = bm.reserve(state, seq_ids, q_lens)
   return state, fork_ok, res, cache_ok
+
+
+def _unless_empty(op, state: bm.BlockState, ids, *args):
+  """`op(state, ids, *args)`, skipped (`(state, all False)`) when every id is
+  padding (-1). Such a call changes nothing -- for `share` given that
+  `lru_len` is already 0 whenever nothing is cached, which holds between
+  steps because every `reserve` resets it -- but it still costs its full
+  work: `release` sorts `len(ids) * max_blocks_per_seq` entries (measured:
+  most of a stub model's decode step at batch 256 on CPU). A `lax.cond`, so
+  only the taken branch runs (under `vmap`, on a mesh, it becomes a select
+  and both run, as before)."""
+  n = ids.shape[0]
+  if n == 0:
+    return op(state, ids, *args)
+  return jax.lax.cond(jnp.any(ids >= 0), lambda st: op(st, ids, *args),
+                      lambda st: (st, jnp.zeros((n,), bool)), state)
 
 
 def state_fingerprint(state: bm.BlockState) -> jax.Array:
