@@ -42,7 +42,14 @@ class PrefixCaching:
     bs = self.config.block_size
     limit = prefix_cache.max_hit_blocks(len(seq.tokens), bs)
     self._extend_hashes(seq, limit)
-    blocks = self._index.lookup(seq.hashes[:limit])
+    hashes = seq.hashes[:limit]
+    blocks = self._index.lookup(hashes)
+    # Blocks this very step registers (computed by an earlier step, not in
+    # the index until the step is accepted) are hits too: `share` runs after
+    # `register` in the step's bookkeeping.
+    same_step = self._registering_by_hash
+    while len(blocks) < len(hashes) and hashes[len(blocks)] in same_step:
+      blocks.append(same_step[hashes[len(blocks)]])
     if blocks:
       self._shares[seq] = blocks
       seq.num_cached = len(blocks) * bs
@@ -69,6 +76,7 @@ class PrefixCaching:
         self._collect_registrations(seq)
     queued, self._register_next = self._register_next, []
     self._registering = []
+    self._registering_by_hash = {}
     if not queued:
       return
     tables = self._pool.tables  # before this step: a full block's entry stays
@@ -81,7 +89,9 @@ class PrefixCaching:
       if h in self._index or h in taken:
         continue
       taken.add(h)
-      self._registering.append((slot, col, h, int(tables[slot, col])))
+      block = int(tables[slot, col])
+      self._registering.append((slot, col, h, block))
+      self._registering_by_hash[h] = block
 
   def _commit_prefix_cache(self, evicted: np.ndarray, admitted: list[Seq]):
     """After the model accepted a step: index this step's registered blocks,

@@ -102,6 +102,7 @@ class Scheduler(InputPacking, PrefixCaching, Results):
     self._share_rows = config.max_batch if caching else 0
     self._register_next: list[tuple[Seq, int, int, bytes]] = []  # candidates
     self._registering: list[tuple[int, int, bytes, int]] = []  # this step's
+    self._registering_by_hash: dict[bytes, int] = {}  # the same, by hash
     self._shares: dict[Seq, list[int]] = {}  # this step's hits (admissions)
     self._fitted: Bookkeeping | None = None  # the inputs `_fit` accepted
     # Per-slot sampling parameters, written when a sequence gets a slot
@@ -450,7 +451,7 @@ class Scheduler(InputPacking, PrefixCaching, Results):
     self._fitted = None
     forks = self._forks()
     self._release_next, self._release_late_next = [], []
-    self._registering, self._shares = [], {}
+    self._registering, self._registering_by_hash, self._shares = [], {}, {}
     # Slots released after this step's forks are free for the next step.
     self._free_slots.extend(self._release_late_pending)
     self._release_late_pending = []
