@@ -71,8 +71,10 @@ class PrefixCaching:
     rest of a live sequence waits for the next step. Reads the physical blocks
     from the host model before this step (a full block's entry never
     changes)."""
-    for seq in self._running:
-      if seq.slot >= 0 and seq.fork_from < 0:
+    bs = self.config.block_size
+    for seq in self._running:  # only those with a newly full block
+      if (seq.slot >= 0 and seq.fork_from < 0
+          and seq.num_cached // bs > seq.num_registered):
         self._collect_registrations(seq)
     queued, self._register_next = self._register_next, []
     self._registering = []
