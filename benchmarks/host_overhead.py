@@ -14,7 +14,7 @@
     decoder's step time completes it (see RESULTS.md). Goal: <= 5%.
 (c) The engine's own host share (`paged_jax.serving`): the tiny Llama
     serving the ShareGPT-like mini workload at the CLI's default sizes;
-    `EngineStats.host_seconds` (scheduling with the exact host mirror of the
+    `EngineStats.host_seconds` (scheduling with the exact host model of the
     block state, building inputs, applying results) over host + device
     seconds, after warm-up. Timings on a shared CPU are noisy.
 

@@ -50,30 +50,6 @@ def spec(a, sharding=None) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
 
 
-# XLA options for programs that run on the host CPU on tiny arrays (the
-# scheduler's mirror of the block state: integer bookkeeping, microseconds a
-# call): the legacy CPU emitters at LLVM -O0 compile them in about 40% of the
-# default's CPU time and run them as fast (measured 2026-12-01, JAX 0.10.2:
-# the 6 mirror variants of a 64-block pool 9.5 s -> ~3.5 s of CPU). Integer
-# programs: the results are exactly the default's.
-# `xla_cpu_use_fusion_emitters` exists only in jaxlib < 0.11 (later ones
-# have no legacy emitters and reject the option); -O0 alone still helps.
-HOST_OPTIONS = {"xla_backend_optimization_level": 0}
-if tuple(int(p) for p in jax.lib.__version__.split(".")[:2] if p.isdigit()) < (0, 11):
-  HOST_OPTIONS["xla_cpu_use_fusion_emitters"] = False
-
-
-class HostLowered:
-  """A `jax.stages.Lowered` for the host CPU that compiles with
-  `HOST_OPTIONS` (a job of `compile_all` may return it)."""
-
-  def __init__(self, lowered: jax.stages.Lowered):
-    self.lowered = lowered
-
-  def compile(self) -> jax.stages.Compiled:
-    return self.lowered.compile(compiler_options=HOST_OPTIONS)
-
-
 def compile_all(jobs: dict[Hashable, Callable[[], jax.stages.Lowered]],
                 workers: int | None = None) -> tuple[dict, float]:
   """The executables of `jobs` (`{key: function returning the Lowered}`),

@@ -168,8 +168,13 @@ class Runner:
         self._params, self.cache, self.state, self.last_tokens, self.place(xs))
     return out
 
-  def fetch(self, out: StepOutputs, num_pools: int) -> list[StepOutputs]:
-    """Waits for a dispatched step's outputs; returns each pool's, on the host."""
+  def fetch(self, out: StepOutputs, num_pools: int, *, top: bool = True
+            ) -> list[StepOutputs]:
+    """Waits for a dispatched step's outputs; returns each pool's, on the
+    host. `top`: also the top log-probs and their ids (beam search needs
+    them; otherwise they stay on the device, `None` here)."""
+    if not top:
+      out = out.replace(top_logprobs=None, top_ids=None)
     if not all(a.is_fully_addressable for a in jax.tree.leaves(out)):
       out = multihost_utils.process_allgather(out, tiled=True)  # several hosts
     out = jax.device_get(out)

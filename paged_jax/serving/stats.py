@@ -42,6 +42,14 @@ class Latency:
     self.max = max(self.max, seconds)
     self.recent.append(seconds)
 
+  def add_many(self, seconds: list[float]):
+    """`add` of each of `seconds`, in order (one call per step's batch)."""
+    if seconds:
+      self.count += len(seconds)
+      self.total += sum(seconds)
+      self.max = max(self.max, max(seconds))
+      self.recent.extend(seconds)
+
   @property
   def mean(self) -> float:
     return self.total / self.count if self.count else 0.0
@@ -84,6 +92,12 @@ class EngineStats:
     computed_tokens: real token rows run (prompt, recompute and decode).
     padded_rows: token rows computed, padding included (the buckets' sizes).
     preemptions, refused_reservations, finished, rejected, aborted: counts.
+    recomputed_tokens: tokens whose K/V a preemption dropped (the victims'
+      computed tokens at that moment), to be computed again at re-admission
+      (less any prefix-cache hits then).
+    deferred_admissions: steps in which block-aware admission left a
+      waiting request queued because its prompt's blocks would not leave
+      the running sequences room to grow (`Scheduler._schedule`).
     host_seconds: the host's own work per step (scheduling, input building,
       dispatching, applying results), compilation excluded.
     wait_seconds: the host waiting for a step's results.
@@ -118,6 +132,8 @@ class EngineStats:
   computed_tokens: int = 0
   padded_rows: int = 0
   preemptions: int = 0
+  recomputed_tokens: int = 0
+  deferred_admissions: int = 0
   refused_reservations: int = 0
   finished: int = 0
   rejected: int = 0

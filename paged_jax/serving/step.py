@@ -16,10 +16,11 @@ Storing the sampled tokens on the device is what makes the engine's steps
 asynchronous: the host builds and dispatches step N+1 before step N's tokens
 reach it, and step N+1 reads them from `last_tokens` (`StepInputs.token_slots`).
 
-The host has already run the same bookkeeping (`bookkeeping`) on its mirror
-of the block state, so every reservation in a step succeeds; a refused one
-would leave that sequence's state as it was, its rows writing and attending to
-nothing (`step_metadata(active=...)`), and the host would raise on `ok`.
+The host has already applied the same bookkeeping to its exact NumPy model of
+the block state (`host_pool.HostPool`), so every reservation in a step
+succeeds; a refused one would leave that sequence's state as it was, its rows
+writing and attending to nothing (`step_metadata(active=...)`), and the host
+would raise on `ok` or on the state's fingerprint (`state_fingerprint`).
 
 `mesh_device_step` is the same step on a `(data, model)` device mesh: the
 bookkeeping runs once per data shard (`vmap` over the stacked block states),
@@ -110,6 +111,7 @@ class StepOutputs:
   ok: jax.Array  # bool[num_seqs]  reservation per entry (the host knew it)
   fork_ok: jax.Array  # bool[max_batch]  (the host knew it too)
   token_logprobs: jax.Array  # f32[num_seqs]  log-prob of each sampled token
+  fingerprint: jax.Array  # u32[5]  `state_fingerprint` after the bookkeeping
 
 
 def device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
@@ -142,7 +144,8 @@ def device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
                                               x, num_logprobs)
   last_tokens = store_tokens(last_tokens, x.sample_slots, tokens)
   return cache, state, last_tokens, StepOutputs(tokens, top_lp, top_ids, res.ok,
-                                                fork_ok, token_lp)
+                                                fork_ok, token_lp,
+                                                state_fingerprint(state))
 
 
 def input_tokens(last_tokens: jax.Array, x: StepInputs) -> jax.Array:
@@ -217,7 +220,8 @@ def mesh_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
       jax.vmap(store_tokens)(last_tokens, x.sample_slots, tokens),
       NamedSharding(mesh, by_data))
   return cache, states, last_tokens, StepOutputs(tokens, top_lp, top_ids, res.ok,
-                                                 fork_ok, token_lp)
+                                                 fork_ok, token_lp,
+                                                 jax.vmap(state_fingerprint)(states))
 
 
 BOOKKEEPING_FIELDS = ("register_seqs", "register_cols", "release_early",
@@ -242,11 +246,12 @@ def bookkeeping(state: bm.BlockState, register_seqs, register_cols,
 
   `present` (static) says which of `release_early`, the forks and
   `release_late` hold any entry; an empty one (all -1) changes nothing, so
-  leaving it out gives the same result with less work (the host mirror does;
-  the device step runs all three).
+  leaving it out gives the same result with less work (the device step runs
+  all three).
 
   The one function that decides blocks: the device step runs it, and the
-  host runs it on its mirror of the pool first (`scheduler.Scheduler._fit`),
+  host applies the same transitions to its exact NumPy model of the pool
+  first (`host_pool.HostPool.bookkeeping`, in `scheduler.Scheduler._fit`),
   so the host plans with exactly what the device will grant.
 
   Returns:
@@ -256,23 +261,58 @@ def bookkeeping(state: bm.BlockState, register_seqs, register_cols,
   early, forks, late = present
   cache_ok = jnp.ones((0,), bool)
   if state.prefix_caching:
-    state, reg_ok = bm.register(state, register_seqs, register_cols)
+    state, reg_ok = _unless_empty(bm.register, state, register_seqs, register_cols)
     cache_ok = reg_ok | (register_seqs < 0)
   if early:
-    state, _ = bm.release(state, release_early)
+    state, _ = _unless_empty(bm.release, state, release_early)
   if forks:
-    state, fork_ok = bm.fork(state, fork_parents, fork_children)
+    state, fork_ok = _unless_empty(bm.fork, state, fork_parents, fork_children)
   else:
     fork_ok = jnp.zeros(fork_parents.shape, bool)
   if late:
-    state, _ = bm.release(state, release_late)
+    state, _ = _unless_empty(bm.release, state, release_late)
   if state.prefix_caching:
     # Padding rows ask for 1 block of slot -1: refused, nothing changes.
-    state, share_ok = bm.share(state, share_seqs, share_blocks,
-                               jnp.maximum(share_counts, 1))
+    state, share_ok = _unless_empty(bm.share, state, share_seqs, share_blocks,
+                                    jnp.maximum(share_counts, 1))
     cache_ok = jnp.concatenate([cache_ok, share_ok | (share_seqs < 0)])
   state, res = bm.reserve(state, seq_ids, q_lens)
   return state, fork_ok, res, cache_ok
+
+
+def _unless_empty(op, state: bm.BlockState, ids, *args):
+  """`op(state, ids, *args)`, skipped (`(state, all False)`) when every id is
+  padding (-1). Such a call changes nothing -- for `share` given that
+  `lru_len` is already 0 whenever nothing is cached, which holds between
+  steps because every `reserve` resets it -- but it still costs its full
+  work: `release` sorts `len(ids) * max_blocks_per_seq` entries (measured:
+  most of a stub model's decode step at batch 256 on CPU). A `lax.cond`, so
+  only the taken branch runs (under `vmap`, on a mesh, it becomes a select
+  and both run, as before)."""
+  n = ids.shape[0]
+  if n == 0:
+    return op(state, ids, *args)
+  return jax.lax.cond(jnp.any(ids >= 0), lambda st: op(st, ids, *args),
+                      lambda st: (st, jnp.zeros((n,), bool)), state)
+
+
+def state_fingerprint(state: bm.BlockState) -> jax.Array:
+  """u32[5], a cheap checksum of one pool's block state: `(num_free,
+  num_cached, sum w*seq_lens, sum w*refcounts, sum w*(block_tables + 1))`,
+  wrapping mod 2**32, with odd weights `w = 2 * index + 1`. The scheduler's
+  NumPy model of the pool (`host_pool.HostPool.fingerprint`) computes the
+  same, and compares them when the step's results arrive."""
+  u32 = jnp.uint32
+
+  def weighted(a):
+    a = a.reshape(-1).astype(u32)
+    return jnp.sum(a * (2 * jnp.arange(a.shape[0], dtype=u32) + 1), dtype=u32)
+
+  num_cached = (state.num_cached if state.prefix_caching
+                else jnp.zeros((), jnp.int32))
+  return jnp.stack([state.num_free.astype(u32), num_cached.astype(u32),
+                    weighted(state.seq_lens), weighted(state.refcounts),
+                    weighted(state.block_tables + 1)])
 
 
 def bookkeeping_args(x: StepInputs) -> tuple:

@@ -50,7 +50,7 @@ def assert_mirror_is_the_device_state(engine: Engine):
   state = engine.block_state
   for i, pool in enumerate(pools):
     device = state if engine.mesh is None else jax.tree.map(lambda x, i=i: x[i], state)
-    for a, b in zip(jax.tree.leaves(pool._mirror), jax.tree.leaves(device)):  # pylint: disable=protected-access
+    for a, b in zip(jax.tree.leaves(pool.mirror_state()), jax.tree.leaves(device)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

@@ -16,7 +16,7 @@ def _with_eos_mid_sequence(model, requests):
   """`requests` with each one's EOS set to a token it generates part-way
   (found by a first run), so sequences stop while their next step is already
   in flight."""
-  first = serve(make_engine(model, num_blocks=SMALL_POOL, async_scheduling=False,
+  first = serve(make_engine(model, num_blocks=SMALL_POOL, admission_headroom_steps=0, async_scheduling=False,
                             max_beam_width=2), requests)
   out = []
   for r in requests:
@@ -37,9 +37,9 @@ def test_async_matches_sync_with_eos_forks_sampling_and_preemption(model):
   requests = _with_eos_mid_sequence(model, requests)
   # One pool size for every engine here (the steps compile once); it is
   # small enough to preempt.
-  sync = make_engine(model, num_blocks=SMALL_POOL, async_scheduling=False,
+  sync = make_engine(model, num_blocks=SMALL_POOL, admission_headroom_steps=0, async_scheduling=False,
                      max_beam_width=2)
-  asyn = make_engine(model, num_blocks=SMALL_POOL, max_beam_width=2)
+  asyn = make_engine(model, num_blocks=SMALL_POOL, admission_headroom_steps=0, max_beam_width=2)
   want, got = serve(sync, requests), serve(asyn, requests)
   assert tokens(got) == tokens(want)
   stops = sum(c.finish_reason == "stop" for o in got.values() for c in o.completions)
@@ -55,7 +55,7 @@ def test_results_are_read_after_the_next_dispatch(model):
   runner = engine._runner  # pylint: disable=protected-access
   dispatch, fetch = runner.dispatch, runner.fetch
   runner.dispatch = lambda *a: (events.append("dispatch"), dispatch(*a))[1]
-  runner.fetch = lambda *a: (events.append("fetch"), fetch(*a))[1]
+  runner.fetch = lambda *a, **k: (events.append("fetch"), fetch(*a, **k))[1]
   serve(engine, random_requests(6, 3, new=(6, 8)))
   # Every fetch but the last (the final step's, when nothing is left to
   # dispatch) comes right after the dispatch of the next step.

@@ -46,7 +46,7 @@ def test_paged_greedy_matches_dense_oracle_and_solo_runs(model, oracle):
 def test_preemption_and_recompute_give_the_same_outputs(model):
   requests = random_requests(1, 8, prompt=(8, 24), new=(8, 16))
   big = make_engine(model)
-  small = make_engine(model, num_blocks=SMALL_POOL)
+  small = make_engine(model, num_blocks=SMALL_POOL, admission_headroom_steps=0)
   want, got = serve(big, requests), serve(small, requests)
   assert small.stats.preemptions > 0
   assert big.stats.preemptions == 0
@@ -54,6 +54,19 @@ def test_preemption_and_recompute_give_the_same_outputs(model):
   assert sum(o.preemptions for o in got.values()) == small.stats.preemptions
   assert_pool_empty(big)
   assert_pool_empty(small)
+
+
+def test_block_aware_admission_preempts_less_with_the_same_outputs(model):
+  requests = random_requests(1, 8, prompt=(8, 24), new=(8, 16))
+  eager = make_engine(model, num_blocks=SMALL_POOL, admission_headroom_steps=0)
+  aware = make_engine(model, num_blocks=SMALL_POOL)  # the default headroom
+  want, got = serve(eager, requests), serve(aware, requests)
+  assert tokens(got) == tokens(want)
+  assert eager.stats.preemptions > aware.stats.preemptions
+  assert eager.stats.recomputed_tokens > aware.stats.recomputed_tokens > 0 or (
+      aware.stats.preemptions == 0 and aware.stats.recomputed_tokens == 0)
+  assert aware.stats.deferred_admissions > 0
+  assert_pool_empty(aware)
 
 
 def test_forked_samples_match_independent_runs_with_the_same_seeds(model):
@@ -146,7 +159,7 @@ def test_beam_and_sampling_groups_survive_preemption(model, params):
   requests = [Request("old", list(range(100, 120)), SamplingParams(max_new_tokens=16)),
               Request("group", list(range(50, 59)), params)]
   big = make_engine(model, max_beam_width=2)
-  small = make_engine(model, num_blocks=SMALL_POOL, max_beam_width=2)
+  small = make_engine(model, num_blocks=SMALL_POOL, admission_headroom_steps=0, max_beam_width=2)
   want, got = serve(big, requests), serve(small, requests)
   assert got["group"].preemptions > 0 and got["old"].preemptions == 0
   assert tokens(got) == tokens(want)
@@ -207,7 +220,7 @@ def test_eos_stops_a_sequence(model, oracle):
 
 
 def test_rejects_requests_that_can_never_fit(model):
-  engine = make_engine(model, num_blocks=SMALL_POOL)
+  engine = make_engine(model, num_blocks=SMALL_POOL, admission_headroom_steps=0)
   cases = {
       "long": (list(range(3, 60)), SamplingParams(max_new_tokens=10), "max_model_len"),
       "pool": (list(range(3, 40)), SamplingParams(max_new_tokens=20), "the pool has 12"),
@@ -224,7 +237,7 @@ def test_rejects_requests_that_can_never_fit(model):
 
 
 def test_request_that_does_not_fit_now_waits(model):
-  engine = make_engine(model, num_blocks=SMALL_POOL)
+  engine = make_engine(model, num_blocks=SMALL_POOL, admission_headroom_steps=0)
   reqs = [Request(i, list(range(3, 33)), SamplingParams(max_new_tokens=10))
           for i in range(2)]  # 40 tokens = 10 of the 12 blocks each
   for r in reqs:
@@ -243,6 +256,8 @@ def test_request_that_does_not_fit_now_waits(model):
     (dict(num_blocks=8, max_batch=8, max_tokens_per_step=4), "must be >= max_batch"),
     (dict(num_blocks=8, max_model_len=1), "max_model_len must be >= 2"),
     (dict(num_blocks=8, max_batch=2, max_beam_width=3), "max_beam_width=3 must be <="),
+    (dict(num_blocks=8, admission_headroom_steps=-1),
+     "admission_headroom_steps must be an int >= 0, got -1"),
 ])
 def test_engine_config_errors(kw, match):
   with pytest.raises(ValueError, match=match):
@@ -270,7 +285,7 @@ def test_samples_that_cannot_all_fit_take_turns(model):
   # once, so the newer one is preempted and recomputed after the older ends.
   req = Request("g", list(range(20, 40)),
                 SamplingParams(n=2, temperature=1.0, seed=1, max_new_tokens=20))
-  small = make_engine(model, num_blocks=SMALL_POOL)
+  small = make_engine(model, num_blocks=SMALL_POOL, admission_headroom_steps=0)
   for_small = small.add_request(req)
   assert for_small is None
   got = {o.request_id: o for o in small.run_until_done(max_steps=500)}

@@ -40,7 +40,7 @@ class EngineMachine(RuleBasedStateMachine):
   def __init__(self):
     super().__init__()
     model, self.oracle = _shared()
-    self.engine = make_engine(model, num_blocks=SMALL_POOL, max_beam_width=2)
+    self.engine = make_engine(model, num_blocks=SMALL_POOL, admission_headroom_steps=0, max_beam_width=2)
     self.accepted = {}
     self.outputs = {}
     self.next_id = 0

@@ -26,7 +26,7 @@ from tests.examples.conftest import (SMALL_POOL, assert_mirror_is_the_device_sta
 BS = 4
 # Two step shapes (the largest decode and mixed buckets of `SIZES`): each
 # compiles once, and this file's engines share them.
-TWO_SHAPES = dict(num_blocks=SMALL_POOL, min_bucket=16)
+TWO_SHAPES = dict(num_blocks=SMALL_POOL, min_bucket=16, admission_headroom_steps=0)
 
 
 def _poison_unowned_blocks(engine):
@@ -142,6 +142,23 @@ def test_hits_salts_and_statistics(model):
   assert st.prefix_blocks_registered >= 8
   assert len(engine._pools[0].prefix_index) == st.prefix_blocks_registered - (  # pylint: disable=protected-access
       st.prefix_blocks_evicted)
+
+
+def test_hits_on_blocks_registered_in_the_same_step(model):
+  """A prompt admitted in the step that registers another sequence's blocks
+  (computed the step before, not yet in the index) hits them."""
+  prompt = list(range(10, 27))  # 17 tokens: 4 full blocks before the last
+  greedy = SamplingParams(max_new_tokens=3)
+  engine = make_engine(model, **TWO_SHAPES, enable_prefix_caching=True)
+  engine.add_request(Request("a", prompt, greedy))
+  engine.step()  # "a"'s first 16 tokens: 4 full blocks, registered next step
+  engine.add_request(Request("b", prompt, greedy))
+  outs = {o.request_id: o for o in engine.run_until_done()}
+  assert outs["b"].num_cached_tokens == 16
+  assert outs["b"].completions == outs["a"].completions
+  for pool in engine._pools:  # pylint: disable=protected-access
+    pool.check_prefix_index()
+  assert_mirror_is_the_device_state(engine)
 
 
 def test_caching_off_has_no_prefix_inputs_and_no_statistics(model):

@@ -1,0 +1,482 @@
+"""An exact NumPy model of one pool's `BlockState`, for the scheduler.
+
+The scheduler must know, before it dispatches a step, what the step's block
+bookkeeping (`step.bookkeeping`: register -> release -> fork -> release ->
+share -> reserve, run by the device inside the jitted step) will grant. Until
+#21 it ran that very function, jitted, on a copy of the state on the host
+CPU device, and read the answer back with a blocking `jax.device_get`. On the
+CPU backend that small program queues behind the step running on the same
+device, so planning step N+1 waited for step N to end; on an accelerator it
+still cost a dispatch and a fetch per step.
+
+`HostPool` computes the same transitions in NumPy, in place, on the host:
+
+* **Exact.** Every array of the `BlockState` is modelled, the free stack's
+  and the cached-block ring's slots included, with the same rules in the same
+  order (`block_manager.reserve`'s in-order scan, `release`'s stack pushes in
+  block order and ring appends in release order, `_compact_if_full`,
+  `share`'s tombstones, `lru_len` reset when nothing is cached). So
+  `to_state()` equals the device's state array for array, and the block ids
+  the scheduler hands the device (prefix-cache hits, registrations) are the
+  device's. `tests/paged_jax/serving/test_host_pool.py` proves it against
+  `block_manager` with a hypothesis state machine; the engine checks a
+  fingerprint of the device's state against the model's at every resolve.
+* **Proportional to what changed.** Each operation first drops padding rows
+  (-1), then touches only the listed sequences' rows and the blocks they own
+  or take. Reservations that cross no block boundary cost no Python at all;
+  the in-order scan runs in Python only over the entries that take a block
+  or copy one, and only when the pool cannot serve every request at once or
+  a copy-on-write is possible.
+* **Transactional.** `begin()` opens a trial; `rollback()` undoes it (the
+  scheduler's `_fit` retries after taking back an admission), `commit()`
+  keeps it. The undo journal holds only the entries written.
+
+`block_manager` stays the allocator: the device runs it in every step, and
+this model is judged against it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from paged_jax import block_manager as bm
+
+NULL = bm.NULL_BLOCK
+_MASK = 0xFFFFFFFF
+
+
+@dataclasses.dataclass
+class HostReservation:
+  """`block_manager.Reservation` on the host (NumPy)."""
+
+  ok: np.ndarray  # bool[n]
+  copy_src: np.ndarray  # i32[n]
+  copy_dst: np.ndarray  # i32[n]
+  evicted: np.ndarray | None  # i32[n, width], None without prefix caching
+
+
+def _first_occurrence(ids: np.ndarray) -> np.ndarray:
+  """bool[n]: True where `ids[i]` is not in `ids[:i]`."""
+  out = np.zeros(ids.shape, bool)
+  if ids.size:
+    _, first = np.unique(ids, return_index=True)
+    out[first] = True
+  return out
+
+
+def _cdiv(a, b):
+  return -(-a // b)
+
+
+def fingerprint_weights(n: int) -> np.ndarray:
+  """u32[n] weights of the fingerprint sums (odd, distinct)."""
+  return (2 * np.arange(n, dtype=np.uint64) + 1).astype(np.uint32)
+
+
+class HostPool:
+  """The exact NumPy model of one pool (see the module docstring).
+
+  Args:
+    state: the pool's initial `BlockState` (one shard, not stacked).
+  """
+
+  def __init__(self, state: bm.BlockState):
+    self.block_size = state.block_size
+    self.caching = state.prefix_caching
+    self.tables = np.array(state.block_tables, np.int32)
+    self.lens = np.array(state.seq_lens, np.int32)
+    self.refs = np.array(state.refcounts, np.int32)
+    self.stack = np.array(state.free_stack, np.int32)
+    self.num_free = int(state.num_free)
+    self.num_blocks = self.refs.shape[0]
+    self.max_seqs, self.width = self.tables.shape
+    self.max_seq_len = self.width * self.block_size
+    if self.caching:
+      self.cacheable = np.array(state.cacheable, bool)
+      self.lru = np.array(state.lru, np.int32)
+      self.lru_pos = np.array(state.lru_pos, np.int32)
+      self.lru_head = int(state.lru_head)
+      self.lru_len = int(state.lru_len)
+      self.num_cached = int(state.num_cached)
+    else:
+      self.num_cached = 0
+    # Running fingerprint sums (mod 2**32): see `fingerprint`.
+    self._w_blocks = fingerprint_weights(self.num_blocks).astype(np.int64)
+    self._w_seqs = fingerprint_weights(self.max_seqs).astype(np.int64)
+    self._w_cells = fingerprint_weights(self.max_seqs * self.width).astype(
+        np.int64).reshape(self.max_seqs, self.width)
+    self._sum_refs = int(np.dot(self.refs.astype(np.int64), self._w_blocks)) & _MASK
+    self._sum_lens = int(np.dot(self.lens.astype(np.int64), self._w_seqs)) & _MASK
+    self._sum_tables = int(np.sum((self.tables.astype(np.int64) + 1)
+                                  * self._w_cells)) & _MASK
+    self._journal: list | None = None
+    self._saved: tuple | None = None
+    self._arange = np.arange(self.max_seqs)  # scratch for `_leading_unique`
+    self._mark = np.zeros(self.max_seqs, np.int64)
+
+  # ------------------------------------------------------------ transactions
+
+  _SCALARS = ("num_free", "num_cached", "lru_head", "lru_len", "_sum_refs",
+              "_sum_lens", "_sum_tables")
+
+  def begin(self):
+    """Opens a trial: changes from here on can be undone (`rollback`)."""
+    self._journal = []
+    self._saved = tuple(getattr(self, k, None) for k in self._SCALARS)
+
+  def commit(self):
+    self._journal, self._saved = None, None
+
+  def rollback(self):
+    """Undoes every change since `begin()`."""
+    for arr, idx, old in reversed(self._journal):
+      arr[idx] = old
+    for k, v in zip(self._SCALARS, self._saved):
+      if v is not None:
+        setattr(self, k, v)
+    self._journal, self._saved = None, None
+
+  def _set(self, arr: np.ndarray, idx, vals):
+    """`arr[idx] = vals`, journaled (and the fingerprint sums kept)."""
+    old = arr[idx].copy()
+    if self._journal is not None:
+      self._journal.append((arr, idx, old))
+    arr[idx] = vals
+    if arr is self.refs:
+      new = arr[idx].astype(np.int64) - old
+      self._sum_refs = (self._sum_refs + int(np.sum(new * self._w_blocks[idx]))) & _MASK
+    elif arr is self.lens:
+      new = arr[idx].astype(np.int64) - old
+      self._sum_lens = (self._sum_lens + int(np.sum(new * self._w_seqs[idx]))) & _MASK
+    elif arr is self.tables:
+      new = arr[idx].astype(np.int64) - old
+      self._sum_tables = (self._sum_tables + int(np.sum(new * self._w_cells[idx]))) & _MASK
+
+  def _add_refs(self, blocks: np.ndarray, delta: int):
+    """`refs[blocks] += delta` per occurrence (blocks may repeat)."""
+    if blocks.size == 0:
+      return
+    ids, counts = np.unique(blocks, return_counts=True)
+    self._set(self.refs, ids, self.refs[ids] + delta * counts.astype(np.int32))
+
+  # -------------------------------------------------------------- reading
+
+  @property
+  def num_available(self) -> int:
+    return self.num_free + self.num_cached
+
+  def fingerprint(self) -> np.ndarray:
+    """u32[5]: `(num_free, num_cached, sum w*seq_lens, sum w*refcounts,
+    sum w*(block_tables + 1))` mod 2**32, with `fingerprint_weights`; the
+    device computes the same of its state (`step.state_fingerprint`)."""
+    return np.array([self.num_free, self.num_cached, self._sum_lens,
+                     self._sum_refs, self._sum_tables], np.uint64).astype(np.uint32)
+
+  def to_state(self) -> bm.BlockState:
+    """The modelled `BlockState`, as NumPy arrays (copies)."""
+    cache = dict.fromkeys(("cacheable", "lru", "lru_pos", "lru_head",
+                           "lru_len", "num_cached"))
+    if self.caching:
+      cache = dict(cacheable=self.cacheable.copy(), lru=self.lru.copy(),
+                   lru_pos=self.lru_pos.copy(),
+                   lru_head=np.int32(self.lru_head),
+                   lru_len=np.int32(self.lru_len),
+                   num_cached=np.int32(self.num_cached))
+    return bm.BlockState(block_tables=self.tables.copy(), seq_lens=self.lens.copy(),
+                         refcounts=self.refs.copy(), free_stack=self.stack.copy(),
+                         num_free=np.int32(self.num_free),
+                         block_size=self.block_size, **cache)
+
+  # ------------------------------------------------------------ operations
+
+  def _owned(self, sid: np.ndarray):
+    """`(rows [k], cols [k])` of the blocks the slots `sid` own, slot by slot
+    in order and each slot's blocks first to last."""
+    nb = _cdiv(self.lens[sid].astype(np.int64), self.block_size)
+    rows = np.repeat(np.arange(sid.shape[0]), nb)
+    start = np.cumsum(nb) - nb
+    cols = np.arange(rows.shape[0]) - np.repeat(start, nb)
+    return rows, cols
+
+  def register(self, seq_ids, cols) -> np.ndarray:
+    """`block_manager.register`."""
+    seq_ids, cols = np.asarray(seq_ids), np.asarray(cols)
+    ok = np.zeros(seq_ids.shape, bool)
+    real = np.flatnonzero(seq_ids >= 0)
+    if not real.size:
+      return ok
+    s = seq_ids[real]
+    c = cols[real]
+    good = ((s < self.max_seqs) & (c >= 0)
+            & (c < self.lens[np.clip(s, 0, self.max_seqs - 1)] // self.block_size))
+    ok[real] = good
+    s, c = s[good], c[good]
+    if s.size:
+      self._set(self.cacheable, self.tables[s, c], True)
+    return ok
+
+  def release(self, seq_ids) -> np.ndarray:
+    """`block_manager.release`."""
+    seq_ids = np.asarray(seq_ids)
+    ok = np.zeros(seq_ids.shape, bool)
+    real = np.flatnonzero((seq_ids >= 0) & (seq_ids < self.max_seqs))
+    if not real.size:
+      return ok
+    s = seq_ids[real]
+    good = (self.lens[s] > 0) & _first_occurrence(seq_ids)[real]
+    ok[real] = good
+    order_idx = real[good]  # entry index in the call (release order)
+    s = s[good]
+    if not s.size:
+      return ok
+    rows, cols = self._owned(s)
+    blocks = self.tables[s[rows], cols]
+    self._add_refs(blocks, -1)
+    ids = np.unique(blocks)
+    freed = ids[self.refs[ids] == 0]  # ascending block ids
+    if self.caching and freed.size:
+      keep = self.cacheable[freed]
+      to_stack = freed[~keep]
+      kept = freed[keep]
+    else:
+      to_stack, kept = freed, freed[:0]
+    if to_stack.size:
+      self._set(self.stack, np.arange(self.num_free, self.num_free + to_stack.size),
+                to_stack)
+      self.num_free += int(to_stack.size)
+    if kept.size:
+      # Release order: entries as given, each one's blocks last first; a
+      # block several released entries shared counts at its last release.
+      pos = order_idx[rows].astype(np.int64) * self.width + (self.width - 1 - cols)
+      last = np.full(self.num_blocks, -1, np.int64)
+      np.maximum.at(last, blocks, pos)
+      kept = kept[np.argsort(last[kept], kind="stable")]
+      self._append_ring(kept)
+    self._set(self.tables, s, NULL)
+    self._set(self.lens, s, 0)
+    return ok
+
+  def _ring_slot(self, k):
+    return (self.lru_head + k) % self.lru.shape[0]
+
+  def _append_ring(self, blocks: np.ndarray):
+    size = self.lru.shape[0]
+    if self.lru_len > size - blocks.size:  # `_compact_if_full`
+      window = self._ring_slot(np.arange(self.lru_len))
+      ent = self.lru[window]
+      live = ent[ent >= 0]
+      new = np.full(size, NULL, np.int32)
+      new[:live.size] = live
+      self._set(self.lru, slice(None), new)
+      self._set(self.lru_pos, live, np.arange(live.size, dtype=np.int32))
+      self.lru_head, self.lru_len = 0, self.num_cached
+    slots = self._ring_slot(self.lru_len + np.arange(blocks.size))
+    self._set(self.lru, slots, blocks)
+    self._set(self.lru_pos, blocks, slots.astype(np.int32))
+    self.lru_len += int(blocks.size)
+    self.num_cached += int(blocks.size)
+
+  def fork(self, parents, children) -> np.ndarray:
+    """`block_manager.fork`."""
+    parents, children = np.asarray(parents), np.asarray(children)
+    ok = np.zeros(parents.shape, bool)
+    real = np.flatnonzero((parents >= 0) | (children >= 0))
+    if not real.size:
+      return ok
+    p, c = parents[real], children[real]
+    ms = self.max_seqs
+    good = (p >= 0) & (p < ms) & (c >= 0) & (c < ms) & (p != c)
+    pc, cc = np.clip(p, 0, ms - 1), np.clip(c, 0, ms - 1)
+    good &= (self.lens[pc] > 0) & (self.lens[cc] == 0)
+    good &= _first_occurrence(children)[real]  # over the whole call, as fork
+    ok[real] = good
+    p, c = p[good], c[good]
+    if not p.size:
+      return ok
+    rows, cols = self._owned(p)
+    self._add_refs(self.tables[p[rows], cols], 1)
+    self._set(self.tables, c, self.tables[p])
+    self._set(self.lens, c, self.lens[p])
+    return ok
+
+  def share(self, seq_ids, block_ids, counts) -> np.ndarray:
+    """`block_manager.share` (the engine passes `max(counts, 1)`)."""
+    seq_ids, block_ids, counts = (np.asarray(seq_ids), np.asarray(block_ids),
+                                  np.asarray(counts))
+    ok = np.zeros(seq_ids.shape, bool)
+    real = np.flatnonzero(seq_ids >= 0)
+    if real.size:
+      s, blk, cnt = seq_ids[real], block_ids[real], counts[real]
+      m = block_ids.shape[1]
+      ms, nb = self.max_seqs, self.num_blocks
+      inside = np.arange(m)[None, :] < cnt[:, None]
+      good_blk = (blk >= 0) & (blk < nb) & self.cacheable[np.clip(blk, 0, nb - 1)]
+      ranked = np.sort(np.where(inside, blk, NULL), axis=1)
+      repeated = (np.any((ranked[:, 1:] == ranked[:, :-1]) & (ranked[:, 1:] >= 0),
+                         axis=1) if m > 1 else np.zeros(s.shape, bool))
+      fo = _first_occurrence(seq_ids)[real]
+      good = ((s < ms) & (self.lens[np.clip(s, 0, ms - 1)] == 0) & (cnt >= 1)
+              & (cnt <= m) & fo & np.all(good_blk | ~inside, axis=1) & ~repeated)
+      ok[real] = good
+      s, blk, inside = s[good], blk[good], inside[good]
+      if s.size:
+        owned = blk[inside]
+        self._add_refs(owned, 1)
+        ids = np.unique(owned)
+        slot = self.lru_pos[ids]
+        leaving = ids[slot >= 0]
+        if leaving.size:
+          self._set(self.lru, self.lru_pos[leaving], NULL)
+          self._set(self.lru_pos, leaving, -1)
+          self.num_cached -= int(leaving.size)
+        row = np.full((s.size, self.width), NULL, np.int32)
+        row[:, :m] = np.where(inside, blk, NULL)
+        self._set(self.tables, s, row)
+        self._set(self.lens, s, cnt[good] * self.block_size)
+    if self.num_cached == 0:
+      self.lru_len = 0
+    return ok
+
+  def reserve(self, seq_ids, num_new) -> HostReservation:
+    """`block_manager.reserve`."""
+    seq_ids, num_new = np.asarray(seq_ids), np.asarray(num_new)
+    n, ms = seq_ids.shape[0], self.max_seqs
+    res = HostReservation(
+        ok=np.zeros(n, bool), copy_src=np.full(n, NULL, np.int32),
+        copy_dst=np.full(n, NULL, np.int32),
+        evicted=np.full((n, self.width), NULL, np.int32) if self.caching else None)
+    k = self._leading_unique(seq_ids, num_new)
+    if k is not None:  # the scheduler's layout: k valid entries, then padding
+      real = self._arange[:k]
+    else:
+      real = np.flatnonzero((seq_ids >= 0) & (seq_ids < ms) & (num_new >= 0))
+      if real.size:
+        real = real[_first_occurrence(seq_ids)[real]]
+    if real.size:
+      self._reserve(real, seq_ids[real], num_new[real].astype(np.int64), res)
+    if self.caching and self.num_cached == 0:
+      self.lru_len = 0
+    return res
+
+  def _leading_unique(self, seq_ids, num_new) -> int | None:
+    """`k` when the first `k` entries are distinct valid slots with sizes
+    >= 0 and the rest are padding (-1): the layout the scheduler sends, which
+    then skips the general filtering (a few whole-array operations, no sort).
+    None otherwise."""
+    n = seq_ids.shape[0]
+    if n > self._arange.shape[0]:
+      return None
+    pad = seq_ids < 0
+    k = n - int(np.count_nonzero(pad))
+    if k == 0 or pad[:k].any():
+      return None
+    s = seq_ids[:k]
+    if int(s.max()) >= self.max_seqs or int(num_new[:k].min()) < 0:
+      return None
+    mark = self._mark
+    mark[s] = self._arange[:k]
+    if not np.array_equal(mark[s], self._arange[:k]):  # a repeated slot
+      return None
+    return k
+
+  def _reserve(self, real, s, q, res: HostReservation):
+    bs = self.block_size
+    old = self.lens[s].astype(np.int64)
+    new_len = old + q
+    if int(new_len.max()) <= self.max_seq_len:  # every size fits a sequence
+      valid = np.ones(s.shape, bool)
+    else:
+      valid = q <= self.max_seq_len - old
+      new_len = old + np.where(valid, q, 0)
+    cur = -(-old // bs)
+    grow = -(-new_len // bs) - cur
+    last = self.tables[s, np.maximum(cur - 1, 0)]
+    partial = valid & (q > 0) & (old % bs != 0)
+    cow_cand = partial & (self.refs[last] > 1)  # `last` is a block where partial
+    avail = self.num_available
+    if not cow_cand.any() and int(grow[valid].sum()) <= avail:
+      ok, cow, need = valid, np.zeros(s.shape, bool), np.where(valid, grow, 0)
+    else:  # the in-order scan, over the entries that take or copy a block
+      ok = valid.copy()
+      cow = np.zeros(s.shape, bool)
+      need = np.zeros(s.shape, np.int64)
+      last_refs = self.refs[np.clip(last, 0, self.num_blocks - 1)]
+      copied: dict[int, int] = {}
+      for i in np.flatnonzero(valid & ((grow > 0) | cow_cand)).tolist():
+        c = bool(cow_cand[i]) and last_refs[i] - copied.get(int(last[i]), 0) > 1
+        k = int(grow[i]) + c
+        if k <= avail:
+          avail -= k
+          need[i], cow[i] = k, c
+          if c:
+            copied[int(last[i])] = copied.get(int(last[i]), 0) + 1
+        else:
+          ok[i] = False
+    take = np.flatnonzero(need > 0)
+    total = int(np.sum(need))
+    if total:
+      # Blocks in request order: the top of the free stack, then evictions.
+      from_stack = min(total, self.num_free)
+      ids = self.stack[self.num_free - 1 - np.arange(from_stack)]
+      evicted = self._evict(total - from_stack) if total > from_stack else ids[:0]
+      new_ids = np.concatenate([ids, evicted]).astype(np.int32)
+      k = need[take]
+      owner = np.repeat(take, k)
+      first = cur[take] - cow[take]
+      cols = np.repeat(first, k) + (np.arange(total) - np.repeat(np.cumsum(k) - k, k))
+      self._set(self.refs, new_ids, self.refs[new_ids] + 1)
+      self._set(self.tables, (s[owner], cols), new_ids)
+      if self.caching:
+        self._set(self.cacheable, new_ids, False)
+        if evicted.size:
+          self._set(self.lru_pos, evicted, -1)
+          res.evicted[real[owner[from_stack:]], cols[from_stack:]] = evicted
+        self.num_cached -= int(evicted.size)
+      self.num_free -= from_stack
+      c = np.flatnonzero(cow)
+      if c.size:
+        self._add_refs(last[c], -1)
+        start = np.cumsum(need) - need
+        res.copy_src[real[c]] = last[c]
+        res.copy_dst[real[c]] = new_ids[start[c]]
+    grown = np.flatnonzero(ok & (new_len != old))
+    if grown.size:
+      self._set(self.lens, s[grown], new_len[grown].astype(np.int32))
+    res.ok[real] = ok
+
+  def _evict(self, count: int) -> np.ndarray:
+    """Pops the `count` least recently released cached blocks (`_evict`)."""
+    size = self.lru.shape[0]
+    out = []
+    head, length = self.lru_head, self.lru_len
+    while len(out) < count:
+      b = int(self.lru[head])
+      head = (head + 1) % size
+      length -= 1
+      if b >= 0:
+        out.append(b)
+    self.lru_head, self.lru_len = head, length
+    return np.array(out, np.int32)
+
+  def bookkeeping(self, register_seqs, register_cols, release_early,
+                  fork_parents, fork_children, release_late, share_seqs,
+                  share_blocks, share_counts, seq_ids, q_lens):
+    """`step.bookkeeping` on the model, in place (the same order: register ->
+    release -> fork -> release -> share -> reserve; arguments in
+    `step.BOOKKEEPING_FIELDS` order).
+
+    Returns:
+      `(fork_ok bool[max_batch], HostReservation, cache_ok bool[R + H])`.
+    """
+    cache_ok = np.ones((0,), bool)
+    if self.caching:
+      cache_ok = self.register(register_seqs, register_cols) | (register_seqs < 0)
+    self.release(release_early)
+    fork_ok = self.fork(fork_parents, fork_children)
+    self.release(release_late)
+    if self.caching:
+      share_ok = self.share(share_seqs, share_blocks, np.maximum(share_counts, 1))
+      cache_ok = np.concatenate([cache_ok, share_ok | (share_seqs < 0)])
+    return fork_ok, self.reserve(seq_ids, q_lens), cache_ok

@@ -1,0 +1,155 @@
+"""Input packing: a planned step's arrays (`StepInputs`) from the scheduler's
+entries, in one pass over them, with the sample rows' parameters gathered
+from the per-slot arrays the scheduler writes when a sequence gets a slot
+(`Scheduler._bind`). A mixin of `scheduler.Scheduler` (it reads the
+scheduler's queues, pool model and per-slot arrays).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from paged_jax.serving import sampling as sampling_lib
+from paged_jax.serving.buckets import Bucket
+from paged_jax.serving.requests import PENDING
+from paged_jax.serving.step import StepInputs
+
+
+class Bookkeeping(NamedTuple):
+  """The inputs of `step.bookkeeping` (the `StepInputs` fields of the same
+  names, in `step.BOOKKEEPING_FIELDS` order)."""
+
+  register_seqs: np.ndarray  # i32[R]
+  register_cols: np.ndarray  # i32[R]
+  release_early: np.ndarray  # i32[max_seqs]
+  fork_parents: np.ndarray  # i32[max_batch]
+  fork_children: np.ndarray  # i32[max_batch]
+  release_late: np.ndarray  # i32[max_seqs]
+  share_seqs: np.ndarray  # i32[H]
+  share_blocks: np.ndarray  # i32[H, max_blocks_per_seq]
+  share_counts: np.ndarray  # i32[H]
+  seq_ids: np.ndarray  # i32[num_seqs]
+  q_lens: np.ndarray  # i32[num_seqs]
+
+  def cut(self, num_seqs: int) -> "Bookkeeping":
+    """The same inputs with `num_seqs` entry rows (the rest are padding)."""
+    return self._replace(seq_ids=self.seq_ids[:num_seqs],
+                         q_lens=self.q_lens[:num_seqs])
+
+
+class InputPacking:
+  """`Scheduler`'s input packing (see the module docstring)."""
+
+  @classmethod
+  def work(cls, plan) -> tuple[int, int]:
+    """`(token rows, sequence rows)` that `plan` needs: its tokens, and the
+    larger of its entries and its sample rows."""
+    tokens = samples = 0
+    for s, n in plan:
+      tokens += n
+      if s.num_cached + n == len(s.tokens):
+        g = s.group
+        samples += g.params.n if (g.unborn and not g.is_beam) else 1
+    return tokens, max(len(plan), samples)
+
+  def _bookkeeping_inputs(self, plan, num_seqs: int) -> Bookkeeping:
+    """The arguments of `step.bookkeeping` for `plan` with `num_seqs` entry
+    rows. Padding entries (-1, 0 tokens) change nothing, so every row count
+    gives the same state."""
+    c = self.config
+    register_seqs = np.full(self._register_rows, -1, np.int32)
+    register_cols = np.zeros(self._register_rows, np.int32)
+    for i, (slot, col, _, _) in enumerate(self._registering):
+      register_seqs[i], register_cols[i] = slot, col
+    width = self._pool.width
+    share_seqs = np.full(self._share_rows, -1, np.int32)
+    share_blocks = np.full((self._share_rows, width), -1, np.int32)
+    share_counts = np.zeros(self._share_rows, np.int32)
+    for i, (seq, blocks) in enumerate(self._shares.items()):
+      share_seqs[i], share_counts[i] = seq.slot, len(blocks)
+      share_blocks[i, :len(blocks)] = blocks
+    release_early = np.full(self.max_seqs, -1, np.int32)
+    release_late = np.full(self.max_seqs, -1, np.int32)
+    release_early[:len(self._release_next)] = self._release_next
+    release_late[:len(self._release_late_next)] = self._release_late_next
+    fork_parents = np.full(c.max_batch, -1, np.int32)
+    fork_children = np.full(c.max_batch, -1, np.int32)
+    for i, s in enumerate(self._forks()):
+      fork_parents[i] = s.fork_from
+      fork_children[i] = s.slot
+    seq_ids = np.full(num_seqs, -1, np.int32)
+    q_lens = np.zeros(num_seqs, np.int32)
+    if plan:
+      seq_ids[:len(plan)] = [s.slot for s, _ in plan]
+      q_lens[:len(plan)] = [n for _, n in plan]
+    return Bookkeeping(register_seqs, register_cols, release_early, fork_parents,
+                       fork_children, release_late, share_seqs, share_blocks,
+                       share_counts, seq_ids, q_lens)
+
+  def _build(self, plan, bucket: Bucket, book: Bookkeeping | None = None):
+    """`(StepInputs, samples)` of `plan` in shape `bucket`; `samples` are the
+    `(token row, seq, lane)` of each sample row. `book`: the bookkeeping
+    inputs `_fit` accepted for `plan` (`max_batch` entry rows; cut to the
+    bucket's here, the rows past the plan being padding), else built.
+    Changes nothing.
+
+    One pass over the entries (each one's tokens, or the slot whose last
+    sampled token the device holds); the sample rows' parameters are
+    gathered from the per-slot arrays `_bind` wrote."""
+    num_tokens, S = bucket.num_tokens, bucket.num_seqs
+    book = self._bookkeeping_inputs(plan, S) if book is None else book.cut(S)
+    tokens = np.zeros(num_tokens, np.int32)
+    token_slots = np.full(num_tokens, -1, np.int32)
+    samples = []  # (sample row, seq, sample index)
+    slots, ends, extra = [], [], []  # per sample: its seq's slot, position
+    row = 0
+    for s, n in plan:
+      toks, start = s.tokens, s.num_cached
+      end = start + n
+      if toks[end - 1] == PENDING:  # sampled by the step in flight: on the device
+        if n != 1 or end != len(toks):
+          raise RuntimeError("a pending token outside a decode row (engine bug)")
+        token_slots[row] = s.slot
+      else:
+        tokens[row:row + n] = toks[start:end]
+      row += n
+      if end == len(toks):  # the entry samples after this step
+        g = s.group
+        if g.unborn and not g.is_beam:  # the prompt's n samples, one row
+          for lane in range(g.params.n):
+            extra.append((len(samples), lane - s.index))
+            samples.append((row - 1, s, lane))
+            slots.append(s.slot)
+            ends.append(end)
+        else:
+          samples.append((row - 1, s, s.index))
+          slots.append(s.slot)
+          ends.append(end)
+    k = len(samples)
+    sample_rows = np.zeros(S, np.int32)
+    temperature = np.zeros(S, np.float32)
+    top_k = np.zeros(S, np.int32)
+    top_p = np.ones(S, np.float32)
+    seeds = np.zeros(S, np.int32)
+    positions = np.zeros(S, np.int32)
+    banned = np.full((S, sampling_lib.MAX_BANNED), -1, np.int32)
+    if k:
+      sl = np.asarray(slots, np.int32)
+      sample_rows[:k] = [r for r, _, _ in samples]
+      temperature[:k] = self._slot_temperature[sl]
+      top_k[:k] = self._slot_top_k[sl]
+      top_p[:k] = self._slot_top_p[sl]
+      seeds[:k] = self._slot_seed[sl]
+      for r, offset in extra:
+        seeds[r] += offset
+      positions[:k] = ends
+      masked = positions[:k] < self._slot_ban_until[sl]
+      if masked.any():
+        banned[:k][masked] = self._slot_banned[sl[masked]]
+    x = StepInputs(**book._asdict(), tokens=tokens, token_slots=token_slots,
+                   sample_slots=np.full(S, -1, np.int32), sample_rows=sample_rows,
+                   temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds,
+                   positions=positions, banned=banned)
+    return x, samples

@@ -1,0 +1,116 @@
+"""The prefix cache's host side: chained block hashes, admission lookups, and
+the blocks each step registers, kept in step with the pool model (an entry
+is inserted when a step registers its block, dropped when the model's
+reserve reports it evicted). A mixin of `scheduler.Scheduler`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from paged_jax import prefix_cache
+from paged_jax.serving.requests import PENDING, Seq
+
+
+def register_rows(config) -> int:
+  """Blocks a step can register for the prefix cache (`StepInputs.register_*`
+  rows): a step completes at most `max_tokens_per_step // block_size` blocks
+  of prefill plus one block per decoding sequence; what does not fit waits a
+  step (a block released before it is registered is simply not cached)."""
+  return config.max_tokens_per_step // config.block_size + config.max_batch
+
+
+class PrefixCaching:
+  """`Scheduler`'s prefix-cache bookkeeping (see the module docstring)."""
+
+  def _extend_hashes(self, seq: Seq, num_blocks: int):
+    """Extends `seq.hashes` to its first `num_blocks` full blocks, stopping at
+    a block that holds a token still in flight (`PENDING`)."""
+    bs = self.config.block_size
+    index, hashes = self._index, seq.hashes
+    while len(hashes) < num_blocks:
+      i = len(hashes)
+      block = seq.tokens[i * bs:(i + 1) * bs]
+      if PENDING in block:
+        return
+      parent = hashes[-1] if hashes else index.root(seq.group.request.salt_bytes())
+      hashes.append(index.chain(parent, block))
+
+  def _lookup(self, seq: Seq):
+    """Admission: starts `seq` on the longest cached prefix of its tokens
+    (its last token is always computed: `prefix_cache.max_hit_blocks`)."""
+    bs = self.config.block_size
+    limit = prefix_cache.max_hit_blocks(len(seq.tokens), bs)
+    self._extend_hashes(seq, limit)
+    hashes = seq.hashes[:limit]
+    blocks = self._index.lookup(hashes)
+    # Blocks this very step registers (computed by an earlier step, not in
+    # the index until the step is accepted) are hits too: `share` runs after
+    # `register` in the step's bookkeeping.
+    same_step = self._registering_by_hash
+    while len(blocks) < len(hashes) and hashes[len(blocks)] in same_step:
+      blocks.append(same_step[hashes[len(blocks)]])
+    if blocks:
+      self._shares[seq] = blocks
+      seq.num_cached = len(blocks) * bs
+      seq.num_registered = len(blocks)
+
+  def _collect_registrations(self, seq: Seq):
+    """Queues `seq`'s full, computed blocks not registered yet (`(seq, slot,
+    col, hash)`) for the next step's bookkeeping."""
+    full = seq.num_cached // self.config.block_size
+    self._extend_hashes(seq, full)
+    for col in range(seq.num_registered, min(full, len(seq.hashes))):
+      self._register_next.append((seq, seq.slot, col, seq.hashes[col]))
+      seq.num_registered = col + 1
+
+  def _prepare_registrations(self):
+    """Decides which queued blocks this step registers: one block per hash
+    (a block whose hash is indexed already, or repeated in this step, stays
+    unregistered and is emptied when released), at most `register_rows`; the
+    rest of a live sequence waits for the next step. Reads the physical blocks
+    from the host model before this step (a full block's entry never
+    changes)."""
+    bs = self.config.block_size
+    for seq in self._running:  # only those with a newly full block
+      if (seq.slot >= 0 and seq.fork_from < 0
+          and seq.num_cached // bs > seq.num_registered):
+        self._collect_registrations(seq)
+    queued, self._register_next = self._register_next, []
+    self._registering = []
+    self._registering_by_hash = {}
+    if not queued:
+      return
+    tables = self._pool.tables  # before this step: a full block's entry stays
+    taken: set[bytes] = set()
+    for seq, slot, col, h in queued:
+      if len(self._registering) == self._register_rows:
+        if seq.slot == slot:  # still live there: again next step
+          seq.num_registered = min(seq.num_registered, col)
+        continue
+      if h in self._index or h in taken:
+        continue
+      taken.add(h)
+      block = int(tables[slot, col])
+      self._registering.append((slot, col, h, block))
+      self._registering_by_hash[h] = block
+
+  def _commit_prefix_cache(self, evicted: np.ndarray, admitted: list[Seq]):
+    """After the model accepted a step: index this step's registered blocks,
+    drop the evicted ones, count the hits."""
+    st, bs = self.stats, self.config.block_size
+    for _, _, h, block in self._registering:
+      if not self._index.insert(h, block):
+        raise RuntimeError("a registered block's hash was indexed already "
+                           "(engine bug)")
+    st.prefix_blocks_evicted += self._index.evict(evicted[evicted >= 0])
+    st.prefix_blocks_registered += len(self._registering)
+    for seq in admitted:
+      hit = len(self._shares.get(seq, ())) * bs
+      st.prefix_tokens_saved += hit
+      g = seq.group
+      if not g.admitted:  # the hit rate counts prompts, at first admission
+        g.admitted = True
+        g.output.num_cached_tokens = hit
+        st.prefix_queried_tokens += g.prompt_len
+        st.prefix_hit_tokens += hit

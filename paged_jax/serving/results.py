@@ -1,0 +1,334 @@
+"""Applying a step's results on the host: what is known at dispatch (the
+step's `PENDING` tokens, forks of a prompt's samples, sequences at their
+budget) and what arrives after it (the tokens, EOS, streaming deltas,
+latency, beam search), finishing and aborting requests. A mixin of
+`scheduler.Scheduler`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from paged_jax.serving import beam as beam_lib
+from paged_jax.serving.requests import (PENDING, Completion, Group, RequestDelta,
+                                        Seq)
+from paged_jax.serving.step import StepInputs, StepOutputs
+
+
+@dataclasses.dataclass
+class Pending:
+  """What `Scheduler.resolve` needs of a dispatched step.
+
+  Attributes:
+    records: `(sample row, seq, token index)` of each token the step left
+      `PENDING`.
+    beam: `(sample row, seq)` of its beam-search rows (their group waits for
+      them before its next step).
+    num_entries: rows of `ok` that were real entries.
+    num_forks: rows of `fork_ok` that were real forks.
+    fingerprint: u32[5], the host model's `HostPool.fingerprint()` after
+      this step's bookkeeping (the device's must equal it).
+  """
+
+  records: list
+  beam: list
+  num_entries: int
+  num_forks: int
+  fingerprint: np.ndarray
+
+  def live(self) -> bool:
+    """Whether applying the results still changes a request (a token of an
+    unfinished sequence, a beam step of a group not aborted)."""
+    return (any(not t.done for _, t, _ in self.records)
+            or any(not s.group.aborted for _, s in self.beam))
+
+
+class Results:
+  """`Scheduler`'s applying of results (see the module docstring)."""
+
+  def _commit(self, plan, samples, forks, x: StepInputs) -> "Pending":
+    """Applies everything about this step the host knows before it runs: the
+    forks are done, the entries' tokens are cached, every (non-beam) sample
+    appends a `PENDING` token whose value the device keeps for the next step
+    (`x.sample_slots`), a prompt that samples `n` forks its other samples,
+    and a sequence whose pending token is its last (`max_new_tokens`)
+    retires now. What needs the tokens' values (EOS, beam search, streaming,
+    latency) waits for `resolve`."""
+    for s in forks:
+      s.fork_from = -1
+    computed = 0
+    for s, n in plan:
+      s.num_cached += n
+      computed += n
+    self.stats.computed_tokens += computed
+    records = []  # (sample row, target seq, token index)
+    beam = []  # (sample row, seq)
+    finals = []
+    target_slots = []  # the slot each non-beam sample row's token goes to
+    children: dict[int, Seq] = {}  # lane -> child of the prompt sampled now
+    for r, (_, s, lane) in enumerate(samples):
+      g = s.group
+      if g.is_beam:
+        beam.append((r, s))
+        continue
+      if lane != s.index:  # another sample of a prompt: its child's token
+        t = children[lane]
+      else:
+        t = s
+        if g.unborn:  # prompt done: the other samples fork from it next step
+          children = {}
+          for child_lane in range(1, g.params.n):
+            child = Seq(g, child_lane, list(g.request.prompt))
+            child.hashes = s.hashes[:len(child.tokens) // self.config.block_size]
+            child.num_cached = s.num_cached
+            child.fork_from = s.slot
+            self._fork_pending = True
+            self._bind(child, self._free_slots.pop())
+            self._insert(self._running, child)
+            g.live.append(child)
+            children[child_lane] = child
+          g.unborn = 0
+      t.tokens.append(PENDING)
+      target_slots.append(t.slot)
+      records.append((r, t, len(t.tokens) - 1))
+      if len(t.tokens) - g.prompt_len >= g.params.max_new_tokens:
+        t.final = True
+        finals.append(t)
+    if records:
+      x.sample_slots[np.array([r for r, _, _ in records])] = target_slots
+    for t in finals:  # after every child exists (a parent may retire late)
+      self._retire(t)
+    return Pending(records, beam, len(plan), len(forks), self._fingerprint)
+
+  def resolve(self, pending: "Pending", out: StepOutputs, now: float):
+    """Applies a step's results: the pending tokens' values, EOS, streaming
+    deltas, latency, beam search."""
+    self._now = now
+    # The device ran the same bookkeeping on the same state as the host
+    # model (`_fit`): it grants exactly what the model granted, and ends in
+    # the same state.
+    if not (out.ok[:pending.num_entries].all()
+            and out.fork_ok[:pending.num_forks].all()):
+      raise RuntimeError("the device refused what the host model granted: "
+                         "the block states diverged (engine bug)")
+    if not np.array_equal(out.fingerprint, pending.fingerprint):
+      raise RuntimeError(
+          f"the device's block state fingerprint {out.fingerprint.tolist()} "
+          f"differs from the host model's {pending.fingerprint.tolist()}: the "
+          "block states diverged (engine bug)")
+    tokens = out.tokens.tolist()
+    logprobs = out.token_logprobs.tolist()
+    deltas = self._deltas if self.collect_deltas else None
+    itls = []
+    for r, t, idx in pending.records:
+      if t.done:  # stopped by an EOS the step before; this token is void
+        continue
+      tok = tokens[r]
+      t.tokens[idx] = tok
+      t.token_logprobs.append(logprobs[r])
+      g = t.group
+      if g.output.first_token_step is None:
+        self._first_token(g)
+      # Latency, the stream, finishing (a sampled, non-beam token).
+      if t.last_token_time is not None:
+        itls.append(now - t.last_token_time)
+      t.last_token_time = now
+      reason = None
+      if tok in g.eos:
+        reason = "stop"
+      elif t.final and idx == len(t.tokens) - 1:
+        reason = "length"
+      if deltas is not None:
+        deltas.append(RequestDelta(g.request.request_id, t.index, [tok], reason,
+                                   logprobs=[logprobs[r]]))
+      if reason is not None:
+        del t.tokens[idx + 1:]  # a token sampled after the EOS is void
+        self._finish_seq(t, reason)
+    self.stats.itl.add_many(itls)
+    rows: dict[int, list] = {}
+    for r, s in pending.beam:
+      if s.group.aborted:
+        continue
+      rows.setdefault(id(s.group), [s.group, {}])[1][id(s)] = (
+          out.top_logprobs[r], out.top_ids[r])
+    for g, by_seq in rows.values():
+      self._beam_update(g, by_seq)
+
+  def _first_token(self, g: Group):
+    out = g.output
+    if out.first_token_step is None:
+      out.first_token_step = self._step
+      out.first_token_time = self._now
+      self.stats.ttft.add(self._now - out.arrival_time)
+
+  def _finish_seq(self, seq: Seq, reason: str):
+    """`seq` is done (`reason`): its completion, its blocks back next step.
+    Tokens still in flight (`PENDING`) after the decision are void."""
+    g = seq.group
+    while seq.tokens and seq.tokens[-1] == PENDING:
+      seq.tokens.pop()
+    seq.done = True
+    g.done[seq.index] = Completion(list(seq.generated), reason,
+                                   token_logprobs=list(seq.token_logprobs))
+    self._retire(seq)
+    if len(g.done) == g.params.n:
+      self._finish_group(g)
+
+  def _find(self, request_id) -> Group | None:
+    for seq in self._running + self._waiting:
+      if seq.group.request.request_id == request_id:
+        return seq.group
+    return None
+
+  def stop_sequence(self, request_id, index: int) -> bool:
+    """Finishes sample `index` of a running (non-beam) request now, with
+    finish reason "stop" (the host decided, e.g. a stop string); its blocks
+    are released by the next step, like those of a sequence that sampled
+    EOS. Returns False when there is no such live sequence."""
+    g = self._find(request_id)
+    if g is None or g.is_beam:
+      return False
+    seq = next((s for s in g.live if s.index == index), None)
+    if seq is None or index in g.done:
+      return False
+    self._finish_seq(seq, "stop")
+    return True
+
+  def abort_request(self, request_id) -> bool:
+    """Drops a request (waiting or running): every sequence leaves the queues
+    and its slot is queued for release by the next step, as preemption and
+    finishing do. Its `RequestOutput` (completions so far, finish reason
+    "abort") ends its stream. Returns False when the request is unknown or
+    already finished."""
+    g = self._find(request_id)
+    if g is None:
+      return False
+    for seq in list(g.live):
+      if seq in self._running:
+        self._running.remove(seq)
+      if seq in self._waiting:
+        self._waiting.remove(seq)
+    for seq in list(g.live):  # children first: a pending fork holds no state
+      if seq.fork_from >= 0:
+        self._release(seq)
+    for seq in list(g.live):
+      self._release(seq)
+      while seq.tokens and seq.tokens[-1] == PENDING:  # in flight: void
+        seq.tokens.pop()
+      seq.done = True  # results still in flight for it are ignored
+      if not g.is_beam and seq.index not in g.done:
+        g.done[seq.index] = Completion(list(seq.generated), "abort",
+                                       token_logprobs=list(seq.token_logprobs))
+    g.live = []
+    g.aborted = True
+    out = g.output
+    out.finish_step, out.finish_time = self._step, time.perf_counter()
+    out.completions = [g.done[i] for i in sorted(g.done)]
+    self.stats.aborted += 1
+    self._outputs.append(out)
+    if self.collect_deltas:
+      self._deltas.append(RequestDelta(out.request_id, -1, [], output=out))
+    return True
+
+  def _retire(self, seq: Seq):
+    """Drops a finished sequence (once); its blocks go back at the next step
+    (after the children's forks when it has children that fork then)."""
+    if seq.slot < 0 and seq not in seq.group.live:
+      return  # retired already
+    g = seq.group
+    has_children = seq.slot >= 0 and any(s.fork_from == seq.slot for s in g.live)
+    if seq in self._running:
+      self._running.remove(seq)
+    if seq in self._waiting:  # preempted while its last token was in flight
+      self._waiting.remove(seq)
+    if seq in g.live:
+      g.live.remove(seq)
+    self._release(seq, late=has_children)
+
+  def _finish_group(self, g: Group):
+    out = g.output
+    out.finish_step = self._step
+    out.finish_time = self._now
+    if g.is_beam:
+      ranked = beam_lib.rank_finished(g.beam_finished, width=g.params.beam_width,
+                                      length_penalty=g.params.length_penalty)
+      out.completions = [Completion(t, r, l) for l, t, r in ranked]
+      if self.collect_deltas:  # beam hypotheses are final only now
+        self._deltas += [RequestDelta(out.request_id, i, list(c.token_ids),
+                                      c.finish_reason)
+                         for i, c in enumerate(out.completions)]
+    else:
+      out.completions = [g.done[i] for i in range(g.params.n)]
+    self.stats.finished += 1
+    self.stats.generated_tokens += sum(len(c.token_ids) for c in out.completions)
+    if out.tpot is not None:
+      self.stats.tpot.add(out.tpot)
+    self.stats.e2e.add(out.finish_time - out.arrival_time)
+    self._outputs.append(out)
+    if self.collect_deltas:
+      self._deltas.append(RequestDelta(out.request_id, -1, [], output=out))
+
+  def _beam_update(self, g: Group, rows: dict):
+    """One beam-search expansion for group `g` from its rows' top log-probs."""
+    live = list(g.live)
+    if len(rows) != len(live):
+      # A lane did not advance: restart the group (beam search is deterministic).
+      self._preempt(live[0], [])
+      return
+    self._first_token(g)
+    width = g.params.beam_width
+    beams = [beam_lib.Beam(s.generated, s.logprob) for s in live]
+    cands = [rows[id(s)] for s in live]
+    new_live, finished = beam_lib.beam_search_step(
+        beams, cands, width=width, eos_token_ids=tuple(g.eos))
+    for p, t, lp in finished:
+      g.beam_finished.append((lp, live[p].generated + [t], "stop"))
+    done = len(g.beam_finished) >= width
+    at_budget = len(live[0].generated) + 1 >= g.params.max_new_tokens
+    if done or at_budget or not new_live:
+      if not done:
+        for p, t, lp in new_live:
+          g.beam_finished.append((lp, live[p].generated + [t], "length"))
+      for s in live:
+        self._retire_beam(s)
+      g.unborn = 0
+      self._finish_group(g)
+      return
+    claimed: set[int] = set()
+    used_lanes = set()
+    children = []
+    for p, t, lp in new_live:
+      parent = live[p]
+      if p not in claimed:
+        claimed.add(p)
+        parent.tokens.append(t)
+        parent.logprob = lp
+        used_lanes.add(parent.index)
+      else:
+        children.append((parent, t, lp))
+    for p, s in enumerate(live):
+      if p not in claimed:
+        self._retire_beam(s)
+    free_lanes = [i for i in range(width) if i not in used_lanes]
+    for (parent, t, lp), lane in zip(children, free_lanes):
+      child = Seq(g, lane, parent.tokens[:parent.num_cached] + [t])
+      child.hashes = parent.hashes[:parent.num_cached // self.config.block_size]
+      child.num_cached = parent.num_cached
+      child.fork_from = parent.slot
+      self._fork_pending = True
+      child.logprob = lp
+      self._bind(child, self._free_slots.pop())
+      self._insert(self._running, child)
+      g.live.append(child)
+    g.live.sort(key=lambda s: s.index)
+    g.unborn = 0
+
+  def _retire_beam(self, seq: Seq):
+    if seq in self._running:
+      self._running.remove(seq)
+    if seq in seq.group.live:
+      seq.group.live.remove(seq)
+    self._release(seq)
