@@ -158,7 +158,9 @@ def load_gguf(path, *, dtype=None, implementation=None) -> LoadedModel:
                      implementation=implementation)
   except ValueError as e:
     raise gguf.GGUFError(f"{path}: {e}") from None
-  return LoadedModel(model, tokenizer, ckpt.name, str(path))
+  # Served under the file's name (SmolLM2-135M-Instruct.Q4_1), as vLLM serves
+  # under --model; `general.name` is often a training-run label.
+  return LoadedModel(model, tokenizer, pathlib.Path(path).stem, str(path))
 
 
 def load(model: str = DEFAULT_MODEL, *, dtype: str | None = None,
@@ -191,8 +193,9 @@ def load(model: str = DEFAULT_MODEL, *, dtype: str | None = None,
       raise FileNotFoundError(f"GGUF file {model!r} not found")
     return load_gguf(path, dtype=dtype, implementation=implementation)
   if not path.is_dir():
-    raise FileNotFoundError(f"--model {model!r} is not 'tiny', '{DEFAULT_MODEL}', "
-                            "a .gguf file or a checkpoint directory")
+    raise FileNotFoundError(f"--model {model!r}: no such file or directory (expected "
+                            f"'tiny', '{DEFAULT_MODEL}', a .gguf file or a Hugging "
+                            "Face directory)")
   try:
     from paged_jax.models import load_hf  # pylint: disable=import-outside-toplevel
   except ImportError:
