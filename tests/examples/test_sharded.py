@@ -142,9 +142,9 @@ def test_sharded_model_equals_single_device(model8, data, model):
   if data > 1:
     assert states.refcounts.sharding.is_equivalent_to(
         NamedSharding(mesh, P(ps.DATA)), 2)
-  q_kernel = sharded.layers[0].self_attn.q_proj.kernel.get_value()
+  q_kernel = sharded.layers.self_attn.q_proj.kernel.get_value()  # [layers, in, out]
   assert q_kernel.sharding.is_equivalent_to(
-      NamedSharding(mesh, P(None, ps.MODEL)), 2)
+      NamedSharding(mesh, P(None, None, ps.MODEL)), 3)
   assert sharded.config.num_kv_heads == heads
 
   # No K/V pages cross devices: without tensor parallelism nothing does; with
@@ -249,3 +249,8 @@ def test_param_specs():
   assert spec(("lm_head", "kernel"), (64, 512), 4) == P(None, "model")
   assert spec(("norm", "weight"), (64,), 4) == P()
   assert spec(("layers", 0, "input_layernorm", "weight"), (64,), 4) == P()
+  # Stacked layers (the model's own paths): the leading layer axis is never split.
+  assert spec(("layers", "self_attn", "q_proj", "kernel"), (2, 64, 128), 4) == P(None, None, "model")
+  assert spec(("layers", "self_attn", "o_proj", "kernel"), (2, 128, 64), 4) == P(None, "model", None)
+  assert spec(("layers", "self_attn", "k_proj", "bias"), (2, 128), 4) == P(None, "model")
+  assert spec(("layers", "mlp", "down_proj", "kernel"), (2, 192, 64), 4) == P(None, "model", None)

@@ -1,17 +1,30 @@
-"""A Llama-architecture decoder in Flax NNX, paged and dense.
+"""The Llama-family decoder in Flax NNX, paged and dense, layers under scan.
 
-RMSNorm, RoPE (with Llama 3 scaling), grouped-query attention, SwiGLU MLP,
-tied or untied embeddings. Parameter names follow Hugging Face's
-`LlamaForCausalLM` (`embed_tokens`, `layers.N.self_attn.q_proj`, ...) so that
+One implementation serves every family `paged_jax.models` registers; they
+differ only in `LlamaConfig` switches:
+
+| family (HF `architectures`) | switches |
+|---|---|
+| `LlamaForCausalLM` (Llama 2/3.x, SmolLM2) | `rope_scaling` (llama3, linear), `tie_word_embeddings`, `attention_bias`, `mlp_bias` |
+| `Qwen2ForCausalLM` | `qkv_bias` (bias on q/k/v, none on o) |
+| `Qwen3ForCausalLM` | `qk_norm` (RMSNorm over each head of q and k, before RoPE) |
+| `MistralForCausalLM` | `sliding_window` (every layer) |
+
+RMSNorm, RoPE, grouped-query attention, SwiGLU MLP. Parameter names follow
+Hugging Face (`embed_tokens`, `layers.self_attn.q_proj`, ...) so that
 `checkpoint.py` maps a checkpoint onto the model name by name.
 
-Two forward paths share the weights:
+Layers are stacked, MaxText's scan_layers: `Llama.layers` is one
+`DecoderLayer` whose parameters carry a leading `[num_layers]` axis (drawn
+layer by layer from the seed, so a seed's weights did not change), and both forward paths run them with `jax.lax.scan`, so a
+step compiles one layer whatever the depth. The paged step carries the whole
+`KVCache` through the scan and updates layer `i`'s pages in place
+(`dynamic_update_slice` on the carry), so a donated cache stays one buffer.
 
-`Llama` implements `paged_jax.serving.ServingModel`, so `paged_jax.serving`'s
-engine serves it.
+`Llama` implements `paged_jax.serving.ServingModel`:
 
 * `Llama.paged_forward` runs one serving step over a ragged token batch and
-  the paged `KVCache` (via `paged_jax.flax_attention`);
+  the paged `KVCache` (via `paged_jax.flax_attention.write_and_attend`);
 * `Llama.dense_logits` runs whole sequences with plain causal attention and no
   cache: the oracle the tests compare the paged path against.
 
@@ -33,15 +46,21 @@ from paged_jax import rope as rope_lib
 from paged_jax import step_metadata
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_MAX_SIZE = 2**31 - 1  # every size indexes with int32
+MAX_PARAMETERS = 10**13  # "absurd": 10x beyond the largest open models
 
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
   """Static model configuration (hashable).
 
-  Attributes mirror Hugging Face's `LlamaConfig` names where they exist;
-  `dtype` is the parameter and compute dtype ("float32", "bfloat16" or
-  "float16").
+  Attributes mirror Hugging Face's config names where they exist; `dtype` is
+  the parameter and compute dtype ("float32", "bfloat16" or "float16").
+  `attention_bias` puts a bias on q, k, v and o (Llama's meaning);
+  `qkv_bias` on q, k and v only (Qwen2); `qk_norm` adds per-head RMSNorms
+  `q_norm`, `k_norm` (Qwen3); `sliding_window` limits every layer's
+  attention to the last `sliding_window` positions (Mistral); `architecture`
+  is the Hugging Face `architectures` entry the config was made for.
   """
 
   vocab_size: int
@@ -60,6 +79,10 @@ class LlamaConfig:
   max_position_embeddings: int = 2048
   eos_token_ids: tuple[int, ...] = ()
   dtype: str = "float32"
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  sliding_window: int | None = None
+  architecture: str = "LlamaForCausalLM"
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -68,6 +91,8 @@ class LlamaConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+      if value > _MAX_SIZE:
+        raise ValueError(f"{name}={value} is absurd (more than 2**31 - 1)")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
                        f"num_kv_heads={self.num_kv_heads}")
@@ -79,6 +104,13 @@ class LlamaConfig:
       if not 0 <= t < self.vocab_size:
         raise ValueError(f"eos token id {t} is outside the vocabulary "
                          f"[0, {self.vocab_size})")
+    w = self.sliding_window
+    if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w <= 0):
+      raise ValueError(f"sliding_window must be a positive int or None, got {w!r}")
+    if self.num_parameters > MAX_PARAMETERS:
+      raise ValueError(f"the config describes {self.num_parameters:.3g} "
+                       f"parameters, which is absurd (more than "
+                       f"{MAX_PARAMETERS:.0e}); check its sizes")
 
   @classmethod
   def tiny(cls, **overrides) -> "LlamaConfig":
@@ -98,6 +130,23 @@ class LlamaConfig:
   def rope(self) -> rope_lib.RopeConfig:
     return rope_lib.RopeConfig(self.head_dim, self.rope_theta, self.rope_scaling)
 
+  @property
+  def num_parameters(self) -> int:
+    """Parameters of the model (biases and norms included), from the sizes."""
+    h, d = self.hidden_size, self.head_dim
+    q, kv = self.num_heads * d, self.num_kv_heads * d
+    attn = h * (q + 2 * kv) + q * h
+    if self.attention_bias or self.qkv_bias:
+      attn += q + 2 * kv
+    if self.attention_bias:
+      attn += h
+    mlp = 3 * h * self.intermediate_size
+    if self.mlp_bias:
+      mlp += 2 * self.intermediate_size + h
+    norms = 2 * h + (2 * d if self.qk_norm else 0)
+    embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+    return self.num_layers * (attn + mlp + norms) + embed + h
+
   def kv_bytes_per_token(self, cache_dtype=None) -> int:
     """Bytes of K and V one token takes in the cache, all layers: the pages,
     plus a float32 scale per KV head for int8 / fp8 (`cache_dtype` as
@@ -108,7 +157,8 @@ class LlamaConfig:
 
 
 class RMSNorm(nnx.Module):
-  """Root-mean-square norm, computed in float32 as Hugging Face Llama does."""
+  """Root-mean-square norm over the last axis, computed in float32 as Hugging
+  Face's Llama, Qwen and Mistral do."""
 
   def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
     self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
@@ -120,19 +170,95 @@ class RMSNorm(nnx.Module):
     return self.weight[...] * x32.astype(x.dtype)
 
 
+def _linear(config: LlamaConfig, i: int, o: int, bias: bool, rngs: nnx.Rngs):
+  dt = config.jnp_dtype
+  return nnx.Linear(i, o, use_bias=bias, dtype=dt, param_dtype=dt, rngs=rngs)
+
+
 class MLP(nnx.Module):
   """SwiGLU: `down(silu(gate(x)) * up(x))`."""
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
-    dt = config.jnp_dtype
-    linear = lambda i, o: nnx.Linear(  # noqa: E731
-        i, o, use_bias=config.mlp_bias, dtype=dt, param_dtype=dt, rngs=rngs)
-    self.gate_proj = linear(config.hidden_size, config.intermediate_size)
-    self.up_proj = linear(config.hidden_size, config.intermediate_size)
-    self.down_proj = linear(config.intermediate_size, config.hidden_size)
+    h, m, b = config.hidden_size, config.intermediate_size, config.mlp_bias
+    self.gate_proj = _linear(config, h, m, b, rngs)
+    self.up_proj = _linear(config, h, m, b, rngs)
+    self.down_proj = _linear(config, m, h, b, rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention with RoPE, over the paged cache or dense.
+
+  `q_proj`, `k_proj`, `v_proj`, `o_proj` as Hugging Face names them, with the
+  config's bias, q/k norm and sliding-window switches.
+  """
+
+  def __init__(self, config: LlamaConfig, *, implementation: str | None,
+               rngs: nnx.Rngs):
+    h, d = config.hidden_size, config.head_dim
+    qkv_bias = config.attention_bias or config.qkv_bias
+    self.num_heads, self.num_kv_heads, self.head_dim = (
+        config.num_heads, config.num_kv_heads, d)
+    self.rope = config.rope
+    self.sliding_window = config.sliding_window
+    self.implementation = implementation
+    self.q_proj = _linear(config, h, config.num_heads * d, qkv_bias, rngs)
+    self.k_proj = _linear(config, h, config.num_kv_heads * d, qkv_bias, rngs)
+    self.v_proj = _linear(config, h, config.num_kv_heads * d, qkv_bias, rngs)
+    self.o_proj = _linear(config, config.num_heads * d, h, config.attention_bias, rngs)
+    if config.qk_norm:
+      dt = config.jnp_dtype
+      self.q_norm = RMSNorm(d, config.rms_norm_eps, param_dtype=dt)
+      self.k_norm = RMSNorm(d, config.rms_norm_eps, param_dtype=dt)
+    self.qk_norm = config.qk_norm
+
+  def qkv(self, x: jax.Array, positions: jax.Array):
+    """`x [num_tokens, hidden]`, `positions i32[num_tokens]` -> roped
+    `q [T, num_heads, head_dim]`, `k, v [T, num_kv_heads, head_dim]`."""
+    t = x.shape[0]
+    q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
+    k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+    if self.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    return (rope_lib.apply_rope(q, positions, self.rope),
+            rope_lib.apply_rope(k, positions, self.rope), v)
+
+  def __call__(self, x: jax.Array, meta: step_metadata.StepMetadata,
+               pages: dict) -> tuple[jax.Array, dict]:
+    """Paged step on one layer's pages.
+
+    Args:
+      x: `[num_tokens, hidden]` in the step's token layout.
+      meta: the step's `StepMetadata`.
+      pages: this layer's `KVCache.layer` arrays (`k_pages`, `v_pages`
+        `[num_kv_heads, num_blocks, block_size, head_dim]`, and `k_scales`,
+        `v_scales` for a quantised cache).
+
+    Returns:
+      `(out [num_tokens, hidden], pages)` with this step's K/V written.
+    """
+    q, k, v = self.qkv(x, meta.positions)
+    names = [n for n in ("k_pages", "v_pages", "k_scales", "v_scales")
+             if pages.get(n) is not None]
+    out, *arrays = flax_attention.write_and_attend(
+        q, k, v, pages["k_pages"], pages["v_pages"], meta,
+        sliding_window=self.sliding_window, implementation=self.implementation,
+        **{n: pages[n] for n in names[2:]})
+    return self.o_proj(out.reshape(x.shape[0], -1)), dict(zip(names, arrays))
+
+  def dense(self, x: jax.Array) -> jax.Array:
+    """Causal attention over whole sequences `[batch, seq_len, hidden]`, token
+    `j` of each row at position `j` (the test oracle)."""
+    batch, seq_len, hidden = x.shape
+    positions = jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), batch)
+    q, k, v = self.qkv(x.reshape(batch * seq_len, hidden), positions)
+    split = lambda a: a.reshape(batch, seq_len, *a.shape[1:])  # noqa: E731
+    o = flax_attention.dense_causal_attention(
+        split(q), split(k), split(v), sliding_window=self.sliding_window)
+    return self.o_proj(o.astype(x.dtype).reshape(batch, seq_len, -1))
 
 
 class DecoderLayer(nnx.Module):
@@ -142,26 +268,31 @@ class DecoderLayer(nnx.Module):
                rngs: nnx.Rngs):
     dt = config.jnp_dtype
     self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=dt)
-    self.self_attn = flax_attention.PagedAttention(
-        config.hidden_size, config.num_heads, config.num_kv_heads,
-        config.head_dim, rope=config.rope, use_bias=config.attention_bias,
-        implementation=implementation, dtype=dt, param_dtype=dt, rngs=rngs)
+    self.self_attn = Attention(config, implementation=implementation, rngs=rngs)
     self.post_attention_layernorm = RMSNorm(
         config.hidden_size, config.rms_norm_eps, param_dtype=dt)
     self.mlp = MLP(config, rngs=rngs)
 
-  def __call__(self, x, meta, cache, layer):
-    h, cache = self.self_attn(self.input_layernorm(x), meta, cache, layer)
+  def __call__(self, x, meta, pages: dict):
+    h, pages = self.self_attn(self.input_layernorm(x), meta, pages)
     x = x + h
-    return x + self.mlp(self.post_attention_layernorm(x)), cache
+    return x + self.mlp(self.post_attention_layernorm(x)), pages
 
   def dense(self, x):
     x = x + self.self_attn.dense(self.input_layernorm(x))
     return x + self.mlp(self.post_attention_layernorm(x))
 
 
+_CACHE_FIELDS = ("k_pages", "v_pages", "k_scales", "v_scales")
+
+
 class Llama(nnx.Module):
-  """Llama decoder with a language-model head.
+  """Llama-family decoder with a language-model head, layers stacked.
+
+  Attributes:
+    layers: one `DecoderLayer` whose parameters have a leading
+      `[num_layers]` axis (e.g. `layers.self_attn.q_proj.kernel` is
+      `[num_layers, hidden, num_heads * head_dim]`).
 
   Example:
     >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
@@ -173,12 +304,18 @@ class Llama(nnx.Module):
                rngs: nnx.Rngs):
     dt = config.jnp_dtype
     self.config = config
+    self.implementation = implementation
     self.embed_tokens = nnx.Embed(
         config.vocab_size, config.hidden_size, dtype=dt, param_dtype=dt,
         embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
-    self.layers = nnx.List([
-        DecoderLayer(config, implementation=implementation, rngs=rngs)
-        for _ in range(config.num_layers)])
+    # The layers drawn one after another from `rngs`, as separate modules
+    # would be (a seed gives the weights it gave before stacking), then
+    # stacked on a leading axis.
+    parts = [nnx.split(DecoderLayer(config, implementation=implementation,
+                                    rngs=rngs))
+             for _ in range(config.num_layers)]
+    self.layers = nnx.merge(parts[0][0], jax.tree.map(
+        lambda *xs: jnp.stack(xs), *[state for _, state in parts]))
     self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=dt)
     if not config.tie_word_embeddings:
       self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size,
@@ -202,7 +339,7 @@ class Llama(nnx.Module):
       meta: step_metadata.StepMetadata,
       cache: kv_cache_lib.KVCache,
   ) -> tuple[jax.Array, kv_cache_lib.KVCache]:
-    """One serving step over the paged cache.
+    """One serving step over the paged cache, the layers under `lax.scan`.
 
     Args:
       tokens: `i32[num_tokens]` in the step's ragged layout (see
@@ -213,11 +350,32 @@ class Llama(nnx.Module):
     Returns:
       `(hidden [num_tokens, hidden_size], cache)`; `hidden` is before the final
       norm; pass the rows to sample from to `logits`.
+
+    Raises:
+      ValueError: if `cache` has another number of layers than the model, or
+        does not hold the pool `meta` was computed from.
     """
-    x = self.embed_tokens(tokens)
-    for i, layer in enumerate(self.layers):
-      x, cache = layer(x, meta, cache, i)
-    return x, cache
+    if cache.num_layers != self.config.num_layers:
+      raise ValueError(f"the KV cache has {cache.num_layers} layers, the model "
+                       f"num_layers={self.config.num_layers}")
+    kv_cache_lib.check_compatible(cache, meta)
+    graphdef, params = nnx.split(self.layers)
+    names = [n for n in _CACHE_FIELDS if getattr(cache, n) is not None]
+
+    def body(carry, layer_params):
+      x, arrays, i = carry
+      layer = nnx.merge(graphdef, layer_params)
+      pages = {n: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
+               for n, a in zip(names, arrays)}
+      x, pages = layer(x, meta, pages)
+      arrays = tuple(jax.lax.dynamic_update_index_in_dim(a, pages[n], i, 0)
+                     for n, a in zip(names, arrays))
+      return (x, arrays, i + 1), None
+
+    carry = (self.embed_tokens(tokens),
+             tuple(getattr(cache, n) for n in names), jnp.int32(0))
+    (x, arrays, _), _ = jax.lax.scan(body, carry, params)
+    return x, cache.replace(**dict(zip(names, arrays)))
 
   def shard(self, mesh) -> "Llama":
     """This model laid out tensor-parallel on a `(data, model)` mesh
@@ -244,9 +402,12 @@ class Llama(nnx.Module):
     Returns:
       `f32[batch, seq_len, vocab_size]`.
     """
-    x = self.embed_tokens(tokens)
-    for layer in self.layers:
-      x = layer.dense(x)
+    graphdef, params = nnx.split(self.layers)
+
+    def body(x, layer_params):
+      return nnx.merge(graphdef, layer_params).dense(x), None
+
+    x, _ = jax.lax.scan(body, self.embed_tokens(tokens), params)
     return self.logits(x)
 
 

@@ -12,6 +12,9 @@ partitioner (no hand-written collectives):
 | `embed_tokens` `[vocab, hidden]`, `lm_head` kernel `[hidden, vocab]` | vocab over `"model"` | vocab-parallel embedding and logits |
 | norms, row-parallel biases | replicated | small |
 
+The layers' parameters are stacked (`[num_layers, ...]`, see `model.py`); the
+layer axis is never split, the specs above apply to the trailing axes.
+
 A dimension that does not divide evenly over the model axis is replicated
 instead (the MLP of a model whose intermediate size is not a multiple of it,
 say); the heads must divide evenly.
@@ -53,9 +56,10 @@ def param_spec(path: tuple, shape: tuple[int, ...], model: int) -> P:
   """The `PartitionSpec` of one parameter, by its path in the model.
 
   Args:
-    path: the parameter's path, e.g. `("layers", 0, "self_attn", "q_proj",
+    path: the parameter's path, e.g. `("layers", "self_attn", "q_proj",
       "kernel")`.
-    shape: its shape.
+    shape: its shape; stacked layers' parameters have a leading
+      `[num_layers]` axis, which is never split.
     model: size of the model axis.
 
   Returns:
@@ -67,7 +71,7 @@ def param_spec(path: tuple, shape: tuple[int, ...], model: int) -> P:
   if module in _COLUMN or module == "lm_head":
     axis = len(shape) - 1  # output features (the bias' only axis)
   elif module in _ROW and leaf == "kernel":
-    axis = 0
+    axis = len(shape) - 2  # input features (after a stacked layers axis)
   elif module == "embed_tokens":
     axis = 0  # vocab
   if axis is None or shape[axis] % model:
@@ -125,7 +129,7 @@ def shard_model(model: model_lib.Llama, mesh: Mesh) -> model_lib.Llama:
   kv_heads = check_model_axis(config, tp)
   reps = kv_heads // config.num_kv_heads
   new_config = dataclasses.replace(config, num_kv_heads=kv_heads)
-  implementation = model.layers[0].self_attn.implementation
+  implementation = model.implementation
   new = nnx.eval_shape(lambda: model_lib.Llama(
       new_config, implementation=implementation, rngs=nnx.Rngs(0)))
   _, state = nnx.split(model, nnx.Param)
