@@ -107,42 +107,6 @@ def smollm2_path(fetch: bool = True) -> pathlib.Path:
   return cached
 
 
-def _from_hf(config: dict, tensors, *, dtype=None, implementation=None):
-  try:
-    from paged_jax.models import from_hf  # pylint: disable=import-outside-toplevel
-  except ImportError:  # until paged_jax.models lands its registry
-    from_hf = _llama_from_hf
-  return from_hf(config, tensors, dtype=dtype, implementation=implementation)
-
-
-def _llama_from_hf(config: dict, tensors, *, dtype=None, implementation=None):
-  """The Llama from a config dict and HF-named tensors (stand-in for
-  `paged_jax.models.from_hf`, with the checks of `load_checkpoint`)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from paged_jax.models.llama import checkpoint as ckpt  # pylint: disable=import-outside-toplevel
-  from paged_jax.models.llama import model as model_lib  # pylint: disable=import-outside-toplevel
-  arch = (config.get("architectures") or ["LlamaForCausalLM"])[0]
-  if arch != "LlamaForCausalLM":
-    raise ValueError(f"architecture {arch!r} is not supported (LlamaForCausalLM)")
-  cfg = ckpt.config_from_hf(config, dtype=dtype)
-  model = nnx.eval_shape(lambda: model_lib.Llama(cfg, implementation=implementation,
-                                                 rngs=nnx.Rngs(0)))
-  updates = {}
-  for p, var in ckpt._param_items(model):  # pylint: disable=protected-access
-    name, transpose = ckpt._hf_name(p)  # pylint: disable=protected-access
-    if name not in tensors:
-      raise ValueError(f"checkpoint lacks tensor {name!r}")
-    t = tensors[name].T if transpose else tensors[name]
-    want = tuple(var.get_value().shape)
-    if tuple(t.shape) != want:
-      raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)} (after "
-                       f"transpose), expected {want}")
-    ckpt._set_nested(updates, p, jnp.asarray(t, cfg.jnp_dtype))  # pylint: disable=protected-access
-  nnx.update(model, updates)
-  return model
-
-
 def load_gguf(path, *, dtype=None, implementation=None) -> LoadedModel:
   """A `.gguf` file's model and tokenizer (see `paged_jax.models.gguf`).
 
@@ -150,12 +114,13 @@ def load_gguf(path, *, dtype=None, implementation=None) -> LoadedModel:
     FileNotFoundError, ValueError (`GGUFError`): as `read_gguf`, or weights
       that do not fit the config.
   """
+  from paged_jax import models  # pylint: disable=import-outside-toplevel
   from paged_jax.models import gguf  # pylint: disable=import-outside-toplevel
   ckpt = gguf.read_gguf(path)
   tokenizer = ckpt.tokenizer()
   try:
-    model = _from_hf(ckpt.config, ckpt.tensors, dtype=dtype,
-                     implementation=implementation)
+    model = models.from_hf(ckpt.config, ckpt.tensors, dtype=dtype,
+                           implementation=implementation)
   except ValueError as e:
     raise gguf.GGUFError(f"{path}: {e}") from None
   # Served under the file's name (SmolLM2-135M-Instruct.Q4_1), as vLLM serves
@@ -180,10 +145,10 @@ def load(model: str = DEFAULT_MODEL, *, dtype: str | None = None,
     ValueError: a malformed checkpoint (one line naming the file).
   """
   from paged_jax.serving.tokenizer import ByteTokenizer, HFTokenizer  # pylint: disable=import-outside-toplevel
+  from paged_jax import models  # pylint: disable=import-outside-toplevel
   if model == "tiny":
-    from paged_jax.models.llama import model as model_lib  # pylint: disable=import-outside-toplevel
-    config = model_lib.LlamaConfig.tiny(dtype=dtype or "float32")
-    return LoadedModel(model_lib.init_model(config, seed, implementation=implementation),
+    return LoadedModel(models.tiny(seed, implementation=implementation,
+                                   dtype=dtype or "float32"),
                        ByteTokenizer(), "tiny", "tiny")
   if model == DEFAULT_MODEL:
     return load_gguf(smollm2_path(), dtype=dtype, implementation=implementation)
@@ -196,11 +161,7 @@ def load(model: str = DEFAULT_MODEL, *, dtype: str | None = None,
     raise FileNotFoundError(f"--model {model!r}: no such file or directory (expected "
                             f"'tiny', '{DEFAULT_MODEL}', a .gguf file or a Hugging "
                             "Face directory)")
-  try:
-    from paged_jax.models import load_hf  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    from paged_jax.models.llama.checkpoint import load_checkpoint as load_hf  # pylint: disable=import-outside-toplevel
-  served = load_hf(path, dtype=dtype, implementation=implementation)
+  served = models.load_hf(path, dtype=dtype, implementation=implementation)
   tokenizer = (HFTokenizer.from_directory(path) if (path / "tokenizer.json").is_file()
                else None)
   return LoadedModel(served, tokenizer, path.name, str(path))

@@ -67,13 +67,8 @@ def random_k_blocks(kind, shape, seed=0) -> np.ndarray:
 
 
 def hf_tensors(cfg=CFG, seed=0) -> dict[str, np.ndarray]:
-  model = model_lib.init_model(cfg, seed=seed)
-  out = {}
-  for p, var in checkpoint._param_items(model):  # pylint: disable=protected-access
-    name, transpose = checkpoint._hf_name(p)  # pylint: disable=protected-access
-    t = np.asarray(var.get_value(), np.float32)
-    out[name] = np.ascontiguousarray(t.T if transpose else t)
-  return out
+  return {k: np.asarray(v, np.float32)
+          for k, v in checkpoint.to_tensors(model_lib.init_model(cfg, seed=seed)).items()}
 
 
 def gguf_name(hf: str) -> str:
