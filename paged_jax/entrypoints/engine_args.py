@@ -18,6 +18,10 @@ from paged_jax import capacity
 from paged_jax.models import loader
 
 MAX_SIMULATED_DEVICES = 512
+# (--min-bucket, --bucket-midpoints) when not given. A real model's step
+# shape takes seconds to compile on CPU, the tiny one's a fraction of that:
+# fewer shapes for it (7 per engine instead of 15 at the default sizes).
+STEP_SHAPE_DEFAULTS = {"tiny": (1, True), "real": (4, False)}
 
 # Sane, finite ranges of the flags, checked while parsing (one line, exit 2).
 INT31 = 2**31 - 1
@@ -126,13 +130,17 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_model: str = "tiny")
                    dest="max_tokens_per_step", action=_cli.TypedFlag,
                    type=count(1, MAX_TOKENS_PER_STEP), default=128,
                    help="token budget of a prefill/mixed step")
-  eng.add_argument("--min-bucket", type=count(1, MAX_TOKENS_PER_STEP), default=1,
+  eng.add_argument("--min-bucket", type=count(1, MAX_TOKENS_PER_STEP),
                    help="smallest compiled step shape: steps are padded to the "
                    "powers of two (and 1.5x midpoints) from it up to --max-batch "
                    "(decode) and --max-tokens-per-step (mixed); larger means "
-                   "fewer shapes to compile, more padding")
-  eng.add_argument("--no-bucket-midpoints", action="store_true",
-                   help="powers of two only (fewer shapes, up to 2x padding)")
+                   "fewer shapes to compile, more padding (default: "
+                   f"{STEP_SHAPE_DEFAULTS['tiny'][0]} for the tiny model, "
+                   f"{STEP_SHAPE_DEFAULTS['real'][0]} for a real one)")
+  eng.add_argument("--bucket-midpoints", action=argparse.BooleanOptionalAction,
+                   help="also the 1.5x midpoints between powers of two (less "
+                   "padding, about twice the shapes; default: on for the tiny "
+                   "model, off for a real one)")
   eng.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=True,
                    help="dispatch each step before reading the previous step's "
@@ -228,11 +236,32 @@ def check_implementation(implementation, cfg, block_size: int) -> None:
                      f"model here: {why}") from None
 
 
+# Below this many parameters a model is "tiny" for the defaults that depend
+# on the model (the tiny Llama and its checkpoints: 0.4M).
+TINY_PARAMS = 10**7
+
+
+def model_kind(model) -> str:
+  """"tiny" (under `TINY_PARAMS` parameters: a step costs milliseconds on
+  CPU) or "real", for the defaults that depend on the model."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  return "tiny" if params < TINY_PARAMS else "real"
+
+
 def load_model(args) -> loader.LoadedModel:
   """The model `--model` names (`paged_jax.models.loader.load`), checked
-  against the flags (raises ValueError, FileNotFoundError)."""
+  against the flags, and the model-dependent defaults of `--min-bucket` and
+  `--bucket-midpoints` filled in (raises ValueError, FileNotFoundError)."""
   loaded = loader.load(args.model, dtype=args.dtype, implementation=args.implementation,
                        seed=args.model_seed)
+  kind = model_kind(loaded.model)
+  if args.min_bucket is None:
+    args.min_bucket = STEP_SHAPE_DEFAULTS[kind][0]
+  if args.bucket_midpoints is None:
+    args.bucket_midpoints = STEP_SHAPE_DEFAULTS[kind][1]
+  args.no_bucket_midpoints = not args.bucket_midpoints  # the server's name
   cfg = loaded.model.config
   if args.max_model_len > cfg.max_position_embeddings:
     raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's "

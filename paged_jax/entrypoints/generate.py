@@ -47,6 +47,10 @@ from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
 
 NEVER_SAMPLED = (-1,)       # --ignore-eos: a stop token no step can produce
+# The synthetic workload's defaults, (--num-requests, --max-new-tokens; None:
+# drawn per request): a real model's step costs ~100x the tiny one's on CPU,
+# and the quick start's second run should take under 30 s on 2 cores.
+WORKLOAD_DEFAULTS = {"tiny": (48, None), "real": (12, 32)}
 # The chat answers of the default run (the first one streamed).
 CHAT_DEMO = ("What is the capital of France?",
              "Give me three tips for a good night's sleep.",
@@ -75,14 +79,17 @@ def parse_args(argv=None) -> argparse.Namespace:
   src.add_argument("--prompts-file", metavar="FILE",
                    help="text prompts: one a line, or JSONL objects with "
                    '"prompt" (and optionally "max_new_tokens")')
-  src.add_argument("--num-requests", type=count(1, MAX_REQUESTS), default=48,
-                   help="size of the synthetic workload")
+  src.add_argument("--num-requests", type=count(1, MAX_REQUESTS),
+                   help="size of the synthetic workload (default: "
+                   f"{WORKLOAD_DEFAULTS['tiny'][0]} on the tiny model, "
+                   f"{WORKLOAD_DEFAULTS['real'][0]} on a real one)")
   src.add_argument("--workload-seed", type=count(0, 2**63 - 1), default=0)
   gen = p.add_argument_group("sampling")
   gen.add_argument("--max-new-tokens", type=count(1, MAX_MODEL_LEN),
-                   help="output budget per request (default: drawn per request "
-                   "for the synthetic workload; for --prompt-ids, the entry's "
-                   "max_new_tokens, else 32)")
+                   help="output budget per request (default: for the synthetic "
+                   "workload drawn per request on the tiny model, "
+                   f"{WORKLOAD_DEFAULTS['real'][1]} on a real one; for "
+                   "--prompt-ids, the entry's max_new_tokens, else 32)")
   gen.add_argument("--ignore-eos", action="store_true",
                    help="generate exactly the output budget: stop tokens do "
                    "not end a sequence (fixed output lengths, for benchmarks)")
@@ -236,6 +243,12 @@ def build(args):
     requests = [Request(i, ids, sampling_params(args, new or default_new))
                 for i, (ids, new) in enumerate(entries)]
   else:
+    count, new = WORKLOAD_DEFAULTS[ea.model_kind(model)]
+    if args.num_requests is None:
+      args.num_requests = count
+    if args.max_new_tokens is None and new is not None:
+      args.max_new_tokens = min(new, args.max_model_len // 2)
+    default_new = args.max_new_tokens or default_new
     params = sampling_params(args, default_new)
     requests = workload.synthetic_requests(
         args.num_requests, vocab_size=cfg.vocab_size,
@@ -449,7 +462,7 @@ def main(argv=None) -> int:
     # The step shapes (`buckets.py`) go to the engines that run, and to the
     # configs printed here: one dict, so the two cannot disagree.
     common.update(min_bucket=args.min_bucket,
-                  bucket_midpoints=not args.no_bucket_midpoints,
+                  bucket_midpoints=args.bucket_midpoints,
                   async_scheduling=args.async_scheduling,
                   enable_prefix_caching=args.enable_prefix_caching)
     sizes = {n: v for n, v in common.items() if n not in ("progress", "mesh")}

