@@ -34,6 +34,8 @@ import time
 from paged_jax import _cli
 from paged_jax import sharding
 from paged_jax.entrypoints import engine_args as ea
+from paged_jax.entrypoints import report
+from paged_jax.entrypoints.report import kv_cache_line  # noqa: F401
 from paged_jax.entrypoints import workload
 from paged_jax.entrypoints.engine_args import (  # noqa: F401  # the flags' ranges
     DEFAULT_KV_TOKENS, INT31, MAX_BLOCK_SIZE, MAX_KV_MB, MAX_MODEL_LEN, MAX_REQUESTS,
@@ -269,16 +271,6 @@ def _reseed(params: SamplingParams, seed: int) -> SamplingParams:
   return SamplingParams(**d)
 
 
-def _fmt_latency(lat: dict) -> list[str]:
-  rows = []
-  for name, label in (("ttft", "time to first token"), ("tpot", "time per output token"),
-                      ("itl", "inter-token latency")):
-    d = lat[name]
-    rows.append(f"  {label:<22}mean {1e3 * d['mean']:.1f} ms, p50 {1e3 * d['p50']:.1f},"
-                f" p90 {1e3 * d['p90']:.1f}, p99 {1e3 * d['p99']:.1f} ms")
-  return rows
-
-
 def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
   """Seconds after the start at which each request arrives: exponential gaps
   of mean `1 / rate` (a Poisson process), the first request at 0.
@@ -318,64 +310,6 @@ def run_chat_demo(model, tokenizer, config, mesh, args) -> None:
   print("\nchat (greedy; the first answer streamed, then two at once):")
   for batch in (requests[:1], requests[1:]):
     run_text(model, batch, config, mesh, tokenizer, questions)
-
-
-def kv_cache_line(kv: dict) -> str:
-  """The KV cache the engine allocated, as read from its arrays
-  (`workload.allocated_cache`): a requested dtype that was not allocated
-  shows here."""
-  return (f"  KV cache allocated  {kv['dtype']}"
-          + (" + float32 scales" if kv["scales"] else "")
-          + f", {kv['bytes_per_token']} bytes per token, {kv['bytes']} bytes")
-
-
-def _fmt(stats: dict) -> list[str]:
-  return [
-      f"  requests served     {stats['served']} of {stats['requests']}"
-      f" ({stats['rejected']} rejected)",
-      f"  tokens generated    {stats['generated_tokens']}",
-      f"  wall time           {stats['wall_seconds']:.2f} s "
-      f"(+ {stats['compile_seconds']:.1f} s compile)",
-      f"  throughput          {stats['tokens_per_second']:.1f} tokens/s",
-      *_fmt_latency(stats["latency_seconds"]),
-      f"  KV blocks used      peak {stats['peak_blocks_used']}/{stats['num_blocks']}"
-      f" ({100 * stats['peak_kv_fraction']:.0f}%), mean "
-      f"{stats['mean_blocks_used']:.1f} ({100 * stats['mean_kv_fraction']:.0f}%)"
-      f" of {stats['block_size']}-token blocks",
-      f"  sequences at once   peak {stats['peak_running']}, mean "
-      f"{stats['mean_running']:.1f} (batch limit {stats['max_batch']})",
-      f"  KV memory           {stats['kv_bytes'] / 2**20:.2f} MiB, "
-      f"{stats['kv_bytes_per_device'] / 2**20:.3f} MiB on each of "
-      f"{stats['devices']} device(s)",
-      f"  preemptions         {stats['preemptions']}",
-      f"  steps               {stats['steps']} ({stats['decode_steps']} decode,"
-      f" {stats['mixed_steps']} prefill/mixed); host "
-      f"{stats['host_ms_per_step']:.2f} ms/step"
-      + (f" ({stats['exposed_host_ms_per_step']:.2f} not overlapped)"
-         if stats["async_scheduling"] else "")
-      + f", waiting {stats['wait_ms_per_step']:.2f} ms/step: host share "
-      f"{100 * stats['host_share']:.1f}%",
-      f"  rows computed       {stats['padded_rows']} for {stats['computed_tokens']} real"
-      f" tokens ({stats['padding_ratio']:.2f}x) in {stats['buckets_compiled']}"
-      f" step shapes",
-      *_fmt_prefix(stats),
-  ]
-
-
-def _fmt_prefix(stats: dict) -> list[str]:
-  if not stats["prefix_caching"]:
-    return ["  prefix cache        off"] if stats["kind"] == "paged" else []
-  return [
-      f"  prefix cache        hit rate {100 * stats['prefix_cache_hit_rate']:.1f}%"
-      f" ({stats['prefix_hit_tokens']} of {stats['prefix_queried_tokens']} prompt"
-      f" tokens), {stats['prefill_tokens_saved']} prefill tokens saved; blocks"
-      f" cached {stats['prefix_blocks_registered']}, evicted"
-      f" {stats['prefix_blocks_evicted']}, {stats['blocks_cached']} held at the end"]
-
-
-def _short(text: str, limit: int) -> str:
-  text = text.replace("\n", "\\n")
-  return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def run_text(model, requests, config, mesh, tokenizer, questions=None):
@@ -423,7 +357,7 @@ def run_text(model, requests, config, mesh, tokenizer, questions=None):
           print(c.text.replace("\n", "\n    ")
                 + f"  ({c.finish_reason}, {len(c.token_ids)} tokens)")
         else:
-          print(f"{tag} {_short(c.text, limit)!r} ({c.finish_reason}, "
+          print(f"{tag} {report.short(c.text, limit)!r} ({c.finish_reason}, "
                 f"{len(c.token_ids)} tokens)")
   engine.flush()
   wall = time.perf_counter() - t0
@@ -531,8 +465,8 @@ def main(argv=None) -> int:
   print(f"\npaged KV cache: {c.num_blocks} blocks x {c.block_size} tokens"
         + (f" in each of {shards} data shards" if shards > 1 else "")
         + ", continuous batching")
-  print("\n".join(_fmt(stats)))
-  print(kv_cache_line(stats["kv_cache"]))
+  print("\n".join(report.fmt_stats(stats)))
+  print(report.kv_cache_line(stats["kv_cache"]))
   if "contiguous" in results:
     base, base_outputs = results["contiguous"]
     cc = configs["contiguous"]
@@ -540,7 +474,7 @@ def main(argv=None) -> int:
           f"{cc.block_size} tokens (max_model_len)"
           + (f" in each of {shards} data shards" if shards > 1 else "")
           + ", static batching")
-    print("\n".join(_fmt(base)))
+    print("\n".join(report.fmt_stats(base)))
     reasons = [o.rejected for o in base_outputs if o.rejected]
     if reasons:
       print(f"  rejected            {len(reasons)}, e.g. {reasons[0]}")
