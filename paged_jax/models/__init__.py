@@ -10,10 +10,11 @@ The API (every function returns a `ServingModel`, today always a
         The model for a Hugging Face `config.json` dict and Hugging
         Face-named tensors (`model.embed_tokens.weight`,
         `model.layers.0.self_attn.q_proj.weight` `[out, in]`, ...; NumPy
-        arrays, float32 / bfloat16 / float16, memory-mapped ones are read
-        once). `dtype` ("float32", "bfloat16", "float16"): the parameter and
-        compute dtype, default the config's `torch_dtype` (or `dtype`), else
-        float32. `implementation`: the attention backend
+        arrays, float32 / bfloat16 / float16, or lazy ones with `shape`,
+        `dtype` and `__array__`, read once each). `dtype` ("float32",
+        "bfloat16", "float16"): the parameter and compute dtype, default
+        the config's `torch_dtype` (or `dtype`), else float32.
+        `implementation`: the attention backend
         (`paged_jax.attention`). Every name, shape and dtype is checked
         against the config before anything is built.
 
@@ -21,8 +22,9 @@ The API (every function returns a `ServingModel`, today always a
             implementation: str | None = None) -> ServingModel
         A Hugging Face directory: `config.json` and `*.safetensors` (one file
         or shards listed by `model.safetensors.index.json`). Every file's
-        header is checked against its size first; the tensors are
-        memory-mapped.
+        header is checked against its size first; then the tensors are read
+        one at a time (peak host memory: the parameters plus about one
+        stacked parameter).
 
     tiny(seed: int = 0, *, implementation: str | None = None,
          **overrides) -> ServingModel

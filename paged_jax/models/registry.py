@@ -29,7 +29,8 @@ class Family:
     switches: `(config dict, get) -> {LlamaConfig field: value}`: the
       family's own fields (the shared ones are read by
       `checkpoint.config_from_hf`).
-    model: the module class built for it.
+    model: the module class built for it (it has `abstract(config, *,
+      implementation)`, a weightless instance `nnx.update` fills).
   """
 
   architecture: str

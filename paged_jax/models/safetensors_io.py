@@ -8,15 +8,14 @@ JSON (`{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__":
 single tensor byte is read: a truncated file, a corrupt header, an unknown
 dtype, offsets outside the data or a byte count that does not match the shape
 each give one `ValueError` naming the file and the tensor. `open_tensors`
-then maps the file (`mmap`) and returns NumPy views, so a tensor's bytes are
-read when it is used and never copied whole into host memory first. bfloat16
+then returns lazy `Tensor`s (shape and dtype now, bytes on `np.asarray`), so
+a loader holds one tensor's bytes at a time, never the whole file. bfloat16
 comes through `ml_dtypes` (NumPy has no bfloat16 of its own).
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import pathlib
 import struct
 
@@ -120,30 +119,63 @@ def _entry(path, name: str, entry, data_size: int) -> TensorInfo:
   return TensorInfo(dtype, tuple(shape), begin, end)
 
 
+class Tensor:
+  """A tensor in a safetensors file: its shape and dtype now, its bytes when
+  `np.asarray` asks for them (read then, straight into a fresh array, and
+  not kept: converting twice reads twice).
+
+  Attributes:
+    shape, dtype: as in the header.
+    path: the file.
+  """
+
+  def __init__(self, path: pathlib.Path, info: TensorInfo, data_start: int):
+    self.path, self.shape, self.dtype = path, info.shape, info.dtype
+    self._offset, self._nbytes = data_start + info.begin, info.end - info.begin
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def nbytes(self) -> int:
+    return self._nbytes
+
+  def __array__(self, dtype=None, copy=None):
+    del copy  # always a fresh array
+    out = np.empty(self.shape, self.dtype)
+    with open(self.path, "rb") as f:
+      f.seek(self._offset)
+      got = f.readinto(out.reshape(-1).view(np.uint8)) if self._nbytes else 0
+    if got != self._nbytes:
+      raise ValueError(f"{self.path}: truncated while reading ({got} of "
+                       f"{self._nbytes} bytes of a tensor)")
+    return out if dtype is None else out.astype(dtype)
+
+  def __repr__(self):
+    return f"Tensor({self.path.name}, {self.dtype}{list(self.shape)})"
+
+
 def open_tensors(path, header: dict[str, TensorInfo] | None = None,
-                 data_start: int | None = None) -> dict[str, np.ndarray]:
-  """Read-only NumPy views of every tensor in a file, memory-mapped.
+                 data_start: int | None = None) -> dict[str, Tensor]:
+  """Every tensor of a file, read lazily (`Tensor`).
 
   Args:
     path: the file.
     header, data_start: `read_header(path)`'s result, if already read.
 
   Returns:
-    `{name: ndarray}`; the arrays share the file's pages (nothing is read
-    until an array is used). They stay valid after the call.
+    `{name: Tensor}`: shapes and dtypes now, bytes on `np.asarray`, so a
+    loader that converts one tensor at a time holds one tensor's bytes at a
+    time (no mapping of the whole file stays resident).
 
   Raises:
     As `read_header`.
   """
+  path = pathlib.Path(path)
   if header is None:
     header, data_start = read_header(path)
-  with open(path, "rb") as f:  # the file holds at least its header: never empty
-    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-  out = {}
-  for name, t in header.items():
-    count = (t.end - t.begin) // t.dtype.itemsize
-    out[name] = np.frombuffer(mm, t.dtype, count, data_start + t.begin).reshape(t.shape)
-  return out
+  return {name: Tensor(path, t, data_start) for name, t in header.items()}
 
 
 def save(tensors: dict[str, np.ndarray], path, metadata: dict[str, str] | None = None):

@@ -5,11 +5,11 @@
 * `from_tensors(config, tensors)` checks every Hugging Face-named tensor
   (`model.layers.0.self_attn.q_proj.weight`, ...) against the config (names,
   shapes, dtypes) before anything is built, then stacks the layers' tensors
-  onto the scanned model (`nnx.eval_shape`, so nothing is initialised);
+  onto the scanned model (`Llama.abstract`, so nothing is initialised);
 * `load_checkpoint(dir)` reads a directory: one or more `*.safetensors`, or a
   sharded `model.safetensors.index.json`; every header is checked against its
   file before a tensor byte is read (`paged_jax.models.safetensors_io`), and
-  the tensors are memory-mapped, read one at a time while stacking;
+  the tensors are read lazily, one at a time while stacking;
 * `save_checkpoint` writes the same layout (tests, and to export the random
   tiny model).
 
@@ -230,8 +230,9 @@ def _slots(model: nnx.Module) -> list[_Slot]:
 
 
 def _abstract(config, implementation):
-  return nnx.eval_shape(lambda: model_lib.Llama(
-      config, implementation=implementation, rngs=nnx.Rngs(0)))
+  """The registered family's module for `config`, without weights."""
+  model_cls = registry.FAMILIES[config.architecture].model
+  return model_cls.abstract(config, implementation=implementation)
 
 
 def _set_nested(tree: dict, path: tuple, value):
@@ -288,12 +289,14 @@ def from_tensors(config: model_lib.LlamaConfig, tensors: Mapping[str, np.ndarray
 
   Every tensor is checked first (`check_tensors`); then each parameter is
   built in the model's dtype, the layers' tensors stacked one at a time (a
-  memory-mapped tensor is read once, when it is copied).
+  lazy `safetensors_io.Tensor` is read once, when it is copied).
 
   Args:
     config: the model's configuration.
-    tensors: `{Hugging Face name: array}` (NumPy, or anything `np.asarray`
-      takes), e.g. `model.layers.0.self_attn.q_proj.weight` `[out, in]`.
+    tensors: `{Hugging Face name: array}`, e.g.
+      `model.layers.0.self_attn.q_proj.weight` `[out, in]`: NumPy arrays, or
+      anything with `shape` and `dtype` that `np.asarray` takes (such as
+      `safetensors_io.Tensor`).
     implementation: attention backend passed to the model.
     where: optional `{name: file}` for error messages.
 
@@ -310,6 +313,8 @@ def from_tensors(config: model_lib.LlamaConfig, tensors: Mapping[str, np.ndarray
   updates = {}
   for slot in slots:
     names = slot.names(config.num_layers)
+    # NumPy transposes and casts one layer's tensor at a time as fast as XLA
+    # does the whole stack, and compiles nothing.
     out = np.empty((len(names),) + slot.shape if slot.stacked else slot.shape,
                    np_dtype)
     for i, name in enumerate(names):
@@ -376,9 +381,9 @@ def _weight_files(root: pathlib.Path) -> tuple[list[pathlib.Path], dict | None]:
   return files, None
 
 
-def read_tensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-  """Every tensor of a checkpoint directory, memory-mapped, after checking
-  every file's header against its size.
+def read_tensors(path) -> tuple[dict[str, safetensors_io.Tensor], dict[str, str]]:
+  """Every tensor of a checkpoint directory, lazily (`safetensors_io.Tensor`),
+  after checking every file's header against its size.
 
   Returns:
     `({name: array}, {name: file name})`.

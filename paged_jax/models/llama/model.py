@@ -16,8 +16,9 @@ Hugging Face (`embed_tokens`, `layers.self_attn.q_proj`, ...) so that
 
 Layers are stacked, MaxText's scan_layers: `Llama.layers` is one
 `DecoderLayer` whose parameters carry a leading `[num_layers]` axis (drawn
-layer by layer from the seed, so a seed's weights did not change), and both forward paths run them with `jax.lax.scan`, so a
-step compiles one layer whatever the depth. The paged step carries the whole
+layer by layer from the seed, so a seed's weights did not change), and both
+forward paths run them with `jax.lax.scan`, so a step compiles one layer
+whatever the depth. The paged step carries the whole
 `KVCache` through the scan and updates layer `i`'s pages in place
 (`dynamic_update_slice` on the carry), so a donated cache stays one buffer.
 
@@ -321,6 +322,23 @@ class Llama(nnx.Module):
       self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size,
                                 use_bias=False, dtype=dt, param_dtype=dt,
                                 rngs=rngs)
+
+  @classmethod
+  def abstract(cls, config: LlamaConfig, *,
+               implementation: str | None = None) -> "Llama":
+    """The model with `jax.ShapeDtypeStruct`s for parameters: nothing is
+    allocated or initialised, and one layer is traced whatever the depth
+    (`nnx.eval_shape` of the whole constructor traces every layer's random
+    init: 11 s for 30 SmolLM2 layers on a loaded 2-core CPU). Fill it with
+    `nnx.update`."""
+    one = nnx.eval_shape(lambda: cls(
+        dataclasses.replace(config, num_layers=1),
+        implementation=implementation, rngs=nnx.Rngs(0)))
+    one.config = config
+    for _, var in nnx.to_flat_state(nnx.state(one.layers)):
+      x = var.get_value()
+      var.set_value(jax.ShapeDtypeStruct((config.num_layers,) + x.shape[1:], x.dtype))
+    return one
 
   def make_cache(self, num_blocks: int, block_size: int,
                  dtype=None) -> kv_cache_lib.KVCache:

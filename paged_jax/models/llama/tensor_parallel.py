@@ -130,8 +130,7 @@ def shard_model(model: model_lib.Llama, mesh: Mesh) -> model_lib.Llama:
   reps = kv_heads // config.num_kv_heads
   new_config = dataclasses.replace(config, num_kv_heads=kv_heads)
   implementation = model.implementation
-  new = nnx.eval_shape(lambda: model_lib.Llama(
-      new_config, implementation=implementation, rngs=nnx.Rngs(0)))
+  new = model_lib.Llama.abstract(new_config, implementation=implementation)
   _, state = nnx.split(model, nnx.Param)
   updates = {}
   for path, var in nnx.to_flat_state(state):

@@ -1,0 +1,101 @@
+"""The layers under `lax.scan`: one compiled layer whatever the depth, the
+donated cache updated in place, paged == dense for every family."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import paged_jax.models as models
+from paged_jax import block_manager as bm
+from paged_jax import step_metadata
+from tests.paged_jax.models.test_api import FAMILIES, hf_config, random_tensors
+
+BS, BLOCKS = 4, 24
+
+
+def _step(num_seqs=2, q_len=13):
+  state = bm.init(num_blocks=BLOCKS, block_size=BS, max_seqs=num_seqs,
+                  max_blocks_per_seq=8)
+  seq_ids = jnp.arange(num_seqs, dtype=jnp.int32)
+  q_lens = jnp.full(num_seqs, q_len, jnp.int32)
+  state, _ = bm.reserve(state, seq_ids, q_lens)
+  return step_metadata.step_metadata(state, seq_ids, q_lens,
+                                     num_tokens=num_seqs * q_len)
+
+
+def _jitted_forward(model):
+  graphdef, params = nnx.split(model)
+
+  def fwd(params, cache, tokens, meta):
+    m = nnx.merge(graphdef, params)
+    hidden, cache = m.paged_forward(tokens, meta, cache)
+    return m.logits(hidden), cache
+
+  return jax.jit(fwd, donate_argnums=1), params
+
+
+def test_program_does_not_grow_with_depth_and_the_cache_is_aliased():
+  meta = _step()
+  texts = {}
+  for layers in (1, 6):
+    model = models.tiny(0, num_layers=layers)
+    fwd, params = _jitted_forward(model)
+    cache = model.make_cache(BLOCKS, BS)
+    lowered = fwd.lower(params, cache, jnp.zeros(26, jnp.int32), meta)
+    texts[layers] = lowered.as_text()
+    compiled = lowered.compile().as_text()
+    header = compiled.splitlines()[0]
+    # Both page arrays (the donated cache) alias outputs: updated in place.
+    assert header.count("may-alias") >= 2, header[:400]
+  # One layer in the program at any depth (only the stacked shapes differ).
+  assert len(texts[1].splitlines()) == len(texts[6].splitlines())
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+@pytest.mark.parametrize("cache_dtype", [None, "int8"])
+def test_paged_matches_dense_per_family(arch, cache_dtype):
+  cfg = hf_config(arch, num_hidden_layers=3)
+  model = models.from_hf(cfg, random_tensors(cfg, seed=5))
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 256, (2, 13)).astype(np.int32)  # > Mistral's window 5
+  dense = np.asarray(model.dense_logits(jnp.asarray(tokens)))
+  fwd, params = _jitted_forward(model)
+  cache = model.make_cache(BLOCKS, BS, cache_dtype)
+  paged, cache = fwd(params, cache, jnp.asarray(tokens.reshape(-1)), _step())
+  paged = np.asarray(paged).reshape(dense.shape)
+  tol = 1e-5 if cache_dtype is None else 5e-2
+  scale = np.abs(dense).max(-1, keepdims=True)
+  np.testing.assert_array_less(np.abs(paged - dense) / scale, tol)
+  assert cache.k_pages.shape[0] == 3
+  # Every layer wrote its own K (layers differ, so their pages differ).
+  k = np.asarray(cache.k_pages, np.float32)
+  assert all(np.abs(k[i]).sum() > 0 for i in range(3))
+  assert not np.array_equal(k[0], k[1])
+
+
+def test_cache_with_other_layer_count_is_refused():
+  model = models.tiny(0, num_layers=2)
+  cache = models.tiny(0, num_layers=3).make_cache(BLOCKS, BS)
+  with pytest.raises(ValueError, match="the KV cache has 3 layers, the model num_layers=2"):
+    model.paged_forward(jnp.zeros(26, jnp.int32), _step(), cache)
+
+
+def test_a_seed_gives_the_weights_separate_layers_would():
+  """Stacking kept the seeded weights: layer i of the stack is the i-th
+  `DecoderLayer` drawn from the same `Rngs` after the embedding."""
+  from paged_jax.models.llama import model as model_lib  # pylint: disable=import-outside-toplevel
+  config = model_lib.LlamaConfig.tiny(num_layers=3)
+  stacked = model_lib.init_model(config, seed=7)
+  rngs = nnx.Rngs(7)
+  nnx.Embed(config.vocab_size, config.hidden_size, rngs=rngs,
+            embedding_init=nnx.initializers.normal(1.0))
+  for i in range(3):
+    layer = model_lib.DecoderLayer(config, implementation=None, rngs=rngs)
+    np.testing.assert_array_equal(stacked.layers.mlp.up_proj.kernel[...][i],
+                                  layer.mlp.up_proj.kernel[...])
+    np.testing.assert_array_equal(stacked.layers.self_attn.q_proj.kernel[...][i],
+                                  layer.self_attn.q_proj.kernel[...])
