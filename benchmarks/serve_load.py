@@ -1,4 +1,4 @@
-"""A bounded load test of examples/serve.py on loopback.
+"""A bounded load test of the OpenAI server (examples/serve.py) on loopback.
 
     python benchmarks/serve_load.py --requests 64 --concurrency 16
 
@@ -11,7 +11,11 @@ is a server-sent event with text: about one token each, fewer while a
 multi-byte character or a possible stop string is held back), the
 status code of every request (each one is answered or refused), and the KV
 blocks still held after every client is gone (read from /metrics; 0 = no
-leak). Some clients disconnect mid-stream on purpose (`--disconnect-every`).
+leak). Some clients disconnect mid-stream on purpose (`--disconnect-every`);
+with `--hostile-every k` every k-th client sends, instead, one of the hostile
+requests of issue 26 (`HOSTILE`: the old engine-killers, non-JSON numbers, a
+body nested 10,000 deep), each expected to get 400 while the others are
+served; the run fails if one does not, or if `/health` is not 200 at the end.
 Writes JSON with --output.
 """
 
@@ -36,6 +40,20 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+# Requests that once put the engine into a failed state or got a 500 (issue 26).
+HOSTILE = (
+    b'{"prompt":"hello","stop_token_ids":[[1]],"max_tokens":4}',
+    b'{"prompt":"hello","stop_token_ids":[1180591620717411303424],"min_tokens":1,'
+    b'"max_tokens":4}',
+    b'{"prompt":"hello","stop_token_ids":["a"],"min_tokens":1,"max_tokens":4}',
+    b'{"prompt":"hello","seed":-1,"n":2,"temperature":1,"max_tokens":4}',
+    b'{"prompt":"hello","seed":2147483647,"n":2,"temperature":1,"max_tokens":4}',
+    b'{"prompt":"hi","top_k":2147483648,"temperature":1,"max_tokens":4}',
+    b'{"prompt":"hi","top_k":Infinity,"max_tokens":4}',
+    b'[' * 10000 + b']' * 10000,
+)
+
+
 def _metric(text: str, name: str) -> float:
   m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
   return float(m.group(1)) if m else float("nan")
@@ -43,13 +61,24 @@ def _metric(text: str, name: str) -> float:
 
 async def _client(http, url, i, args, results):
   import httpx  # pylint: disable=import-outside-toplevel
-  body = {"model": "m", "prompt": f"request {i}: " + "lorem ipsum " * (i % 4 + 1),
+  body = {"model": args.model, "prompt": f"request {i}: " + "lorem ipsum " * (i % 4 + 1),
           "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
           "ignore_eos": True}
   t0 = time.perf_counter()
   times = []
   status = None
   cut = args.disconnect_every and i % args.disconnect_every == args.disconnect_every - 1
+  if args.hostile_every and i % args.hostile_every == args.hostile_every - 1:
+    bad = HOSTILE[(i // args.hostile_every) % len(HOSTILE)]
+    try:
+      r = await http.post(url + "/v1/completions", content=bad,
+                          headers={"Content-Type": "application/json"},
+                          timeout=args.request_timeout)
+      status = f"hostile {r.status_code}"
+    except (httpx.HTTPError, asyncio.TimeoutError) as e:
+      status = f"hostile {type(e).__name__}"
+    results[i] = {"status": status, "start": t0, "token_times": []}
+    return
   try:
     async with http.stream("POST", url + "/v1/completions", json=body,
                            timeout=args.request_timeout) as r:
@@ -89,6 +118,8 @@ def main(argv=None) -> int:
   p.add_argument("--max-tokens", type=int, default=24)
   p.add_argument("--disconnect-every", type=int, default=8,
                  help="every k-th client disconnects after 3 chunks (0: none)")
+  p.add_argument("--hostile-every", type=int, default=0,
+                 help="every k-th client sends a hostile request instead (0: none)")
   p.add_argument("--request-timeout", type=float, default=120.0)
   p.add_argument("--time-limit", type=float, default=600.0)
   p.add_argument("--output", metavar="FILE")
@@ -113,6 +144,7 @@ def main(argv=None) -> int:
     time.sleep(0.02)
   url = f"http://127.0.0.1:{port}"
   try:
+    args.model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     t0 = time.perf_counter()
     results = asyncio.run(_drive(url, args))
     wall = time.perf_counter() - t0
@@ -123,6 +155,7 @@ def main(argv=None) -> int:
       if held == 0 or time.time() > deadline:
         break
       time.sleep(0.05)
+    health = httpx.get(url + "/health").status_code
   finally:
     server.should_exit = True
     thread.join(timeout=10)
@@ -146,6 +179,8 @@ def main(argv=None) -> int:
       "blocks_total": _metric(metrics, "paged_jax_kv_cache_blocks_total"),
       "preemptions": _metric(metrics, "paged_jax_preemptions_total"),
       "aborted": _metric(metrics, "paged_jax_requests_aborted_total"),
+      "failed": _metric(metrics, "paged_jax_requests_failed_total"),
+      "health_after": health,
       "server_args": server_argv,
   }
   print(json.dumps(report, indent=1))
@@ -153,9 +188,15 @@ def main(argv=None) -> int:
     pathlib.Path(args.output).write_text(json.dumps(report, indent=1))
   leaked = held != 0
   missing = len(results) != args.requests
-  if leaked or missing:
+  harmed = health != 200 or any(k.startswith("hostile") and k != "hostile 400"
+                                for k in codes)
+  harmed |= any(k not in ("200", "503", "disconnected") and not k.startswith("hostile")
+                for k in codes)
+  if leaked or missing or harmed:
     print(f"error: {'blocks leaked' if leaked else ''} "
-          f"{'requests unanswered' if missing else ''}", file=sys.stderr)
+          f"{'requests unanswered' if missing else ''} "
+          f"{'a request was answered with an error, or /health is not 200' if harmed else ''}",
+          file=sys.stderr)
     return 1
   return 0
 

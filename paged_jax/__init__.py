@@ -2,9 +2,13 @@
 
 Public API:
   * block manager (`paged_jax.block_manager`): `BlockState`, `Reservation`,
-    `init`, `reserve`, `release`, `fork`, `slot_mapping`, `gather_tables`,
+    `init`, `reserve`, `release`, `fork`, `truncate` (speculative
+    decoding's rollback), `slot_mapping`, `gather_tables`,
     `check_invariants`, `usage`, `NULL_BLOCK`; prefix caching: `register`,
     `share`, `cached_blocks`;
+  * speculative decoding (`paged_jax.speculative`): `greedy_accept`,
+    `rejection_sample`, `ngram_propose`, `SpeculativeConfig` (the rollback is
+    `block_manager.truncate`);
   * prefix-cache index (`import paged_jax.prefix_cache`): `PrefixIndex`,
     `max_hit_blocks`, `check_consistent`;
   * KV cache (`paged_jax.kv_cache`; int8 / fp8 pages with per-token scales:
@@ -44,6 +48,7 @@ from paged_jax import kv_cache
 from paged_jax import reference
 from paged_jax import rope
 from paged_jax import sharding
+from paged_jax import speculative
 from paged_jax import step_metadata
 from paged_jax.attention import IMPLEMENTATIONS
 from paged_jax.attention import paged_attention
@@ -68,6 +73,7 @@ __all__ = [
     "reference",
     "rope",
     "sharding",
+    "speculative",
     "step_metadata",
     "write_and_ragged_attention",
 ]

@@ -59,6 +59,15 @@ block, and allocation clears `cacheable` for every block it hands out, so a
 block named by the host's index holds exactly the tokens it was hashed from
 until `reserve` reports it evicted (`Reservation.evicted`).
 
+Speculative decoding is a transaction on this state: a verification step
+reserves `1 + k` slots per sequence (`reserve`: its last sampled token and
+`k` draft tokens), and once `a` drafts are accepted rolls back to what it
+keeps (`truncate`, to `L + 1 + a`). The rollback gives back the blocks past
+the accepted length, never one that a fork or the prefix cache still holds,
+and leaves copy-on-write exactly as before; truncating in the same step as
+the verification, before the next `register`, keeps draft tokens out of the
+prefix cache (see `truncate`; the verifiers are in `paged_jax.speculative`).
+
 Operations are vectorised over the batch: each touches the listed sequences'
 table rows and at most `max_blocks_per_seq` blocks per sequence, with one
 scatter per pool-sized array, so the cost is O(batch x max_blocks_per_seq)
@@ -510,8 +519,7 @@ def release(state: BlockState, seq_ids) -> tuple[BlockState, jax.Array]:
   """
   seq_ids = _as_ids("seq_ids", seq_ids)
   bs = state.block_size
-  num_blocks, max_seqs, width = (state.num_blocks, state.max_seqs,
-                                 state.max_blocks_per_seq)
+  max_seqs, width = state.max_seqs, state.max_blocks_per_seq
   sid = jnp.clip(seq_ids, 0, max_seqs - 1)
   length = state.seq_lens[sid]
   ok = ((seq_ids >= 0) & (seq_ids < max_seqs) & (length > 0)
@@ -519,24 +527,128 @@ def release(state: BlockState, seq_ids) -> tuple[BlockState, jax.Array]:
   rows = state.block_tables[sid]  # [n, width]
   cols = jnp.arange(width, dtype=jnp.int32)
   owned = ok[:, None] & (cols[None, :] < _cdiv(length, bs)[:, None])
-  refs = _scatter_add(state.refcounts, rows, owned, -1)
-  if state.prefix_caching:
-    state = _free_or_cache(state.replace(refcounts=refs), rows, owned)
-  else:
-    # Blocks whose count reached zero go back on the stack, once each even
-    # when several released sequences shared them: sort, keep first of each.
-    flat = jnp.sort(jnp.where(owned, rows, num_blocks).reshape(-1))
-    fresh = jnp.concatenate([jnp.ones((1,), bool), flat[1:] != flat[:-1]])
-    freed = fresh & (flat < num_blocks)
-    freed &= refs[jnp.clip(flat, 0, num_blocks - 1)] == 0
-    pos = state.num_free + jnp.cumsum(freed.astype(jnp.int32)) - 1
-    stack = state.free_stack.at[jnp.where(freed, pos, num_blocks)].set(
-        flat, mode="drop")
-    num_free = state.num_free + jnp.sum(freed, dtype=jnp.int32)
-    state = state.replace(refcounts=refs, free_stack=stack, num_free=num_free)
+  state = _unref(state, rows, owned)
   write = jnp.where(ok, sid, max_seqs)
   tables = state.block_tables.at[write].set(NULL_BLOCK, mode="drop")
   lens = state.seq_lens.at[write].set(0, mode="drop")
+  return state.replace(block_tables=tables, seq_lens=lens), ok
+
+
+def _unref(state: BlockState, rows, dropped) -> BlockState:
+  """Drops one reference from each `dropped` entry of `rows` (`release`,
+  `truncate`): blocks whose refcount reaches zero go back to the pool (to the
+  free stack, or cached if cacheable); blocks still held elsewhere stay.
+  Table rows and lengths are the caller's to update.
+
+  `rows` `i32[n, width]` are table rows, `dropped` `bool[n, width]` the
+  entries that give up their reference (each a distinct (row, column)).
+  """
+  num_blocks = state.num_blocks
+  refs = _scatter_add(state.refcounts, rows, dropped, -1)
+  if state.prefix_caching:
+    return _free_or_cache(state.replace(refcounts=refs), rows, dropped)
+  # Blocks whose count reached zero go back on the stack, once each even
+  # when several rows shared them: sort, keep first of each.
+  flat = jnp.sort(jnp.where(dropped, rows, num_blocks).reshape(-1))
+  fresh = jnp.concatenate([jnp.ones((1,), bool), flat[1:] != flat[:-1]])
+  freed = fresh & (flat < num_blocks)
+  freed &= refs[jnp.clip(flat, 0, num_blocks - 1)] == 0
+  pos = state.num_free + jnp.cumsum(freed.astype(jnp.int32)) - 1
+  stack = state.free_stack.at[jnp.where(freed, pos, num_blocks)].set(
+      flat, mode="drop")
+  num_free = state.num_free + jnp.sum(freed, dtype=jnp.int32)
+  return state.replace(refcounts=refs, free_stack=stack, num_free=num_free)
+
+
+def truncate(state: BlockState, seq_ids, new_lens
+             ) -> tuple[BlockState, jax.Array]:
+  """Rolls sequences back to `new_lens` tokens (speculative decoding's undo).
+
+  Sequence `seq_ids[i]` keeps its first `new_lens[i]` token slots and the
+  `ceil(new_lens[i] / block_size)` blocks that hold them; each block past
+  them loses this sequence's reference and returns to the pool only when no
+  one else holds it, exactly as in `release`: a block shared with a fork
+  (refcount > 1) stays with the fork, and a cacheable one (`register`)
+  whose count reaches zero is cached, not emptied. The block at the new end
+  keeps its refcount: if it is now a partial block that another sequence
+  shares, `slot_mapping` keeps it read-only and the next `reserve` copies it
+  (copy-on-write), so a rollback below a fork point never writes into the
+  sibling's K/V. Slots past `new_lens` inside a kept block hold stale K/V
+  that nothing reads (attention stops at `seq_lens`); the next reserve
+  overwrites them. Truncating to 0 empties the slot (as `release` does).
+
+  Lookahead for a verification step is plain `reserve`: a sequence of `L`
+  cached tokens reserves `1 + k` slots (its last sampled token and `k` draft
+  tokens; copy-on-write as usual), the step writes their K/V, and once
+  `a <= k` drafts are accepted `truncate(state, seq, L + 1 + a)` gives back
+  the rest. The pair is exact: after `reserve(1 + k)` then `truncate(L + 1
+  + a)` every sequence has the lengths, block counts and copy-on-write pair
+  that `reserve(1 + a)` would have given it, and the pool as many available
+  blocks (which free blocks fill the rows, and the free stack's order, may
+  differ). With prefix caching, cached blocks that the lookahead evicted
+  stay evicted (`Reservation.evicted` already told the host; their content
+  is gone) and come back empty.
+
+  Unverified tokens never reach the prefix cache: `register` accepts only
+  blocks that are full within `seq_lens`, so a caller that truncates in the
+  same step as it verifies (before the next `register`) never registers a
+  block holding draft tokens. Truncating into registered content (a
+  cacheable block that would become partial) is refused: registered content
+  is immutable, and the sequence would have to write into it.
+
+  Args:
+    state: the block state.
+    seq_ids: `int[n]` live sequence slots (any integer dtype).
+    new_lens: `int[n]` lengths to keep, in `[0, seq_lens[seq_ids]]`.
+
+  Returns:
+    `(new_state, ok)`; `ok` is `bool[n]`, False for out-of-range ids (int64
+    ones outside int32 included), empty slots, repeats of an id earlier in
+    the same call, `new_lens` below 0 or above the current length, and (with
+    prefix caching) a new end inside a cacheable block. A failed entry
+    leaves its sequence exactly as it was.
+
+  Raises:
+    ValueError: if the arguments are not 1-D integer arrays of equal length.
+
+  Example:
+    >>> state = init(num_blocks=8, block_size=4, max_seqs=2,
+    ...              max_blocks_per_seq=4)
+    >>> state, res = reserve(state, jnp.array([0]), jnp.array([6]))
+    >>> state, res = reserve(state, jnp.array([0]), jnp.array([1 + 4]))
+    >>> int(state.seq_lens[0]), int(state.num_free)  # 11 slots, 3 blocks
+    (11, 5)
+    >>> state, ok = truncate(state, jnp.array([0]), jnp.array([6 + 1 + 1]))
+    >>> bool(ok[0]), int(state.seq_lens[0]), int(state.num_free)
+    (True, 8, 6)
+  """
+  seq_ids = _as_ids("seq_ids", seq_ids)
+  new_lens = _as_ids("new_lens", new_lens)
+  _same_length("seq_ids", seq_ids, "new_lens", new_lens)
+  bs = state.block_size
+  num_blocks, max_seqs, width = (state.num_blocks, state.max_seqs,
+                                 state.max_blocks_per_seq)
+  sid = jnp.clip(seq_ids, 0, max_seqs - 1)
+  length = state.seq_lens[sid]
+  ok = ((seq_ids >= 0) & (seq_ids < max_seqs) & (length > 0)
+        & (new_lens >= 0) & (new_lens <= length)
+        & _first_occurrence(seq_ids))
+  rows = state.block_tables[sid]  # [n, width]
+  keep = _cdiv(jnp.clip(new_lens, 0, length), bs)  # blocks kept
+  if state.prefix_caching:
+    end = jnp.take_along_axis(rows, jnp.maximum(keep - 1, 0)[:, None],
+                              axis=1)[:, 0]
+    cut = (new_lens % bs != 0) & state.cacheable[jnp.clip(end, 0,
+                                                          num_blocks - 1)]
+    ok &= ~cut
+  cols = jnp.arange(width, dtype=jnp.int32)[None, :]
+  dropped = ok[:, None] & (cols >= keep[:, None]) & (
+      cols < _cdiv(length, bs)[:, None])
+  state = _unref(state, rows, dropped)
+  write = jnp.where(ok, sid, max_seqs)
+  tables = state.block_tables.at[write].set(
+      jnp.where(cols >= keep[:, None], NULL_BLOCK, rows), mode="drop")
+  lens = state.seq_lens.at[write].set(new_lens, mode="drop")
   return state.replace(block_tables=tables, seq_lens=lens), ok
 
 

@@ -48,7 +48,6 @@ from paged_jax.models import loader
 from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
 
-NEVER_SAMPLED = (-1,)       # --ignore-eos: a stop token no step can produce
 # The synthetic workload's defaults, (--num-requests, --max-new-tokens; None:
 # drawn per request): a real model's step costs ~100x the tiny one's on CPU,
 # and the quick start's second run should take under 30 s on 2 cores.
@@ -207,7 +206,7 @@ def sampling_params(args, max_new_tokens: int) -> SamplingParams:
       max_new_tokens=max_new_tokens, temperature=args.temperature,
       top_k=args.top_k, top_p=args.top_p, seed=args.seed, n=args.n,
       beam_width=args.beam_width,
-      eos_token_ids=NEVER_SAMPLED if args.ignore_eos else (),
+      ignore_eos=args.ignore_eos,
       stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids),
       min_tokens=min(args.min_tokens, max_new_tokens))
 

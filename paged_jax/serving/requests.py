@@ -26,6 +26,18 @@ class Request:
   params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
   cache_salt: str | bytes | None = None
 
+  def __post_init__(self):
+    # The fields the engine keys on or reads first; the prompt's tokens and
+    # the salt are the engine's to judge (a rejection, not an exception).
+    try:
+      hash(self.request_id)
+    except TypeError:
+      raise ValueError(f"request_id must be hashable, got a "
+                       f"{type(self.request_id).__name__}") from None
+    if not isinstance(self.params, SamplingParams):
+      raise ValueError(f"params must be a SamplingParams, got a "
+                       f"{type(self.params).__name__}")
+
   def salt_bytes(self) -> bytes:
     """`cache_salt` as bytes (UTF-8 for a str)."""
     salt = self.cache_salt or b""

@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from paged_jax._int32 import INT32_MAX, INT32_MIN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +42,18 @@ class SamplingParams:
     min_tokens: the EOS and stop tokens are masked out of the first
       `min_tokens` generated tokens (at most `MAX_BANNED` such ids).
     stop: stop strings, matched on the decoded text by the text layer
-      (`paged_jax.serving.text`); the engine itself ignores them.
+      (`paged_jax.serving.text`); the engine itself ignores them. One str is
+      one stop string.
+    ignore_eos: no EOS token ends a sequence (`stop_token_ids` still do).
+
+  Every field is checked here against what the engine can hold (ids, counts
+  and seeds are int32 on the device), so a request built from any input
+  either raises `ValueError` now or is served: integers (not bools) in
+  range, finite reals, token ids as a sequence of ints in int32, stop
+  strings non-empty. Sequences are stored as tuples.
+
+  Raises:
+    ValueError: a field out of its range or of the wrong type, naming it.
   """
 
   max_new_tokens: int = 16
@@ -52,36 +68,104 @@ class SamplingParams:
   stop_token_ids: tuple[int, ...] = ()
   min_tokens: int = 0
   stop: tuple[str, ...] = ()
+  ignore_eos: bool = False
 
   def __post_init__(self):
-    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
-    if not self.temperature >= 0 or not math.isfinite(self.temperature):
-      raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-    if not isinstance(self.top_k, int) or self.top_k < 0:
-      raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k!r}")
+    # Every value is checked against what the engine holds: int32 ids,
+    # counts and seeds on the device, so nothing can fail or wrap in a step.
+    for name, lo in (("max_new_tokens", 1), ("top_k", 0), ("n", 1), ("beam_width", 1),
+                     ("min_tokens", 0)):
+      self._set(name, _int(name, getattr(self, name), lo, INT32_MAX))
+    for name in ("temperature", "top_p", "length_penalty"):
+      self._set(name, _real(name, getattr(self, name)))
+    # Both are float32 on the device: finite there, and top_p not rounded to 0.
+    if not (math.isfinite(self.temperature) and self.temperature >= 0):
+      raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
+    if self.temperature > FLOAT32_MAX:
+      raise ValueError(f"temperature must be <= {FLOAT32_MAX:.4g} (float32), got "
+                       f"{self.temperature!r}")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-    if not isinstance(self.seed, int) or not 0 <= self.seed < 2**31:
-      raise ValueError(f"seed must be an int in [0, 2**31), got {self.seed!r}")
-    if not isinstance(self.n, int) or self.n < 1:
-      raise ValueError(f"n must be >= 1, got {self.n!r}")
-    if not isinstance(self.beam_width, int) or self.beam_width < 1:
-      raise ValueError(f"beam_width must be >= 1, got {self.beam_width!r}")
-    if (not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
-        or not 0 <= self.min_tokens <= self.max_new_tokens):
+    if np.float32(self.top_p) == 0:
+      raise ValueError(f"top_p must be in (0, 1] in float32, got {self.top_p!r}")
+    if not math.isfinite(self.length_penalty):
+      raise ValueError(f"length_penalty must be finite, got {self.length_penalty!r}")
+    if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) \
+        or not 0 <= self.seed <= INT32_MAX:
+      raise ValueError(f"seed must be an int in [0, 2**31), got {_show(self.seed)}")
+    self._set("seed", int(self.seed))
+    if self.seed + self.num_seqs - 1 > INT32_MAX:  # sample i uses seed + i
+      raise ValueError(f"seed + {self.num_seqs - 1} (sample i uses seed + i) must be "
+                       f"< 2**31, got seed={self.seed}")
+    if self.min_tokens > self.max_new_tokens:
       raise ValueError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}]"
                        f", got {self.min_tokens!r}")
-    if any(not isinstance(t, str) or not t for t in self.stop):
-      raise ValueError(f"stop strings must be non-empty str, got {self.stop!r}")
+    for name in ("eos_token_ids", "stop_token_ids"):
+      self._set(name, _ids(name, getattr(self, name)))
+    if isinstance(self.stop, str):
+      self._set("stop", (self.stop,))
+    if not isinstance(self.stop, (tuple, list)) or any(
+        not isinstance(t, str) or not t for t in self.stop):
+      raise ValueError(f"stop strings must be non-empty str, got {_show(self.stop)}")
+    self._set("stop", tuple(self.stop))
+    if not isinstance(self.ignore_eos, bool):
+      raise ValueError(f"ignore_eos must be a bool, got {_show(self.ignore_eos)}")
+    if self.ignore_eos and self.eos_token_ids:
+      raise ValueError(f"give eos_token_ids or ignore_eos, not both (got "
+                       f"eos_token_ids={self.eos_token_ids})")
     if self.n > 1 and self.beam_width > 1:
       raise ValueError(f"use n or beam_width, not both (got n={self.n}, "
                        f"beam_width={self.beam_width})")
+
+  def _set(self, name, value):
+    object.__setattr__(self, name, value)
+
+  def stop_ids(self, model_eos_token_ids) -> frozenset[int]:
+    """The token ids that end a sequence: the EOS ones (this request's, else
+    the model's; none with `ignore_eos`) and `stop_token_ids`."""
+    eos = () if self.ignore_eos else (self.eos_token_ids or tuple(model_eos_token_ids))
+    return frozenset(eos) | frozenset(self.stop_token_ids)
 
   @property
   def num_seqs(self) -> int:
     """Sequences the request runs at once."""
     return max(self.n, self.beam_width)
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+_REPR = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 2, 40, 40, 40
+
+
+def _show(value) -> str:
+  """A short repr, safe for any value (deeply nested ones too)."""
+  return _REPR.repr(value)
+
+
+def _int(name: str, value, lo: int, hi: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise ValueError(f"{name} must be an int >= {lo}, got {_show(value)}")
+  if not lo <= value <= hi:
+    raise ValueError(f"{name} must be >= {lo}" + (f" and < 2**31" if value > hi else "")
+                     + f", got {value!r}")
+  return int(value)
+
+
+def _real(name: str, value) -> float:
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    raise ValueError(f"{name} must be a real number, got {_show(value)}")
+  return float(value)
+
+
+def _ids(name: str, value) -> tuple[int, ...]:
+  """Token ids as a tuple of int32 ints (a negative id is never sampled)."""
+  if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
+    raise ValueError(f"{name} must be a tuple of int token ids, got {_show(value)}")
+  bad = [t for t in value if isinstance(t, bool) or not isinstance(t, (int, np.integer))
+         or not INT32_MIN <= t <= INT32_MAX]
+  if bad:
+    raise ValueError(f"{name} must hold int32 token ids, got {_show(bad[0])}")
+  return tuple(int(t) for t in value)
 
 
 # Token ids one sample row may mask (min_tokens: the EOS and stop tokens).

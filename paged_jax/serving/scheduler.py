@@ -161,8 +161,7 @@ class Scheduler:
       if self.collect_deltas:
         self._deltas.append(RequestDelta(request.request_id, -1, [], output=out))
       return out
-    eos = frozenset(request.params.eos_token_ids or self.model_config.eos_token_ids
-                    ) | frozenset(request.params.stop_token_ids)
+    eos = request.params.stop_ids(self.model_config.eos_token_ids)
     group = Group(request, self._orders, eos, self._step, time.perf_counter())
     self._orders += 1
     self._insert(self._waiting, group.live[0])
@@ -187,7 +186,7 @@ class Scheduler:
       return f"needs {p.num_seqs} sequences at once, max_batch is {c.max_batch}"
     if p.beam_width > c.max_beam_width:
       return f"beam_width={p.beam_width} exceeds the engine's max_beam_width={c.max_beam_width}"
-    stops = set(p.eos_token_ids or self.model_config.eos_token_ids) | set(p.stop_token_ids)
+    stops = p.stop_ids(self.model_config.eos_token_ids)
     if p.min_tokens and len(stops) > sampling_lib.MAX_BANNED:
       return (f"min_tokens needs at most {sampling_lib.MAX_BANNED} EOS and stop "
               f"token ids, got {len(stops)}")

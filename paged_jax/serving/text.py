@@ -10,6 +10,10 @@ text is cut where a stop string starts, the sequence is finished at once
 `len(longest stop) - 1` characters are held back. An EOS or stop token ends
 the text and is not decoded (it stays in `token_ids`).
 
+A failure while turning one request's tokens into text (its tokenizer
+raised, say) fails that request alone: it is aborted in the engine and ends
+with a `TextDelta` whose `error` is set; the others go on.
+
 Example:
   >>> te = TextEngine(engine, ByteTokenizer())
   >>> te.add_request(Request("a", te.tokenizer.encode("Hi"), SamplingParams(stop=("\\n",))))
@@ -21,6 +25,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import sys
+import traceback
 from typing import Hashable
 
 from paged_jax.serving.engine import Engine
@@ -48,6 +54,8 @@ class TextDelta:
     finish_reason: "stop", "length" or "abort" on a sequence's last delta.
     output: the `RequestOutput` (completions' token ids) on the last delta;
       `completions` then holds each sequence's `TextCompletion`.
+    error: set (index -1, no `output`) when serving this request failed; it
+      is the request's last delta and the request is aborted in the engine.
   """
 
   request_id: Hashable
@@ -58,6 +66,7 @@ class TextDelta:
   finish_reason: str | None = None
   output: RequestOutput | None = None
   completions: list[TextCompletion] | None = None
+  error: str | None = None
 
 
 class _SeqText:
@@ -95,11 +104,22 @@ class TextEngine:
     engine.stream_deltas(True)
 
   def add_request(self, request: Request) -> RequestOutput | None:
-    """`Engine.add_request`; the rejection (if any) also ends the stream."""
-    p = request.params
-    eos = p.eos_token_ids or tuple(self.engine.model_config.eos_token_ids)
-    self._reqs[request.request_id] = _Req(request, frozenset(eos) | frozenset(p.stop_token_ids))
-    return self.engine.add_request(request)
+    """`Engine.add_request`; the rejection (if any) also ends the stream.
+    If it raises, the request is forgotten here too."""
+    rid = request.request_id
+    if rid in self._reqs:
+      raise ValueError(f"request id {rid!r:.80} is already running")
+    self._reqs[rid] = _Req(request, request.params.stop_ids(
+        self.engine.model_config.eos_token_ids))
+    try:
+      return self.engine.add_request(request)
+    except BaseException:
+      del self._reqs[rid]
+      try:  # in case the engine queued it before it raised
+        self.engine.abort_request(rid)
+      except Exception:  # pylint: disable=broad-except  # the first error is the one
+        pass
+      raise
 
   def abort_request(self, request_id) -> bool:
     return self.engine.abort_request(request_id)
@@ -123,22 +143,38 @@ class TextEngine:
       r = self._reqs.get(d.request_id)
       if r is None:
         continue
-      if d.output is not None:
-        out.append(self._final(r, d.output))
-        continue
-      if r.request.params.beam_width > 1:
-        s = self._seq(r, d.index)
-        s.token_ids = list(d.token_ids)
-        s.text = self.tokenizer.decode([t for t in d.token_ids if t not in r.stop_ids])
-        s.finish_reason = d.finish_reason
-        s.logprobs = None
-        out.append(TextDelta(d.request_id, d.index, s.text, list(d.token_ids),
-                             None, d.finish_reason))
-        continue
-      delta = self._tokens(r, d.index, d.token_ids, d.logprobs, d.finish_reason)
+      try:
+        delta = self._text(r, d)
+      except Exception:  # pylint: disable=broad-except  # this request alone
+        delta = self.fail_request(d.request_id, "decoding its output raised")
       if delta is not None:
         out.append(delta)
     return out
+
+  def fail_request(self, request_id, reason: str) -> TextDelta | None:
+    """Fails `request_id` alone: aborts it in the engine (its blocks come
+    back at the next step), forgets it, logs the exception being handled (if
+    any) and returns its last delta (`error` set); None if not running."""
+    if self._reqs.pop(request_id, None) is None:
+      return None
+    if sys.exc_info()[0] is not None:
+      traceback.print_exc(file=sys.stderr)
+    self.engine.abort_request(request_id)
+    return TextDelta(request_id, -1, error=f"internal error while serving this "
+                     f"request ({reason}); the server goes on")
+
+  def _text(self, r: _Req, d) -> TextDelta | None:
+    if d.output is not None:
+      return self._final(r, d.output)
+    if r.request.params.beam_width > 1:
+      s = self._seq(r, d.index)
+      s.token_ids = list(d.token_ids)
+      s.text = self.tokenizer.decode([t for t in d.token_ids if t not in r.stop_ids])
+      s.finish_reason = d.finish_reason
+      s.logprobs = None
+      return TextDelta(d.request_id, d.index, s.text, list(d.token_ids),
+                       None, d.finish_reason)
+    return self._tokens(r, d.index, d.token_ids, d.logprobs, d.finish_reason)
 
   def _seq(self, r: _Req, index: int) -> _SeqText:
     if index not in r.seqs:
@@ -173,7 +209,6 @@ class TextEngine:
                      list(logprobs) if logprobs is not None else None, finish_reason)
 
   def _final(self, r: _Req, output: RequestOutput) -> TextDelta:
-    del self._reqs[output.request_id]
     comps = []
     for i, c in enumerate(output.completions):
       s = r.seqs.get(i)
@@ -184,4 +219,5 @@ class TextEngine:
         s.finish_reason = c.finish_reason
       comps.append(TextCompletion(s.text, list(c.token_ids), s.logprobs or
                                   c.token_logprobs, s.finish_reason))
+    del self._reqs[output.request_id]
     return TextDelta(output.request_id, -1, output=output, completions=comps)

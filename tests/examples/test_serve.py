@@ -1,14 +1,12 @@
-"""The OpenAI-compatible server (examples/serve.py), driven by the real
-`openai` client over loopback: completions, streamed chat, stop strings,
-400 for a request that can never fit, a disconnect mid-stream frees its
-blocks, 503 past the waiting limit, /metrics."""
+"""The OpenAI-compatible server (`paged_jax.entrypoints.openai.api_server`),
+driven by the real `openai` client over loopback: completions, streamed chat,
+stop strings, 400 for a request that can never fit, a disconnect mid-stream
+frees its blocks, 503 past the waiting limit, /metrics. Hostile requests and
+failure isolation: `tests/paged_jax/entrypoints/openai/`."""
 
 from __future__ import annotations
 
-import re
-import socket
 import threading
-import time
 
 import pytest
 
@@ -17,72 +15,13 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 prom = pytest.importorskip("prometheus_client")
 
-from paged_jax.entrypoints.openai import api_server as serve  # noqa: E402
-from paged_jax.serving import Engine, EngineConfig  # noqa: E402
-from paged_jax.serving.tokenizer import ByteTokenizer  # noqa: E402
-
-NUM_BLOCKS = 32
-# Two compiled shapes only (decode 4 rows, mixed 16), as test_generate.SMALL.
-CONFIG = dict(num_blocks=NUM_BLOCKS, block_size=4, max_batch=4, max_tokens_per_step=16,
-              max_model_len=64, min_bucket=16, bucket_midpoints=False)
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-class _Server:
-  def __init__(self, model, max_waiting=64):
-    engine = Engine(model, EngineConfig(**CONFIG))
-    engine.warmup()
-    self.registry = prom.CollectorRegistry()
-    tok = ByteTokenizer()
-    self.loop = serve.EngineLoop(engine, tok, self.registry)
-    self.loop.start()
-    app = serve.make_app(self.loop, tok, model_name="tiny", registry=self.registry,
-                         max_waiting=max_waiting, default_max_tokens=8)
-    self.port = _free_port()
-    self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                log_level="warning"))
-    self.thread = threading.Thread(target=self.server.run, daemon=True)
-    self.thread.start()
-    deadline = time.time() + 30
-    while not self.server.started:
-      assert time.time() < deadline, "server did not start"
-      time.sleep(0.02)
-    self.url = f"http://127.0.0.1:{self.port}"
-    self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0)
-
-  def metrics(self) -> dict:
-    text = httpx.get(self.url + "/metrics").text
-    out = {}
-    for line in text.splitlines():
-      m = re.match(r"^([a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
-      if m:
-        out[m.group(1)] = float(m.group(2))
-    return out
-
-  def wait_idle(self, timeout=30):
-    deadline = time.time() + timeout
-    while True:
-      m = self.metrics()
-      if (m["paged_jax_kv_cache_blocks_used"] == 0 and m["paged_jax_num_requests_running"] == 0
-          and m["paged_jax_num_requests_waiting"] == 0):
-        return m
-      assert time.time() < deadline, f"blocks still held: {m}"
-      time.sleep(0.05)
-
-  def close(self):
-    self.server.should_exit = True
-    self.thread.join(timeout=10)
-    self.loop.close()
+from tests.paged_jax.entrypoints.openai.server_harness import (  # noqa: E402
+    NUM_BLOCKS, Server)
 
 
 @pytest.fixture(scope="module")
 def server(model):
-  s = _Server(model, max_waiting=3)
+  s = Server(model, max_waiting=3)
   yield s
   s.close()
 
@@ -91,12 +30,13 @@ def test_models_health_and_completion(server):
   assert httpx.get(server.url + "/health").text == "ok"
   assert [m.id for m in server.client.models.list().data] == ["tiny"]
   r = server.client.completions.create(model="tiny", prompt="Hello", max_tokens=6,
-                                       temperature=0, logprobs=1)
+                                       temperature=0, logprobs=0)
   (choice,) = r.choices
   assert choice.finish_reason in ("stop", "length")
   assert r.usage.prompt_tokens == 6 and 1 <= r.usage.completion_tokens <= 6
   lps = choice.logprobs.token_logprobs
   assert len(lps) == r.usage.completion_tokens and all(lp <= 0 for lp in lps)
+  assert [list(d.values()) for d in choice.logprobs.top_logprobs] == [[lp] for lp in lps]
   again = server.client.completions.create(model="tiny", prompt="Hello", max_tokens=6,
                                            temperature=0)
   assert again.choices[0].text == choice.text  # greedy is deterministic
@@ -131,15 +71,40 @@ def test_stop_string_cuts_the_text(server):
 
 
 def test_a_request_that_can_never_fit_is_400(server):
-  with pytest.raises(openai.BadRequestError, match="exceeds max_model_len=64"):
+  with pytest.raises(openai.BadRequestError, match="maximum context length is 64 tokens; "
+                     "the prompt has 81"):
     server.client.completions.create(model="tiny", prompt="x" * 80, max_tokens=4)
-  with pytest.raises(openai.BadRequestError, match="min_tokens must be in"):
+  with pytest.raises(openai.BadRequestError, match="the prompt has 41 and max_tokens "
+                     "asks for 30 more"):
+    server.client.completions.create(model="tiny", prompt="x" * 40, max_tokens=30)
+  with pytest.raises(openai.BadRequestError, match=r"min_tokens \(5\) must be <= "
+                     r"max_tokens \(2\)"):
     server.client.completions.create(model="tiny", prompt="x", max_tokens=2,
                                      extra_body={"min_tokens": 5})
   assert httpx.get(server.url + "/health").text == "ok"  # still serving
 
 
-def test_disconnect_mid_stream_frees_the_blocks(server):
+def test_disconnect_mid_stream_frees_the_blocks(server, monkeypatch):
+  # No race with the engine: once the stream has sent two chunks, the engine
+  # thread waits (before its next step) until the server has queued the
+  # abort of the disconnected request; so it cannot finish first.
+  text, loop = server.loop.text, server.loop
+  step, abort = text.step, loop.abort
+  chunks, aborted = [0], threading.Event()
+
+  def gated_step():
+    if chunks[0] >= 2:
+      assert aborted.wait(timeout=60), "the disconnect was never noticed"
+    deltas = step()
+    chunks[0] += sum(1 for d in deltas if d.text)
+    return deltas
+
+  def noted_abort(rid):
+    abort(rid)
+    aborted.set()
+
+  monkeypatch.setattr(text, "step", gated_step)
+  monkeypatch.setattr(loop, "abort", noted_abort)
   with httpx.stream("POST", server.url + "/v1/completions", json={
       "model": "tiny", "prompt": "disconnect me", "max_tokens": 40,
       "temperature": 0, "stream": True, "ignore_eos": True}) as r:
@@ -149,6 +114,7 @@ def test_disconnect_mid_stream_frees_the_blocks(server):
     assert all(x.startswith("data:") or not x for x in got)
     assert server.metrics()["paged_jax_kv_cache_blocks_used"] > 0
   m = server.wait_idle()
+  assert aborted.is_set()
   assert m["paged_jax_requests_aborted_total"] >= 1
   assert int(server.loop.engine.block_state.num_free) == NUM_BLOCKS
 
@@ -179,3 +145,17 @@ def test_past_the_waiting_limit_is_503_then_serving_goes_on(server):
   assert m["paged_jax_kv_cache_blocks_total"] == NUM_BLOCKS
   r = server.client.completions.create(model="tiny", prompt="after", max_tokens=3)
   assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streamed_samples_with_usage_match_the_whole_answer(server):
+  kw = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            n=2, temperature=1, seed=3, extra_body={"ignore_eos": True})
+  whole = server.client.chat.completions.create(**kw)
+  chunks = list(server.client.chat.completions.create(
+      **kw, stream=True, stream_options={"include_usage": True}))
+  assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+  for i in range(2):
+    text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1]
+                   if c.choices[0].index == i)
+    assert text == whole.choices[i].message.content  # the same seed, the same samples
+  assert whole.usage.completion_tokens == 8

@@ -9,12 +9,23 @@ Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with
 `GET /metrics` (Prometheus: KV-cache usage, running / waiting requests,
 preemptions, time to first token and inter-token latency histograms).
 
-One engine loop runs in its own thread beside the HTTP event loop: requests
-from every client join its continuous batch; a client that disconnects has
-its request aborted (`Engine.abort_request`), so its blocks return at the
-next step. Backpressure: a request that can never be served (too long for
-`--max-model-len` or the pool) gets 400 with the engine's reason; while more
-than `--max-waiting` requests wait, new ones get 503 with `Retry-After`.
+One engine loop runs in its own thread beside the HTTP event loop
+(`engine_loop.EngineLoop`): requests from every client join its continuous
+batch; a client that disconnects has its request aborted, so its blocks
+return at the next step.
+
+No request can harm the engine. Each body is validated once, against the
+pydantic model of its endpoint (`protocol.py`: strict types, ranges bounded
+to what the engine holds, unsupported fields refused by name); errors come
+back in OpenAI's shape with 400 (404 for another `model`), naming the field.
+A request that can never be served (too long for `--max-model-len`, more
+samples than `--max-batch`) gets 400; while more than `--max-waiting`
+requests wait, new ones get 503 with `Retry-After`. An error while serving
+one request fails it alone: 500 with a JSON body, or an error event that
+ends its stream (never `[DONE]`). Every error response is a complete JSON
+response, so a keep-alive connection stays usable. Only an engine fault
+marks the server unhealthy (`/health` 503); it then fails the requests in
+flight, shuts down and exits with status 1, for a supervisor to restart it.
 
 The built-in tiny model has random weights (its text is noise) and a
 byte-level tokenizer; a checkpoint directory's `tokenizer.json` (and the chat
@@ -28,259 +39,121 @@ import argparse
 import asyncio
 import json
 import pathlib
-import queue
+import random
 import sys
-import threading
 import time
+import traceback
 import uuid
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import (JSONResponse, PlainTextResponse, Response,
                                StreamingResponse)
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from paged_jax.entrypoints import engine_args
 from paged_jax.entrypoints import generate as gen
 from paged_jax.entrypoints import workload
+from paged_jax.entrypoints.openai import protocol
+from paged_jax.entrypoints.openai.engine_loop import EngineLoop
+from paged_jax.entrypoints.openai.protocol import (ChatCompletionRequest,
+                                                   CompletionRequest, RequestError)
 from paged_jax import _cli
+from paged_jax._int32 import INT32_MAX
 from paged_jax.serving.engine import Engine
 from paged_jax.serving.requests import Request
-from paged_jax.serving.sampling import SamplingParams
-from paged_jax.serving.text import TextDelta, TextEngine
+from paged_jax.serving.text import TextDelta
 from paged_jax.serving.tokenizer import Tokenizer
 
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+__all__ = ["EngineLoop", "make_app", "parse_args", "build", "main"]
+
+INTERNAL_ERROR = "internal error while serving this request; the server goes on"
 
 
-class EngineLoop:
-  """The engine's own thread: takes requests and aborts from any thread,
-  steps the engine while it has work, hands each request's `TextDelta`s to
-  the callback given with it (called in the engine thread).
-
-  Args:
-    engine: the `Engine` (warmed up or not).
-    tokenizer: the `Tokenizer`.
-    registry: a `prometheus_client.CollectorRegistry` for the metrics.
-  """
-
-  def __init__(self, engine: Engine, tokenizer: Tokenizer, registry):
-    import prometheus_client as prom  # pylint: disable=import-outside-toplevel
-    self.engine = engine
-    self.text = TextEngine(engine, tokenizer)
-    self._commands: queue.Queue = queue.Queue()
-    self._sinks: dict = {}
-    self._pending = 0  # requests queued for the engine thread, not added yet
-    self._lock = threading.Lock()
-    self._stop = threading.Event()
-    self.error: str | None = None
-    self.usage = engine.usage()
-    self._times: dict = {}  # (request id, index) -> last token time
-    self._arrivals: dict = {}
-    self.ttft = prom.Histogram("paged_jax_time_to_first_token_seconds",
-                               "Time from arrival to the first token.",
-                               buckets=TTFT_BUCKETS, registry=registry)
-    self.itl = prom.Histogram("paged_jax_inter_token_latency_seconds",
-                              "Time between two tokens of a sequence.",
-                              buckets=ITL_BUCKETS, registry=registry)
-    self.finished = prom.Counter("paged_jax_requests_finished",
-                                 "Requests finished, by finish reason.",
-                                 ["finish_reason"], registry=registry)
-    self.refused = prom.Counter("paged_jax_requests_refused",
-                                "Requests refused, by HTTP status.", ["status"],
-                                registry=registry)
-    registry.register(_EngineCollector(self))
-    self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-
-  def start(self):
-    self._thread.start()
-
-  def close(self):
-    self._stop.set()
-    self._commands.put(None)
-    self._thread.join(timeout=30)
-
-  @property
-  def alive(self) -> bool:
-    return self._thread.is_alive() and self.error is None
-
-  def num_waiting(self) -> int:
-    """Requests waiting: the engine's queue and those not handed to it yet."""
-    with self._lock:
-      return self._pending + self.engine.num_waiting
-
-  def submit(self, request: Request, sink) -> None:
-    """Queues `request`; `sink(delta)` gets its `TextDelta`s (engine thread),
-    `sink(None)` if the engine failed."""
-    with self._lock:
-      self._pending += 1
-    self._commands.put(("add", request, sink, time.perf_counter()))
-
-  def abort(self, request_id) -> None:
-    self._commands.put(("abort", request_id))
-
-  # --------------------------------------------------------- engine thread
-  def _command(self, cmd):
-    if cmd[0] == "add":
-      _, request, sink, arrival = cmd
-      self._sinks[request.request_id] = sink
-      self._arrivals[request.request_id] = arrival
-      with self._lock:
-        self._pending -= 1
-        self.text.add_request(request)
-    elif cmd[0] == "abort":
-      self.text.abort_request(cmd[1])
-
-  def _deliver(self, deltas: list[TextDelta]):
-    now = time.perf_counter()
-    for d in deltas:
-      rid = d.request_id
-      if d.output is None and d.token_ids:
-        last = self._times.get((rid, d.index))
-        if last is None:
-          if rid in self._arrivals:
-            self.ttft.observe(now - self._arrivals.pop(rid))
-        else:
-          self.itl.observe((now - last) / len(d.token_ids))
-        self._times[(rid, d.index)] = now
-      sink = self._sinks.get(rid)
-      if d.output is not None:
-        self._sinks.pop(rid, None)
-        self._arrivals.pop(rid, None)
-        for key in [k for k in self._times if k[0] == rid]:
-          del self._times[key]
-        if d.output.rejected:
-          self.refused.labels("400").inc()
-        else:
-          for c in d.completions or []:
-            self.finished.labels(c.finish_reason or "unknown").inc()
-      if sink is not None:
-        sink(d)
-
-  def _run(self):
-    while not self._stop.is_set():
-      work = self.text.has_unfinished()
-      held = self.engine.usage()["blocks_used"] > 0  # releases still to run
-      try:
-        cmd = self._commands.get(timeout=0 if work else 0.01 if held else None)
-      except queue.Empty:
-        cmd = False
-      try:
-        while cmd is not False:
-          if cmd is None:
-            return
-          self._command(cmd)
-          try:
-            cmd = self._commands.get_nowait()
-          except queue.Empty:
-            cmd = False
-        deltas = self.text.take()  # rejections
-        if self.engine.has_unfinished() or self.engine.usage()["blocks_used"] > 0:
-          deltas += self.text.step()
-        self.usage = self.engine.usage()
-        self._deliver(deltas)
-      except Exception as e:  # pylint: disable=broad-except  # report, never hang
-        self.error = f"engine failed: {_cli.one_line(repr(e))}"
-        print(f"error: {self.error}", file=sys.stderr)
-        for sink in self._sinks.values():
-          sink(None)
-        self._sinks.clear()
-        return
+def _error(status: int, body: dict, headers=None) -> JSONResponse:
+  return JSONResponse(body, status_code=status, headers=headers)
 
 
-class _EngineCollector:
-  """Prometheus gauges and counters read from the engine's last step."""
+class _CatchAll:
+  """ASGI middleware: an exception that escapes a route becomes a complete
+  JSON 500 (Starlette's own handler answers in plain text and re-raises, and
+  the server then drops the keep-alive connection). After a response has
+  started nothing can be sent; the exception goes on and the server closes
+  the connection, so the client sees a cut response, never a normal end."""
 
-  def __init__(self, loop: EngineLoop):
-    self.loop = loop
+  def __init__(self, app):
+    self.app = app
 
-  def collect(self):
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # pylint: disable=import-outside-toplevel
-    u, st = self.loop.usage, self.loop.engine.stats
-    total = max(u["blocks_total"], 1)
-    yield GaugeMetricFamily("paged_jax_kv_cache_usage_fraction",
-                            "KV blocks in use / blocks in the pool.",
-                            value=u["blocks_used"] / total)
-    yield GaugeMetricFamily("paged_jax_kv_cache_blocks_used", "KV blocks in use.",
-                            value=u["blocks_used"])
-    yield GaugeMetricFamily("paged_jax_kv_cache_blocks_total", "KV blocks in the pool.",
-                            value=u["blocks_total"])
-    yield GaugeMetricFamily("paged_jax_num_requests_running",
-                            "Sequences running in the engine.", value=u["running"])
-    yield GaugeMetricFamily("paged_jax_num_requests_waiting",
-                            "Sequences waiting for admission.",
-                            value=self.loop.num_waiting())
-    yield CounterMetricFamily("paged_jax_preemptions", "Sequences preempted.",
-                              value=st.preemptions)
-    yield CounterMetricFamily("paged_jax_requests_aborted",
-                              "Requests aborted (clients that went away).",
-                              value=st.aborted)
-    yield CounterMetricFamily("paged_jax_generation_tokens", "Tokens generated.",
-                              value=st.generated_tokens)
-    yield CounterMetricFamily("paged_jax_engine_steps", "Engine steps run.",
-                              value=st.steps)
-    # vLLM's pair: hit rate = hits / queries (prompt tokens, first admission).
-    yield CounterMetricFamily("paged_jax_prefix_cache_queries",
-                              "Prompt tokens looked up in the prefix cache.",
-                              value=st.prefix_queried_tokens)
-    yield CounterMetricFamily("paged_jax_prefix_cache_hits",
-                              "Prompt tokens served from the prefix cache.",
-                              value=st.prefix_hit_tokens)
-    yield GaugeMetricFamily("paged_jax_kv_cache_blocks_cached",
-                            "Free KV blocks that keep their content for "
-                            "prefix-cache hits.", value=u.get("blocks_cached", 0))
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    started = False
+
+    async def send_(message):
+      nonlocal started
+      started = started or message["type"] == "http.response.start"
+      await send(message)
+
+    try:
+      await self.app(scope, receive, send_)
+    except Exception:  # pylint: disable=broad-except  # this request alone
+      if started:
+        raise
+      traceback.print_exc(file=sys.stderr)
+      body = json.dumps(protocol.error_body(INTERNAL_ERROR, 500,
+                                            code="internal_error")).encode()
+      await send({"type": "http.response.start", "status": 500,
+                  "headers": [(b"content-type", b"application/json"),
+                              (b"content-length", str(len(body)).encode())]})
+      await send({"type": "http.response.body", "body": body})
 
 
-# ------------------------------------------------------------------ the app
-
-class _BadRequest(ValueError):
-  pass
+MAX_BODY_BYTES = 32 * 2**20
 
 
-def _error(status: int, message: str, kind: str, headers=None):
-  return JSONResponse({"error": {"message": message, "type": kind, "param": None,
-                                 "code": status}}, status_code=status, headers=headers)
-
-
-def _params(body: dict, default_max: int) -> SamplingParams:
-  """`SamplingParams` from an OpenAI request body (raises _BadRequest)."""
-  stop = body.get("stop") or ()
-  if isinstance(stop, str):
-    stop = (stop,)
-  max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) or default_max
-  seed = body.get("seed")
-  temperature = body.get("temperature")
-  try:
-    return SamplingParams(
-        max_new_tokens=max_tokens,
-        temperature=1.0 if temperature is None else float(temperature),
-        top_p=1.0 if body.get("top_p") is None else float(body["top_p"]),
-        top_k=int(body.get("top_k") or 0),
-        n=int(body.get("n") or 1),
-        seed=0 if seed is None else int(seed) % 2**31,
-        stop=tuple(stop), stop_token_ids=tuple(body.get("stop_token_ids") or ()),
-        min_tokens=int(body.get("min_tokens") or 0),
-        eos_token_ids=(-1,) if body.get("ignore_eos") else ())
-  except (ValueError, TypeError) as e:
-    raise _BadRequest(str(e)) from None
+async def _read_body(http: HTTPRequest, limit: int) -> bytes | None:
+  """The whole body, or None past `limit` bytes (then the rest is unread and
+  the connection must close)."""
+  length = http.headers.get("content-length", "")
+  if length.isdigit() and int(length) > limit:
+    return None
+  body = bytearray()
+  async for chunk in http.stream():
+    body += chunk
+    if len(body) > limit:
+      return None
+  return bytes(body)
 
 
 def make_app(loop: EngineLoop, tokenizer: Tokenizer, *, model_name: str,
              registry, max_waiting: int, default_max_tokens: int = 16,
-             retry_after: int = 1):
+             retry_after: int = 1, max_body_bytes: int = MAX_BODY_BYTES):
   """The FastAPI app over a running `EngineLoop`.
 
   Args:
     loop: the `EngineLoop` (started).
     tokenizer: the `Tokenizer`.
-    model_name: the model id `/v1/models` lists.
+    model_name: the model id `/v1/models` lists (another `model` gets 404).
     registry: the `prometheus_client` registry `/metrics` exposes.
     max_waiting: requests that may wait; past it new ones get 503.
-    default_max_tokens: `max_tokens` when a request gives none.
+    default_max_tokens: `max_tokens` when a request gives none (cut to what
+      the context leaves).
     retry_after: seconds in the 503's `Retry-After`.
+    max_body_bytes: a larger body gets 413 and `Connection: close` (it is
+      not read).
   """
   import prometheus_client as prom  # pylint: disable=import-outside-toplevel
 
   app = FastAPI(title="paged-jax")
+  app.add_middleware(_CatchAll)
+
+  @app.exception_handler(StarletteHTTPException)
+  async def http_error(http: HTTPRequest, e: StarletteHTTPException):
+    """Starlette's own errors (an unknown path, a wrong method) in OpenAI's shape."""
+    message = f"{http.method} {http.url.path}: {e.detail}"
+    return _error(e.status_code, protocol.error_body(message, e.status_code,
+                                                     code=str(e.detail).lower().replace(" ", "_")),
+                  headers=e.headers)
   created = int(time.time())
+  engine = loop.engine
 
   @app.get("/health")
   async def health():
@@ -297,122 +170,99 @@ def make_app(loop: EngineLoop, tokenizer: Tokenizer, *, model_name: str,
     return {"object": "list", "data": [{"id": model_name, "object": "model",
                                         "created": created, "owned_by": "paged-jax"}]}
 
-  async def serve(http: HTTPRequest, chat: bool):
+  def prepare(req, chat: bool):
+    """`(engine Request, prompt text, prompt ids)` (raises RequestError)."""
+    if chat:
+      try:
+        text = tokenizer.apply_chat_template(
+            req.message_dicts(), add_generation_prompt=req.add_generation_prompt)
+      except ValueError as e:
+        raise RequestError(_cli.one_line(e), "messages") from None
+      prompt = tokenizer.encode(text, add_special_tokens=False)
+    elif isinstance(req.prompt, str):
+      text, prompt = req.prompt, tokenizer.encode(req.prompt)
+    else:
+      text, prompt = None, list(req.prompt)
+    max_tokens = protocol.check_limits(
+        req, prompt_len=len(prompt), max_model_len=engine.max_model_len,
+        max_seqs=engine.config.max_batch, default_max_tokens=default_max_tokens)
+    seed = req.seed if req.seed is not None else random.randint(
+        0, INT32_MAX - req.num_seqs + 1)
     try:
-      body = await http.json()
-      if not isinstance(body, dict):
-        raise _BadRequest("the body must be a JSON object")
-    except (json.JSONDecodeError, UnicodeDecodeError):
-      return _error(400, "the body is not valid JSON", "invalid_request_error")
-    except _BadRequest as e:
-      return _error(400, str(e), "invalid_request_error")
+      params = req.sampling_params(max_tokens, seed)
+    except ValueError as e:  # the schema let through what the engine refuses
+      raise RequestError(_cli.one_line(e)) from None
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    return Request(rid, prompt, params, cache_salt=req.cache_salt), text, prompt
+
+  async def serve(http: HTTPRequest, kind):
+    chat = kind is ChatCompletionRequest
+    # Read whole, so that the connection stays usable after any answer.
+    body = await _read_body(http, max_body_bytes)
+    if body is None:
+      return _error(413, protocol.error_body(
+          f"the body is larger than this server's limit of {max_body_bytes} bytes", 413,
+          code="body_too_large"), headers={"Connection": "close"})
+    try:
+      req = protocol.parse_request(body, kind)
+      protocol.check_model(req, model_name)
+    except RequestError as e:
+      return _error(e.status, e.body())
     if not loop.alive:
-      return _error(503, loop.error or "engine stopped", "server_error")
+      return _error(503, protocol.error_body(loop.error or "engine stopped", 503,
+                                             code="engine_failed"))
     if loop.num_waiting() >= max_waiting:
       loop.refused.labels("503").inc()
-      return _error(503, f"server busy: {loop.num_waiting()} requests waiting "
-                    f"(limit {max_waiting}); retry later", "server_busy",
+      return _error(503, protocol.error_body(
+          f"server busy: {loop.num_waiting()} requests waiting (limit {max_waiting}); "
+          "retry later", 503, code="server_busy"),
                     headers={"Retry-After": str(retry_after)})
     try:
-      params = _params(body, default_max_tokens)
-      if chat:
-        text = tokenizer.apply_chat_template(body.get("messages"))
-        prompt = tokenizer.encode(text, add_special_tokens=False)
-      else:
-        p = body.get("prompt")
-        if isinstance(p, list) and len(p) == 1:
-          p = p[0]
-        if isinstance(p, str):
-          prompt = tokenizer.encode(p)
-        elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
-          prompt = list(p)
-        else:
-          raise _BadRequest("prompt must be a string, one string in a list, or "
-                            f"a list of token ids, got {str(p)[:60]!r}")
-      salt = body.get("cache_salt")  # vLLM's field: tenants share no blocks
-      if salt is not None and not isinstance(salt, str):
-        raise _BadRequest(f"cache_salt must be a string, got {str(salt)[:60]!r}")
-    except (_BadRequest, ValueError) as e:
-      return _error(400, str(e), "invalid_request_error")
-    logprobs = bool(body.get("logprobs"))
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+      request, prompt_text, prompt = prepare(req, chat)
+    except RequestError as e:
+      return _error(e.status, e.body())
+    rid = request.request_id
+    # Before the engine has it, so that an error here leaves nothing running.
+    reply = _Reply(req, chat, rid, model_name, tokenizer, prompt_text, prompt)
     events: asyncio.Queue = asyncio.Queue()
     aloop = asyncio.get_running_loop()
-    loop.submit(Request(rid, prompt, params, cache_salt=salt),
-                lambda d: aloop.call_soon_threadsafe(events.put_nowait, d))
+    loop.submit(request, lambda d: aloop.call_soon_threadsafe(events.put_nowait, d))
     first = await _next(events, http, loop, rid)
-    if first is None:
-      return _error(500, loop.error or "engine stopped", "server_error")
+    if first.error is not None:
+      return _error(500, protocol.error_body(first.error, 500, code=_code(loop)))
     if first.output is not None and first.output.rejected:
-      return _error(400, f"request rejected: {first.output.rejected}",
-                    "invalid_request_error")
-    kind = "chat.completion" if chat else "text_completion"
-    if body.get("stream"):
-      return StreamingResponse(_sse(first, events, http, loop, rid, chat, kind,
-                                    model_name, logprobs),
+      return _error(400, protocol.error_body(f"request rejected: {first.output.rejected}",
+                                             400, code="request_rejected"))
+    if req.stream:
+      return StreamingResponse(_sse(reply, first, events, http, loop),
                                media_type="text/event-stream")
     final = first
-    while final is not None and final.output is None:
-      final = await _next(events, http, loop, rid)
-    if final is None:
-      return _error(500, loop.error or "engine stopped", "server_error")
-    choices = []
-    for i, c in enumerate(final.completions):
-      lp = _logprobs(tokenizer, c.token_ids, c.logprobs, chat) if logprobs else None
-      if chat:
-        choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": lp, "finish_reason": c.finish_reason})
-      else:
-        choices.append({"index": i, "text": c.text, "logprobs": lp,
-                        "finish_reason": c.finish_reason})
-    gen_tokens = sum(len(c.token_ids) for c in final.completions)
-    return JSONResponse({
-        "id": rid, "object": kind, "created": int(time.time()), "model": model_name,
-        "choices": choices,
-        "usage": {"prompt_tokens": len(prompt), "completion_tokens": gen_tokens,
-                  "total_tokens": len(prompt) + gen_tokens}})
-
-  async def _sse(first, events, http, loop_, rid, chat, kind, model, logprobs):
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    done = False
     try:
-      if chat:
-        yield _chunk(rid, obj, model, [{"index": 0, "delta": {"role": "assistant",
-                                                               "content": ""},
-                                        "finish_reason": None}])
-      d = first
-      while d is not None:
-        if d.output is not None:
-          done = True
-          break
-        if d.text or d.finish_reason:
-          lp = (_logprobs(tokenizer, d.token_ids, d.logprobs, chat)
-                if logprobs and d.logprobs is not None else None)
-          if chat:
-            choice = {"index": d.index, "delta": {"content": d.text} if d.text else {},
-                      "logprobs": lp, "finish_reason": d.finish_reason}
-          else:
-            choice = {"index": d.index, "text": d.text, "logprobs": lp,
-                      "finish_reason": d.finish_reason}
-          yield _chunk(rid, obj, model, [choice])
-        d = await _next(events, http, loop_, rid)
-      yield "data: [DONE]\n\n"
+      while final.output is None and final.error is None:
+        final = await _next(events, http, loop, rid)
     finally:
-      if not done:  # the client went away (or the engine failed): free it
-        loop_.abort(rid)
+      if final.output is None and final.error is None:  # cancelled: the client left
+        loop.abort(rid)
+    if final.error is not None:
+      return _error(500, protocol.error_body(final.error, 500, code=_code(loop)))
+    try:
+      return JSONResponse(reply.whole(final))
+    except Exception:  # pylint: disable=broad-except  # this request alone
+      traceback.print_exc(file=sys.stderr)
+      return _error(500, protocol.error_body(INTERNAL_ERROR, 500, code="internal_error"))
 
   @app.post("/v1/completions")
   async def completions(http: HTTPRequest):
-    return await serve(http, chat=False)
+    return await serve(http, CompletionRequest)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(http: HTTPRequest):
-    return await serve(http, chat=True)
+    return await serve(http, ChatCompletionRequest)
 
   return app
 
 
-async def _next(events: asyncio.Queue, http, loop: EngineLoop, rid):
+async def _next(events: asyncio.Queue, http, loop: EngineLoop, rid) -> TextDelta:
   """The next `TextDelta` of `rid`; aborts it if the client disconnects."""
   while True:
     try:
@@ -423,19 +273,135 @@ async def _next(events: asyncio.Queue, http, loop: EngineLoop, rid):
         raise asyncio.CancelledError() from None
 
 
-def _chunk(rid, obj, model, choices) -> str:
-  return "data: " + json.dumps({"id": rid, "object": obj, "created": int(time.time()),
-                                "model": model, "choices": choices}) + "\n\n"
+async def _sse(reply: "_Reply", first: TextDelta, events, http, loop: EngineLoop):
+  """The server-sent events of one request: chunks, then `[DONE]` only when
+  it finished; an error ends the stream with an error event instead."""
+  rid, done = reply.rid, False
+  try:
+    for chunk in reply.opening():
+      yield chunk
+    d = first
+    while d.error is None:
+      if d.output is not None:
+        done = True
+        break
+      if d.text or d.finish_reason:
+        yield reply.chunk(d)
+      d = await _next(events, http, loop, rid)
+    if done:
+      if reply.include_usage:
+        yield reply.usage_chunk(d)
+      yield "data: [DONE]\n\n"
+    else:
+      yield _event({"error": protocol.error_body(d.error, 500, code=_code(loop))["error"]})
+  except Exception:  # pylint: disable=broad-except  # this request alone
+    traceback.print_exc(file=sys.stderr)
+    yield _event({"error": protocol.error_body(INTERNAL_ERROR, 500,
+                                               code="internal_error")["error"]})
+  finally:
+    if not done:  # the client went away, or this request failed: free it
+      loop.abort(rid)
 
 
-def _logprobs(tokenizer, token_ids, logprobs, chat):
-  logprobs = logprobs or []
-  tokens = [tokenizer.decode([t]) for t in token_ids]
-  if chat:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                         "top_logprobs": []} for t, lp in zip(tokens, logprobs)]}
-  return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None,
-          "text_offset": []}
+def _code(loop: EngineLoop) -> str:
+  """The error code of a request that failed: its own failure, or the engine's."""
+  return "internal_error" if loop.alive else "engine_failed"
+
+
+def _event(obj) -> str:
+  return "data: " + json.dumps(obj) + "\n\n"
+
+
+class _Reply:
+  """The response objects of one request (OpenAI's completions and chat shapes)."""
+
+  def __init__(self, req, chat: bool, rid: str, model: str, tokenizer: Tokenizer,
+               prompt_text: str | None, prompt: list[int]):
+    self.req, self.chat, self.rid, self.model = req, chat, rid, model
+    self.tokenizer = tokenizer
+    self.prompt = prompt
+    self.logprobs = bool(req.logprobs) if chat else req.logprobs is not None
+    self.echo = None
+    if not chat and req.echo:
+      self.echo = prompt_text if prompt_text is not None else tokenizer.decode(prompt)
+    self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    self.offsets: dict[int, int] = {}  # completions' text_offset, per choice
+
+  def _obj(self, choices, kind, **extra) -> dict:
+    return {"id": self.rid, "object": kind, "created": int(time.time()),
+            "model": self.model, "choices": choices, **extra}
+
+  def _usage(self, completions) -> dict:
+    generated = sum(len(c.token_ids) for c in completions)
+    return {"prompt_tokens": len(self.prompt), "completion_tokens": generated,
+            "total_tokens": len(self.prompt) + generated}
+
+  def _lp(self, index, token_ids, logprobs, start: int = 0):
+    if not self.logprobs or logprobs is None:
+      return None
+    tokens = [self.tokenizer.decode([t]) for t in token_ids]
+    if self.chat:
+      return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                           "top_logprobs": []} for t, lp in zip(tokens, logprobs)]}
+    offsets, at = [], self.offsets.get(index, start)
+    for t in tokens:
+      offsets.append(at)
+      at += len(t)
+    self.offsets[index] = at
+    return {"tokens": tokens, "token_logprobs": list(logprobs),
+            "top_logprobs": [{t: lp} for t, lp in zip(tokens, logprobs)],
+            "text_offset": offsets}
+
+  def opening(self) -> list[str]:
+    """The first events of a stream: the chat role, the echoed prompt."""
+    n = self.req.n or 1
+    if self.chat:
+      return [_event(self._obj([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None}],
+                               "chat.completion.chunk")) for i in range(n)]
+    if self.echo:
+      return [_event(self._obj([{"index": i, "text": self.echo, "logprobs": None,
+                                 "finish_reason": None}], "text_completion"))
+              for i in range(n)]
+    return []
+
+  def chunk(self, d: TextDelta) -> str:
+    start = len(self.echo or "")
+    lp = self._lp(d.index, d.token_ids, d.logprobs, start)
+    if self.chat:
+      choice = {"index": d.index, "delta": {"content": d.text} if d.text else {},
+                "logprobs": lp, "finish_reason": d.finish_reason}
+      return _event(self._obj([choice], "chat.completion.chunk"))
+    choice = {"index": d.index, "text": d.text, "logprobs": lp,
+              "finish_reason": d.finish_reason}
+    return _event(self._obj([choice], "text_completion"))
+
+  def usage_chunk(self, final: TextDelta) -> str:
+    kind = "chat.completion.chunk" if self.chat else "text_completion"
+    return _event(self._obj([], kind, usage=self._usage(final.completions)))
+
+  def whole(self, final: TextDelta) -> dict:
+    """The non-streamed response from the request's last delta."""
+    comps = list(final.completions)
+    best = comps
+    n = self.req.n or 1
+    if len(comps) > n:  # best_of: the n with the highest mean token log-prob
+      def mean(c):
+        lps = c.logprobs or []
+        return sum(lps) / len(lps) if lps else float("-inf")
+      best = sorted(comps, key=mean, reverse=True)[:n]
+    choices = []
+    for i, c in enumerate(best):
+      text = (self.echo or "") + c.text
+      lp = self._lp(i, c.token_ids, c.logprobs, len(self.echo or ""))
+      if self.chat:
+        choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                        "logprobs": lp, "finish_reason": c.finish_reason})
+      else:
+        choices.append({"index": i, "text": text, "logprobs": lp,
+                        "finish_reason": c.finish_reason})
+    kind = "chat.completion" if self.chat else "text_completion"
+    return self._obj(choices, kind, usage=self._usage(comps))
 
 
 # ------------------------------------------------------------------ command line
@@ -453,6 +419,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="max_tokens of a request that gives none")
   srv.add_argument("--model-name", help="the model id served (default: the "
                    "model's name, or paged-jax-tiny)")
+  srv.add_argument("--max-body-bytes", type=_cli.int_in(1024, 2**31 - 1),
+                   default=MAX_BODY_BYTES,
+                   help="a request body past it gets 413 (and the connection closes)")
   srv.add_argument("--no-warmup", action="store_true",
                    help="compile step shapes on first use, not at start")
   args = p.parse_args(argv)
@@ -487,7 +456,8 @@ def build(args):
   loop = EngineLoop(engine, tokenizer, registry)
   name = args.model_name or (loaded.name if loaded.source != "tiny" else "paged-jax-tiny")
   app = make_app(loop, tokenizer, model_name=name, registry=registry,
-                 max_waiting=args.max_waiting, default_max_tokens=args.max_tokens)
+                 max_waiting=args.max_waiting, default_max_tokens=args.max_tokens,
+                 max_body_bytes=args.max_body_bytes)
   return loop, app
 
 
@@ -499,12 +469,24 @@ def main(argv=None) -> int:
     print(f"error: {_cli.one_line(e)}", file=sys.stderr)
     return 2
   import uvicorn  # pylint: disable=import-outside-toplevel
+  server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                         log_level="warning",
+                                         timeout_graceful_shutdown=10))
+
+  def on_fatal():  # engine thread: the requests in flight have their error
+    server.should_exit = True
+
+  loop.on_fatal = on_fatal
   loop.start()
   print(f"serving on http://{args.host}:{args.port}/v1", flush=True)
   try:
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    server.run()
   finally:
     loop.close()
+  if loop.error is not None:
+    print(f"error: {loop.error}; exiting with status 1 for a supervisor to restart "
+          "the server", file=sys.stderr)
+    return 1
   return 0
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import types
 
+import pytest
+
 from paged_jax.serving import Completion, Request, RequestDelta, RequestOutput, SamplingParams
 from paged_jax.serving.text import TextEngine
 from paged_jax.serving.tokenizer import ByteTokenizer
@@ -108,3 +110,57 @@ def test_abort_keeps_the_text_so_far():
   (final,) = [d for d in deltas if d.output is not None]
   assert final.completions[0].text == "x" and final.completions[0].finish_reason == "abort"
   assert not te.has_unfinished()
+
+
+class _FailingTokenizer(ByteTokenizer):
+  """Decoding raises once a stream meets the id of "!"."""
+
+  def stream_decoder(self):
+    inner = super().stream_decoder()
+
+    class Dec:
+      def add(self, ids):
+        if TOK.encode("!", add_special_tokens=False)[0] in ids:
+          raise RuntimeError("decoding failed")
+        return inner.add(ids)
+
+      def flush(self):
+        return inner.flush()
+
+    return Dec()
+
+
+def test_a_failure_while_decoding_fails_that_request_alone():
+  engine = _Scripted()
+  te = TextEngine(engine, _FailingTokenizer())
+  bad = TOK.encode("ab!cd", add_special_tokens=False)
+  good = TOK.encode("hello", add_special_tokens=False)
+  te.add_request(Request("bad", bad, SamplingParams(max_new_tokens=20)))
+  te.add_request(Request("good", good, SamplingParams(max_new_tokens=20)))
+  deltas = _run(te)
+  bad_deltas = [d for d in deltas if d.request_id == "bad"]
+  assert "".join(d.text for d in bad_deltas) == "ab"
+  assert bad_deltas[-1].error.startswith("internal error while serving this request")
+  assert bad_deltas[-1].output is None and "bad" not in engine.scripts  # aborted
+  good_deltas = [d for d in deltas if d.request_id == "good"]
+  assert "".join(d.text for d in good_deltas) == "hello"
+  assert good_deltas[-1].output is not None and good_deltas[-1].error is None
+  assert not te.has_unfinished()
+
+
+def test_a_failure_while_adding_leaves_nothing_behind():
+  engine = _Scripted()
+  te = TextEngine(engine, TOK)
+
+  def add_request(r):
+    engine.scripts[r.request_id] = [list(r.prompt), 0, r.params]  # queued, then raised
+    raise RuntimeError("add failed")
+
+  real, engine.add_request = engine.add_request, add_request
+  with pytest.raises(RuntimeError, match="add failed"):
+    te.add_request(Request("x", [5, 6], SamplingParams()))
+  assert not te.has_unfinished() and "x" not in engine.scripts  # aborted, forgotten
+  engine.add_request = real
+  te.add_request(Request("y", [5], SamplingParams()))
+  with pytest.raises(ValueError, match="request id 'y' is already running"):
+    te.add_request(Request("y", [5], SamplingParams()))
