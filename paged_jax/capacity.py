@@ -34,11 +34,11 @@ import dataclasses
 import fractions
 import json
 import math
+import os
 import sys
 from typing import Sequence
 
 from paged_jax import _cli
-from paged_jax import sharding
 
 GIB = 2**30
 MIB = 2**20
@@ -217,14 +217,21 @@ def kv_scale_bytes(kv_dtype: str) -> int:
   return SCALE_BYTES if name in SCALED_KV_DTYPES else 0
 
 
+def kv_head_token_bytes(kv_dtype: str, head_dim: int) -> int:
+  """Bytes one token of one KV head takes in K (or in V): `head_dim` values
+  of `kv_dtype`, plus the float32 scale of int8 / fp8 pages. The one KV size
+  rule: `kv_cache.token_bytes` and `bytes_per_block` are this."""
+  return int(head_dim * dtype_bytes(kv_dtype) + kv_scale_bytes(kv_dtype))
+
+
 def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int,
                     block_size: int, kv_dtype: str = "bfloat16") -> int:
-  """2 (K and V) x layers x block_size x kv_heads x (head_dim x dtype bytes
-  + scale bytes: 4 for int8 / fp8, whose pages carry per-token scales)."""
+  """2 (K and V) x layers x block_size x kv_heads x `kv_head_token_bytes`
+  (head_dim x dtype bytes + 4 bytes of scale for int8 / fp8)."""
   _check_positive(num_layers=num_layers, num_kv_heads=num_kv_heads,
                   head_dim=head_dim, block_size=block_size)
-  return int(2 * num_layers * block_size * num_kv_heads
-             * (head_dim * dtype_bytes(kv_dtype) + kv_scale_bytes(kv_dtype)))
+  return 2 * num_layers * block_size * num_kv_heads * kv_head_token_bytes(
+      kv_dtype, head_dim)
 
 
 def plan(*, kv_pool_bytes: int, num_layers: int, num_kv_heads: int,
@@ -412,6 +419,7 @@ def plan_from_args(args: argparse.Namespace) -> dict:
   # head replicated tp / kv_heads times when there are fewer heads than tp),
   # so a block's bytes on one device shrink by that share.
   try:
+    from paged_jax import sharding  # pylint: disable=import-outside-toplevel  # jax, for --tp only
     stored_heads = sharding.cache_kv_heads(kv_heads, args.tp)
   except ValueError:
     raise ValueError(f"--kv-heads {kv_heads} and --tp {args.tp} must divide "
@@ -456,6 +464,48 @@ def _size(n: int) -> str:
     if n >= scale:
       return f"{n / scale:g} {unit}"
   return f"{n} B"
+
+
+def free_memory_bytes(device) -> tuple[int, str]:
+  """Bytes free on `device` (its allocator's limit less what is in use), or
+  the host's available memory where the device does not report it (CPU)."""
+  try:
+    stats = device.memory_stats()
+  except Exception:  # pylint: disable=broad-except  # not every backend has it
+    stats = None
+  if stats and stats.get("bytes_limit"):
+    return (int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)),
+            f"{device.platform} device {device.id}")
+  try:
+    with open("/proc/meminfo", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024, "host memory available"
+  except OSError:
+    pass
+  return (os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"),
+          "host memory free")
+
+
+def check_kv_memory(kv_bytes_per_device: int, total_kv_bytes: int, source: str,
+                    devices) -> None:
+  """The KV pool must fit in the memory left on its devices (all of them
+  share the host's memory on CPU), checked before anything is allocated."""
+  device = devices[0]
+  free, where = free_memory_bytes(device)
+  need = total_kv_bytes if device.platform == "cpu" else kv_bytes_per_device
+  if need > free:
+    raise ValueError(f"{source} needs {_size3(need)} of KV memory"
+                     + ("" if device.platform == "cpu" else " per device")
+                     + f", more than the {_size3(free)} of {where}")
+
+
+def _size3(n: int) -> str:
+  """`n` bytes to 3 significant figures ("763 GiB")."""
+  for unit, scale in (("TiB", 2**40), ("GiB", GIB), ("MiB", MIB)):
+    if n >= scale:
+      return f"{n / scale:.3g} {unit}"
+  return f"{n} bytes"
 
 
 def format_report(out: dict) -> str:

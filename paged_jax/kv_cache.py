@@ -75,10 +75,9 @@ def cache_dtype(name, model_dtype=None) -> jnp.dtype:
 def token_bytes(dtype, head_dim: int) -> int:
   """Bytes one token of one KV head takes in K (or in V): `head_dim` values,
   plus its float32 scale for int8 / fp8 pages."""
-  dtype = jnp.dtype(dtype)
-  scale = quantization.SCALE_DTYPE.itemsize if quantization.is_quantized(
-      dtype) else 0
-  return head_dim * dtype.itemsize + scale
+  # Imported here: `python -m paged_jax.capacity` must find it unimported.
+  from paged_jax import capacity  # pylint: disable=import-outside-toplevel
+  return capacity.kv_head_token_bytes(jnp.dtype(dtype).name, head_dim)
 
 
 @flax.struct.dataclass

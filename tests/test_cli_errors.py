@@ -166,7 +166,7 @@ def test_end_to_end_subprocess():
   traceback). `python -m paged_jax.capacity` is run end to end in
   tests/paged_jax/test_capacity.py."""
   r = subprocess.run([sys.executable, str(ROOT / "examples" / "generate.py"),
-                      "--num-blocks", "100000000", "--no-progress"],
+                      "--model", "tiny", "--num-blocks", "100000000", "--no-progress"],
                      capture_output=True, text=True, timeout=300, env=ENV)
   assert r.returncode == 2, r.stderr
   assert r.stderr.startswith("error: --num-blocks 100000000 needs 763 GiB of KV "

@@ -8,7 +8,9 @@ A tokenizer here is anything with the methods of `Tokenizer`. Two ship:
 * `HFTokenizer`: a checkpoint directory's `tokenizer.json` through Hugging
   Face `tokenizers`, with the chat template of `tokenizer_config.json`
   rendered by jinja2 as transformers does (both optional imports, needed only
-  for such a directory).
+  for such a directory); `HFTokenizer.from_gguf_metadata` builds the same
+  from a GGUF file's `tokenizer.*` metadata (`paged_jax.models.gguf` reads
+  the file).
 
 Streaming decode (`Tokenizer.stream_decoder()`): `add(token_ids)` returns the
 text those tokens complete, holding back a multi-byte character until its
@@ -145,11 +147,25 @@ def _token_text(value) -> str | None:
   return value if isinstance(value, str) else None
 
 
+# llama.cpp's `tokenizer.ggml.pre` names -> (digits split one by one first,
+# the split regex or None for GPT-2's own), as in its llama-vocab.cpp and the
+# models' Hugging Face tokenizer.json.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS: dict[str, tuple[bool, str | None]] = {
+    "default": (False, None), "gpt2": (False, None), "gpt-2": (False, None),
+    "smollm": (True, None),
+    "llama3": (False, _LLAMA3_SPLIT), "llama-v3": (False, _LLAMA3_SPLIT),
+    "llama-bpe": (False, _LLAMA3_SPLIT),
+    "qwen2": (False, _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")),
+}
+
+
 class HFTokenizer:
   """A Hugging Face `tokenizer.json` (+ `tokenizer_config.json`).
 
   Args:
-    tokenizer_json: path of `tokenizer.json`.
+    tokenizer_json: path of `tokenizer.json`, or a `tokenizers.Tokenizer`.
     config: the `tokenizer_config.json` dict (chat template, BOS/EOS tokens).
     extra_eos_ids: more EOS ids (e.g. `generation_config.json`'s).
 
@@ -164,7 +180,8 @@ class HFTokenizer:
     except ImportError as e:
       raise ImportError("reading tokenizer.json needs the `tokenizers` package "
                         "(pip install tokenizers, or the `serve` extra)") from e
-    self._tok = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+    self._tok = (tokenizer_json if isinstance(tokenizer_json, tokenizers.Tokenizer)
+                 else tokenizers.Tokenizer.from_file(str(tokenizer_json)))
     self.config = dict(config or {})
     self.special = {k: _token_text(self.config.get(k))
                     for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
@@ -200,6 +217,68 @@ class HFTokenizer:
       e = g.get("eos_token_id")
       eos = e if isinstance(e, list) else [e] if isinstance(e, int) else []
     return cls(d / "tokenizer.json", config, eos)
+
+  @classmethod
+  def from_gguf_metadata(cls, meta: dict) -> "HFTokenizer":
+    """The tokenizer a GGUF file's `tokenizer.*` metadata describes
+    (llama.cpp's keys without the `tokenizer.ggml.` prefix, as
+    `paged_jax.models.gguf` reads them): a byte-level BPE (`model` "gpt2",
+    with `tokens`, `merges`, `token_type`) whose pre-tokenizer follows `pre`
+    as llama.cpp's does (`PRE_TOKENIZERS`), and the `chat_template`.
+
+    Raises:
+      ValueError: another tokenizer model or pre-tokenizer (named), or
+        missing vocabulary keys.
+    """
+    try:
+      import tokenizers  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+      raise ImportError("a GGUF tokenizer needs the `tokenizers` package "
+                        "(pip install tokenizers, or the `gguf` extra)") from e
+    from tokenizers import decoders, models, pre_tokenizers, processors  # pylint: disable=import-outside-toplevel
+    kind = meta.get("model")
+    if kind != "gpt2":
+      raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only "
+                       "'gpt2', byte-level BPE)")
+    pre = meta.get("pre", "default")
+    if pre not in PRE_TOKENIZERS:
+      raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; known: "
+                       f"{', '.join(sorted(PRE_TOKENIZERS))}")
+    tokens, merges = meta.get("tokens"), meta.get("merges")
+    if not tokens or merges is None:
+      raise ValueError("GGUF tokenizer metadata lacks tokenizer.ggml.tokens or "
+                       "tokenizer.ggml.merges")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = tokenizers.Tokenizer(models.BPE(vocab, pairs, fuse_unk=False,
+                                          byte_fallback=False))
+    digits, pattern = PRE_TOKENIZERS[pre]
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+    if pattern is not None:
+      steps.append(pre_tokenizers.Split(tokenizers.Regex(pattern), "isolated"))
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                          use_regex=pattern is None))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tok.decoder = decoders.ByteLevel()
+    types = meta.get("token_type") or [1] * len(tokens)
+    # llama.cpp token types: 3 control (special), 4 user-defined.
+    special = [tokenizers.AddedToken(tokens[i], special=True, normalized=False)
+               for i, t in enumerate(types) if t == 3]
+    added = [tokenizers.AddedToken(tokens[i], special=False, normalized=False)
+             for i, t in enumerate(types) if t == 4]
+    tok.add_special_tokens(special)
+    tok.add_tokens(added)
+    bos, eos = meta.get("bos_token_id"), meta.get("eos_token_id")
+    name = lambda i: tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None  # noqa: E731
+    if meta.get("add_bos_token") and name(bos) is not None:
+      tok.post_processor = processors.TemplateProcessing(
+          single=f"{name(bos)} $A", pair=f"{name(bos)} $A {name(bos)} $B",
+          special_tokens=[(name(bos), bos)])
+    config = {"bos_token": name(bos), "eos_token": name(eos),
+              "unk_token": name(meta.get("unknown_token_id")),
+              "pad_token": name(meta.get("padding_token_id")),
+              "chat_template": meta.get("chat_template")}
+    return cls(tok, config, [eos] if name(eos) is not None else [])
 
   def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
     return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)

@@ -14,7 +14,7 @@ from paged_jax.models.llama import model as model_lib
 
 # The sizes of the engine tests (tests/examples/conftest.py), so that the
 # compiled steps are shared: 32 blocks x 4 tokens = 128 KV tokens.
-SMALL = ["--block-size", "4", "--num-blocks", "32", "--max-batch", "4",
+SMALL = ["--model", "tiny", "--block-size", "4", "--num-blocks", "32", "--max-batch", "4",
          "--max-tokens-per-step", "16", "--max-model-len", "64", "--no-progress",
          "--no-compile-cache", "--min-bucket", "16"]  # 2 step shapes: decode 4, mixed 16
 
@@ -120,7 +120,7 @@ def test_checkpoint_run(tmp_path, capsys):
   out_path = tmp_path / "out.json"
   rc, out, _ = run(SMALL + ["--checkpoint", str(tmp_path / "ckpt"), "--num-requests", "6",
                             "--no-baseline", "--output", str(out_path)], capsys)
-  assert rc == 0 and "model: checkpoint" in out
+  assert rc == 0 and f"model: ckpt from {tmp_path / 'ckpt'} (2 layers" in out
   # Same weights as the default tiny model: same greedy outputs.
   rc, _, _ = run(SMALL + ["--num-requests", "6", "--no-baseline",
                           "--output", str(tmp_path / "tiny.json")], capsys)
@@ -137,7 +137,8 @@ def bad_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("args,match", [
-    (["--checkpoint", "/nonexistent/ckpt"], "error: checkpoint directory '/nonexistent/ckpt' does not exist"),
+    (["--checkpoint", "/nonexistent/ckpt"], "error: --model '/nonexistent/ckpt': no such file or directory (expected 'tiny', "
+     "'smollm2', a .gguf file or a Hugging Face directory)\n"),
     (["--num-blocks", "0"], "error: argument --num-blocks: expected an integer in [1, 2147483647], got 0\n"),
     (["--block-size", "0"], "error: argument --block-size: expected an integer in [1, 1048576], got 0\n"),
     (["--max-batch", "8", "--max-tokens-per-step", "4"],
@@ -188,7 +189,7 @@ def bad_checkpoint(tmp_path):
     (["--coordinator", "nocolon"], "error: --coordinator must look like HOST:PORT, got 'nocolon'\n"),
 ])
 def test_bad_input_is_one_error_line(args, match, capsys):
-  rc, out, err = run(args + ["--no-progress"], capsys)
+  rc, out, err = run(["--model", "tiny"] + args + ["--no-progress"], capsys)
   assert rc == 2
   assert err.startswith(match), err
   assert err.count("\n") == 1 and "Traceback" not in err
@@ -212,7 +213,7 @@ def test_bad_input_is_one_error_line(args, match, capsys):
 def test_bad_prompt_file(tmp_path, capsys, content, match):
   f = tmp_path / "p.json"
   f.write_text(content)
-  rc, _, err = run(["--prompt-ids", str(f), "--no-progress"], capsys)
+  rc, _, err = run(["--model", "tiny", "--prompt-ids", str(f), "--no-progress"], capsys)
   assert rc == 2 and match in err and err.count("\n") == 1
 
 
@@ -275,7 +276,7 @@ def test_vllm_aliases():
   args = generate.parse_and_check(["--max-num-seqs", "8", "--max-num-batched-tokens", "64"])
   assert (args.max_batch, args.max_tokens_per_step) == (8, 64)
   args = generate.parse_and_check(["--max-batch", "8"])
-  assert args.max_batch == 8 and generate._flag(args, "max_batch") == "--max-batch"
+  assert args.max_batch == 8 and generate.ea.flag(args, "max_batch") == "--max-batch"
 
 
 class _FakeDevice:

