@@ -153,6 +153,12 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_model: str = "tiny")
                    "cost 8-20%% of output tokens/s on the 2-core CPU, "
                    "benchmarks/RESULTS.md section 11); the contiguous "
                    "baseline never caches")
+  eng.add_argument("--admission-headroom-steps", type=count(0, MAX_MODEL_LEN),
+                   default=16,
+                   help="block-aware admission: admit a waiting request only if "
+                   "its blocks leave the running sequences room for this many "
+                   "more decode steps (0: rows and token budget only, which "
+                   "preempts more; EngineConfig.admission_headroom_steps)")
   eng.add_argument("--max-model-len", type=count(2, MAX_MODEL_LEN), default=256,
                    help="longest prompt + output (at least 2: one prompt and "
                    "one generated token)")

@@ -41,7 +41,8 @@ def fmt_stats(stats: dict) -> list[str]:
       f"  KV memory           {stats['kv_bytes'] / 2**20:.2f} MiB, "
       f"{stats['kv_bytes_per_device'] / 2**20:.3f} MiB on each of "
       f"{stats['devices']} device(s)",
-      f"  preemptions         {stats['preemptions']}",
+      f"  preemptions         {stats['preemptions']} ({stats['recomputed_tokens']} tokens"
+      f" recomputed); admissions deferred for blocks {stats['deferred_admissions']}",
       f"  steps               {stats['steps']} ({stats['decode_steps']} decode,"
       f" {stats['mixed_steps']} prefill/mixed); host "
       f"{stats['host_ms_per_step']:.2f} ms/step"

@@ -445,7 +445,8 @@ def build(args):
       max_model_len=args.max_model_len, min_bucket=args.min_bucket,
       bucket_midpoints=not args.no_bucket_midpoints,
       cache_dtype=args.kv_cache_dtype, async_scheduling=args.async_scheduling,
-      enable_prefix_caching=args.enable_prefix_caching)
+      enable_prefix_caching=args.enable_prefix_caching,
+      admission_headroom_steps=args.admission_headroom_steps)
   engine = Engine(model, config, mesh=mesh)
   if not args.no_warmup:
     engine.warmup()
