@@ -52,10 +52,11 @@ def write_and_attend(
     q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
     k: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
     v: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    k_pages: jax.Array,  # [(num_layers,) num_kv_heads, num_blocks, block_size, head_dim]
+    v_pages: jax.Array,  # same as k_pages
     meta: StepMetadata,
     *,
+    layer=None,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
@@ -66,19 +67,48 @@ def write_and_attend(
   """Writes one layer's new K/V and attends over the pages.
 
   `q` and `k` must already carry their position encoding. Quantised pages
-  (int8 / float8_e4m3fn) come with their scales `f32[num_kv_heads,
-  num_blocks, block_size]` (`KVCache.layer`); the new K/V are quantised in
-  the write and the attention dequantises.
+  (int8 / float8_e4m3fn) come with their scales (pages' shape without
+  `head_dim`, float32); the new K/V are quantised in the write and the
+  attention dequantises.
+
+  Two forms:
+
+  * `layer=None`: one layer's pages `[num_kv_heads, num_blocks, block_size,
+    head_dim]` (`KVCache.layer`), scales `f32[num_kv_heads, num_blocks,
+    block_size]`; the updated pages come back.
+  * `layer=i` (an int, or a traced integer scalar such as a `lax.scan`'s
+    layer counter): the whole cache's pages `[num_layers, num_kv_heads,
+    num_blocks, block_size, head_dim]` (`KVCache.k_pages`), scales
+    `f32[num_layers, num_kv_heads, num_blocks, block_size]`. The K/V go
+    straight into layer `i` of them (`kv_cache.write_kv_layer`) and attention
+    reads layer `i`'s pages from the written arrays, so a carried or donated
+    cache is updated in place, not copied out and back per layer; all
+    layers come back. With a mesh (`meta.mesh`) the write is
+    `sharding.write_kv_sharded` on layer `i`'s slice, put back with
+    `dynamic_update_slice`.
 
   Returns:
     `(out [num_tokens, num_q_heads, head_dim] in q.dtype, k_pages, v_pages)`,
-    then `k_scales, v_scales` for quantised pages (as `kv_cache.write_kv`).
+    then `k_scales, v_scales` for quantised pages (as `kv_cache.write_kv`),
+    in the shapes given.
 
   Raises:
     ValueError: if the pages' block size or number of blocks differ from the
-      pool `meta` was computed from (`kv_cache.check_compatible`).
+      pool `meta` was computed from (`kv_cache.check_compatible`), the pages
+      are not 4-D (`layer=None`) or 5-D (a layer), or the layer is not an
+      integer scalar (a static one outside `[0, num_layers)`).
   """
-  kv_cache_lib.check_compatible(k_pages, meta)
+  if layer is None:
+    kv_cache_lib.check_compatible(k_pages, meta)
+  else:
+    if k_pages.ndim != 5:
+      raise ValueError(
+          f"with layer={layer!r}, k_pages must be the whole cache's "
+          f"[num_layers, num_kv_heads, num_blocks, block_size, head_dim], got "
+          f"shape {k_pages.shape}")
+    layer = kv_cache_lib.check_layer(layer, k_pages.shape[0])
+    kv_cache_lib.check_compatible(
+        jax.ShapeDtypeStruct(k_pages.shape[1:], k_pages.dtype), meta)
   scales = {} if k_scales is None else dict(k_scales=k_scales,
                                             v_scales=v_scales)
   if not scales:  # float pages: cast (quantised ones quantise in the write)
@@ -89,18 +119,34 @@ def write_and_attend(
   if not meta.decode_only:
     args += (meta.cu_q_lens, meta.num_seqs)
   if meta.mesh is None:
-    arrays = kv_cache_lib.write_kv(k_pages, v_pages, k, v, meta.slots,
-                                   **scales)
+    if layer is None:
+      arrays = kv_cache_lib.write_kv(k_pages, v_pages, k, v, meta.slots,
+                                     **scales)
+    else:
+      arrays = kv_cache_lib.write_kv_layer(k_pages, v_pages, k, v, meta.slots,
+                                           layer, **scales)
     attend = (attention.paged_attention if meta.decode_only
               else attention.ragged_paged_attention)
   else:
-    arrays = sharding.write_kv_sharded(meta.mesh, k_pages, v_pages, k, v,
-                                       meta.slots, **scales)
+    if layer is None:
+      arrays = sharding.write_kv_sharded(meta.mesh, k_pages, v_pages, k, v,
+                                         meta.slots, **scales)
+    else:
+      whole = (k_pages, v_pages) + tuple(scales.values())
+      pick = lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)  # noqa: E731
+      one = dict(zip(("k_scales", "v_scales"), map(pick, whole[2:])))
+      written = sharding.write_kv_sharded(meta.mesh, pick(k_pages),
+                                          pick(v_pages), k, v, meta.slots,
+                                          **one)
+      arrays = tuple(jax.lax.dynamic_update_index_in_dim(a, w, layer, 0)
+                     for a, w in zip(whole, written))
     fn = (sharding.sharded_paged_attention if meta.decode_only
           else sharding.sharded_ragged_paged_attention)
     attend = functools.partial(fn, meta.mesh)
-  new_scales = dict(zip(("k_scales", "v_scales"), arrays[2:]))
-  out = attend(q, *arrays[:2], *args, **new_scales, **kwargs)
+  read = arrays if layer is None else tuple(
+      jax.lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in arrays)
+  new_scales = dict(zip(("k_scales", "v_scales"), read[2:]))
+  out = attend(q, *read[:2], *args, **new_scales, **kwargs)
   return (out.astype(q.dtype),) + tuple(arrays)
 
 
@@ -173,7 +219,9 @@ class PagedAttention(nnx.Module):
       x: `[num_tokens, hidden]` hidden states in the step's token layout.
       meta: the step's `StepMetadata` (from `step_metadata`).
       cache: the model's `KVCache` (all layers).
-      layer: static layer index into the cache.
+      layer: the layer's index into the cache: an int, or a traced integer
+        scalar (the K/V are written into the whole cache at it,
+        `write_and_attend(..., layer=layer)`).
 
     Returns:
       `(out [num_tokens, hidden], cache)` with layer `layer` updated.
@@ -183,13 +231,14 @@ class PagedAttention(nnx.Module):
         (another block size or number of blocks).
     """
     q, k, v = self.qkv(x, meta.positions)
-    arrays = cache.layer(layer)
-    pages = (arrays.pop("k_pages"), arrays.pop("v_pages"))
+    names = ["k_pages", "v_pages"] + (["k_scales", "v_scales"]
+                                      if cache.quantized else [])
     out, *arrays = write_and_attend(
-        q, k, v, *pages, meta, sm_scale=self.sm_scale, soft_cap=self.soft_cap,
+        q, k, v, cache.k_pages, cache.v_pages, meta, layer=layer,
+        sm_scale=self.sm_scale, soft_cap=self.soft_cap,
         sliding_window=self.sliding_window, implementation=self.implementation,
-        **{n: a for n, a in arrays.items() if a is not None})
-    cache = cache.set_layer(layer, *arrays)
+        **{n: getattr(cache, n) for n in names[2:]})
+    cache = cache.replace(**dict(zip(names, arrays)))
     return self.o_proj(out.reshape(x.shape[0], -1)), cache
 
   def dense(self, x: jax.Array) -> jax.Array:

@@ -6,7 +6,10 @@ head_dim]` per layer; `KVCache` stacks them over layers. Token slots come from
 
 Every function here is pure and jittable. Jit the caller with the cache
 donated (`donate_argnums`) and XLA updates the pages in place: a write costs
-the bytes written, not a copy of the cache.
+the bytes written, not a copy of the cache. `write_kv` writes one layer's
+pages; `write_kv_layer` writes into the stacked `[num_layers, ...]` arrays at
+a (traced) layer index, so a model whose layers run under `lax.scan` with the
+cache carried updates the carry in place.
 
 No id a caller passes reaches outside the pool: slots and block ids outside
 it (negative ones, ids past `num_blocks`, int64 values outside int32) are
@@ -30,6 +33,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from paged_jax import _int32
 from paged_jax.block_manager import NULL_BLOCK
@@ -315,14 +319,38 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array,
     1.0
   """
   _check_pages("k_pages", k_pages)
+  n, idx = _check_write(k_pages, v_pages, k, v, slots, k_scales, v_scales)
+  kvh = k_pages.shape[0]
+
+  def scatter(pages, new):  # pages [kvh, num_blocks, block_size(, d)]
+    flat = pages.reshape(kvh, n, *pages.shape[3:])
+    new = jnp.swapaxes(new, 0, 1).astype(pages.dtype)  # [kvh, T(, d)]
+    flat = flat.at[:, idx].set(new, mode="drop", unique_indices=False)
+    return flat.reshape(pages.shape)
+
+  return _write(scatter, k_pages, v_pages, k, v, k_scales, v_scales)
+
+
+def _check_write(k_pages, v_pages, k, v, slots, k_scales, v_scales):
+  """`write_kv`'s checks on one layer's shapes (`k_pages` `[..., num_kv_heads,
+  num_blocks, block_size, head_dim]`; the scales' leading axes as the
+  pages'): returns `(num_blocks * block_size, flat slots with every
+  out-of-range one set to that (dropped))`."""
   if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
     raise ValueError(f"v_pages ({v_pages.dtype}{list(v_pages.shape)}) must "
                      f"match k_pages ({k_pages.dtype}{list(k_pages.shape)})")
+  lead = k_pages.ndim - 4
+  layer_pages = jax.ShapeDtypeStruct(k_pages.shape[lead:], k_pages.dtype)
   for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
-    error = quantization.scales_error(k_pages, scales, name)
+    if scales is not None and scales.shape[:lead] != k_pages.shape[:lead]:
+      raise ValueError(f"{name} must have the pages' leading axes "
+                       f"{k_pages.shape[:lead]}, got shape {scales.shape}")
+    error = quantization.scales_error(
+        layer_pages, None if scales is None else jax.ShapeDtypeStruct(
+            scales.shape[lead:], scales.dtype), name)
     if error is not None:
       raise ValueError(error)
-  kvh, num_blocks, block_size, head_dim = k_pages.shape
+  kvh, num_blocks, block_size, head_dim = layer_pages.shape
   _check_pool_fits(num_blocks, block_size)
   slots = _int32.as_int32("slots", slots)
   expected = (slots.shape[0], kvh, head_dim)
@@ -332,20 +360,100 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array,
         f"i32[T], got k.shape={k.shape}, v.shape={v.shape}, "
         f"slots.shape={slots.shape}")
   n = num_blocks * block_size
-  idx = jnp.where((slots >= 0) & (slots < n), slots, n)
+  return n, jnp.where((slots >= 0) & (slots < n), slots, n)
 
-  def scatter(pages, new):  # pages [kvh, num_blocks, block_size(, d)]
-    flat = pages.reshape(kvh, n, *pages.shape[3:])
-    new = jnp.swapaxes(new, 0, 1).astype(pages.dtype)  # [kvh, T(, d)]
-    flat = flat.at[:, idx].set(new, mode="drop", unique_indices=False)
-    return flat.reshape(pages.shape)
 
+def _write(scatter, k_pages, v_pages, k, v, k_scales, v_scales):
+  """Scatters `k`, `v` (quantised first, with their scales, for 8-bit pages)
+  with `scatter(array, new [T, num_kv_heads(, head_dim)])`."""
   if k_scales is None:
     return scatter(k_pages, k), scatter(v_pages, v)
   kq, ks = quantization.quantize(k, k_pages.dtype)
   vq, vs = quantization.quantize(v, v_pages.dtype)
   return (scatter(k_pages, kq), scatter(v_pages, vq), scatter(k_scales, ks),
           scatter(v_scales, vs))
+
+
+def write_kv_layer(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array,
+                   v: jax.Array, slots: jax.Array, layer,
+                   *, k_scales: jax.Array | None = None,
+                   v_scales: jax.Array | None = None) -> tuple[jax.Array, ...]:
+  """`write_kv` into layer `layer` of the whole cache's pages (one scatter
+  each, at the layer index).
+
+  The scatter goes into the stacked arrays directly, so under `lax.scan`
+  (the cache carried, `layer` the traced layer index) or under a jit with the
+  cache donated, XLA updates the arrays in place: the write costs the bytes
+  written, never a copy of the layer's pages out of the cache and back
+  (`write_kv` on `KVCache.layer`'s slices plus `KVCache.set_layer`).
+
+  Args:
+    k_pages: `[num_layers, num_kv_heads, num_blocks, block_size, head_dim]`
+      (`KVCache.k_pages`).
+    v_pages: same shape and dtype as `k_pages`.
+    k: `[T, num_kv_heads, head_dim]` new keys (cast to the pages' dtype, or
+      quantised to it).
+    v: `[T, num_kv_heads, head_dim]` new values.
+    slots: `int[T]` flat slots, as `write_kv` (-1 and out-of-range slots are
+      dropped).
+    layer: the layer, an int or a traced integer scalar. A static one must be
+      in `[0, num_layers)`; a traced one outside it writes nothing.
+    k_scales: quantised pages only: `f32[num_layers, num_kv_heads,
+      num_blocks, block_size]` (`KVCache.k_scales`).
+    v_scales: as `k_scales`.
+
+  Returns:
+    `(k_pages, v_pages)` updated, all layers; quantised pages: `(k_pages,
+    v_pages, k_scales, v_scales)`.
+
+  Raises:
+    ValueError: as `write_kv`, for pages that are not 5-D, or for a layer that
+      is not an integer scalar (or, static, outside `[0, num_layers)`).
+
+  Example:
+    >>> pages = jnp.zeros((2, 1, 2, 4, 8))
+    >>> k = jnp.ones((1, 1, 8))
+    >>> kp, vp = write_kv_layer(pages, pages, k, k, jnp.array([5]), 1)
+    >>> float(kp[1, 0, 1, 1, 0]), float(kp[0, 0, 1, 1, 0])
+    (1.0, 0.0)
+  """
+  if k_pages.ndim != 5:
+    raise ValueError(f"k_pages must be [num_layers, num_kv_heads, num_blocks, "
+                     f"block_size, head_dim], got shape {k_pages.shape}")
+  num_layers, kvh = k_pages.shape[:2]
+  layer = check_layer(layer, num_layers)
+  n, idx = _check_write(k_pages, v_pages, k, v, slots, k_scales, v_scales)
+
+  def scatter(pages, new):  # pages [L, kvh, num_blocks, block_size(, d)]
+    flat = pages.reshape(num_layers, kvh, n, *pages.shape[4:])
+    # The scalar layer and the slots are advanced indices around a slice, so
+    # the indexed dims come first: [T, kvh(, d)], the new tokens' own layout.
+    flat = flat.at[layer, :, idx].set(new.astype(pages.dtype), mode="drop",
+                                      unique_indices=False)
+    return flat.reshape(pages.shape)
+
+  return _write(scatter, k_pages, v_pages, k, v, k_scales, v_scales)
+
+
+def check_layer(layer, num_layers: int) -> jax.Array:
+  """`layer` as an int32 scalar (static: checked to be in `[0, num_layers)`).
+
+  Raises:
+    ValueError: for a non-integer or non-scalar layer, or a static one out of
+      range.
+  """
+  if isinstance(layer, bool):
+    raise ValueError(f"layer must be an integer scalar, got {layer!r}")
+  if isinstance(layer, (int, np.integer)):
+    if not 0 <= int(layer) < num_layers:
+      raise ValueError(f"layer must be in [0, num_layers={num_layers}), got "
+                       f"{layer}")
+    return jnp.int32(int(layer))
+  layer = jnp.asarray(layer)
+  if layer.ndim != 0 or not jnp.issubdtype(layer.dtype, jnp.integer):
+    raise ValueError(f"layer must be an integer scalar, got "
+                     f"{layer.dtype}{list(layer.shape)}")
+  return layer.astype(jnp.int32)
 
 
 def copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:

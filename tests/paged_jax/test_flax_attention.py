@@ -216,3 +216,54 @@ def test_step_metadata_hostile_q_lens_keep_the_layout_well_formed():
   with pytest.raises(ValueError, match=r"max_seqs_per_step \* num_tokens = "
                      r"2147483648 must be < 2\*\*31 \(int32 cu_q_lens\)"):
     fa.step_metadata(state, [0, 1], [1, 1], num_tokens=2**30)
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, "int8"])
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_write_and_attend_at_a_layer_equals_the_layer_slice(cache_dtype,
+                                                            decode_only):
+  """`layer=i` on the whole cache (static, or traced under jit) gives the same
+  output and the same layer `i` as the one-layer form, and leaves the other
+  layers alone."""
+  rng = np.random.default_rng(3)
+  kvh, heads, d, bs, layers = 2, 4, 16, 4, 3
+  state = bm.init(num_blocks=8, block_size=bs, max_seqs=2,
+                  max_blocks_per_seq=4)
+  ids = jnp.array([0, 1])
+  lens = jnp.array([1, 1]) if decode_only else jnp.array([3, 2])
+  tokens = 2 if decode_only else 6  # one padding row in the ragged step
+  state, _ = reserve(state, ids, lens)
+  meta = fa.step_metadata(state, ids, lens, num_tokens=tokens,
+                          decode_only=decode_only)
+  cache = kv_cache.KVCache.create(num_layers=layers, num_kv_heads=kvh,
+                                  num_blocks=8, block_size=bs, head_dim=d,
+                                  dtype=cache_dtype)
+  rand = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32))  # noqa: E731
+  q, k, v = rand(tokens, heads, d), rand(tokens, kvh, d), rand(tokens, kvh, d)
+  names = ["k_pages", "v_pages"] + (["k_scales", "v_scales"]
+                                    if cache.quantized else [])
+  one = cache.layer(1)
+  want = fa.write_and_attend(q, k, v, one["k_pages"], one["v_pages"], meta,
+                             **{n: one[n] for n in names[2:]})
+  whole = {n: getattr(cache, n) for n in names}
+
+  def at(layer, arrays):
+    return fa.write_and_attend(q, k, v, arrays["k_pages"], arrays["v_pages"],
+                               meta, layer=layer,
+                               **{n: arrays[n] for n in names[2:]})
+
+  for got in (at(1, whole), jax.jit(at)(jnp.int32(1), whole)):
+    assert len(got) == len(want)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+    for g, w, old in zip(got[1:], want[1:], cache.arrays()):
+      assert g.shape == old.shape
+      np.testing.assert_array_equal(np.asarray(g[1], np.float32),
+                                    np.asarray(w, np.float32))
+      np.testing.assert_array_equal(np.asarray(g[0::2], np.float32),
+                                    np.asarray(old[0::2], np.float32))
+  with pytest.raises(ValueError, match=r"with layer=0, k_pages must be the "
+                     r"whole cache's \[num_layers"):
+    fa.write_and_attend(q, k, v, one["k_pages"], one["v_pages"], meta, layer=0,
+                        **{n: one[n] for n in names[2:]})
+  with pytest.raises(ValueError, match=r"layer must be in \[0, num_layers=3\)"):
+    at(3, whole)

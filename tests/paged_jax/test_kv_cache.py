@@ -341,3 +341,76 @@ def test_quantize_rule():
   with pytest.raises(ValueError, match=r"dtype must be one of \['int8', "
                      r"'float8_e4m3fn'\], got float32"):
     quantization.quantize(x, jnp.float32)
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "int8", "fp8"])
+def test_write_kv_layer_equals_write_kv_on_the_layer(name):
+  """`write_kv_layer` at a static or a traced layer (jitted, donated) changes
+  exactly what `write_kv` on that layer's slice does, and nothing else; a
+  traced layer outside the cache writes nothing."""
+  rng = np.random.default_rng(7)
+  kvh, d, bs, layers = 2, 8, 4, 3
+  cache = kv_cache.KVCache.create(num_layers=layers, num_kv_heads=kvh,
+                                  num_blocks=6, block_size=bs, head_dim=d,
+                                  dtype=name)
+  # Non-zero pages and scales, so that a write into the wrong place shows.
+  cache = cache.replace(**{n: _rand(rng, getattr(cache, n).shape).astype(
+      getattr(cache, n).dtype) for n in ("k_pages", "v_pages", "k_scales",
+                                          "v_scales")
+                           if getattr(cache, n) is not None})
+  k, v = _rand(rng, (5, kvh, d)), _rand(rng, (5, kvh, d))
+  slots = jnp.array([0, 7, 23, -1, 24])  # -1 and 24 (past the pool) dropped
+  scales = dict(k_scales=cache.k_scales, v_scales=cache.v_scales) if (
+      cache.quantized) else {}
+  copy = lambda: [jnp.array(a) for a in cache.arrays()]  # noqa: E731
+  write_layer = jax.jit(kv_cache.write_kv_layer, donate_argnums=(0, 1))
+  for layer in (1, jnp.int32(2)):
+    i = int(layer)
+    one = cache.layer(i)
+    want = kv_cache.write_kv(one["k_pages"], one["v_pages"], k, v, slots,
+                             **{n: one[n] for n in scales})
+    args = copy()
+    got = (kv_cache.write_kv_layer(*args[:2], k, v, slots, layer,
+                                   **dict(zip(scales, args[2:])))
+           if isinstance(layer, int) else
+           write_layer(*args[:2], k, v, slots, layer,
+                       **dict(zip(scales, args[2:]))))
+    assert len(got) == len(cache.arrays())
+    for g, w, old in zip(got, want, cache.arrays()):
+      assert g.shape == old.shape and g.dtype == old.dtype
+      np.testing.assert_array_equal(np.asarray(g[i], np.float32),
+                                    np.asarray(w, np.float32))
+      others = np.array([j for j in range(layers) if j != i])
+      np.testing.assert_array_equal(np.asarray(g[others], np.float32),
+                                    np.asarray(old[others], np.float32))
+  args = copy()
+  got = write_layer(*args[:2], k, v, slots, jnp.int32(layers),
+                    **dict(zip(scales, args[2:])))
+  for g, old in zip(got, cache.arrays()):
+    np.testing.assert_array_equal(np.asarray(g, np.float32),
+                                  np.asarray(old, np.float32))
+
+
+def test_write_kv_layer_errors():
+  cache = kv_cache.KVCache.create(num_layers=2, num_kv_heads=1, num_blocks=2,
+                                  block_size=4, head_dim=8, dtype="int8")
+  one = jnp.zeros((1, 1, 8))
+  scales = dict(k_scales=cache.k_scales, v_scales=cache.v_scales)
+  args = (cache.k_pages, cache.v_pages, one, one, jnp.array([0]))
+  with pytest.raises(ValueError, match=r"layer must be in \[0, num_layers=2\)"):
+    kv_cache.write_kv_layer(*args, 2, **scales)
+  with pytest.raises(ValueError, match="integer scalar"):
+    kv_cache.write_kv_layer(*args, jnp.array([0]), **scales)
+  with pytest.raises(ValueError, match="integer scalar"):
+    kv_cache.write_kv_layer(*args, True, **scales)
+  with pytest.raises(ValueError, match=r"must be \[num_layers, num_kv_heads"):
+    kv_cache.write_kv_layer(cache.k_pages[0], cache.v_pages[0], one, one,
+                            jnp.array([0]), 0, **scales)
+  with pytest.raises(ValueError, match="leading axes"):
+    kv_cache.write_kv_layer(*args, 0, k_scales=cache.k_scales[:1],
+                            v_scales=cache.v_scales)
+  with pytest.raises(ValueError, match="int8 pages need k_scales"):
+    kv_cache.write_kv_layer(*args, 0)
+  with pytest.raises(ValueError, match=r"k and v must be \[T, num_kv_heads"):
+    kv_cache.write_kv_layer(*args[:2], one, one, jnp.array([0, 1]), 0,
+                            **scales)

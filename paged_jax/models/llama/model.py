@@ -19,12 +19,13 @@ Layers are stacked, MaxText's scan_layers: `Llama.layers` is one
 layer by layer from the seed, so a seed's weights did not change), and both
 forward paths run them with `jax.lax.scan`, so a step compiles one layer
 whatever the depth. The paged step carries the whole
-`KVCache` through the scan: layer `i` slices its pages out, writes this step's
-K/V into them (`flax_attention.write_and_attend`) and puts them back
-(`dynamic_update_slice` on the carry), so a donated cache stays one buffer
-(its arrays alias the outputs). The slice and the write-back copy one layer's
-pages per layer per step; a write into the 5-D cache at the traced layer
-index would avoid it (`benchmarks/RESULTS.md`, section 12).
+`KVCache` through the scan: layer `i` scatters this step's K/V straight into
+the carried 5-D arrays at the traced index `i` and attends on layer `i`'s
+pages read from them (`flax_attention.write_and_attend(..., layer=i)`), so XLA
+updates the carry in place and a donated cache stays one buffer (its arrays
+alias the outputs). Slicing the layer's pages out, writing them and putting
+them back copied one layer's pages twice per layer per step
+(`benchmarks/RESULTS.md`, section 12).
 
 `Llama` implements `paged_jax.serving.ServingModel`:
 
@@ -232,24 +233,31 @@ class Attention(nnx.Module):
             rope_lib.apply_rope(k, positions, self.rope), v)
 
   def __call__(self, x: jax.Array, meta: step_metadata.StepMetadata,
-               pages: dict) -> tuple[jax.Array, dict]:
-    """Paged step on one layer's pages.
+               pages: dict, layer=None) -> tuple[jax.Array, dict]:
+    """Paged step on one layer of the cache.
 
     Args:
       x: `[num_tokens, hidden]` in the step's token layout.
       meta: the step's `StepMetadata`.
-      pages: this layer's `KVCache.layer` arrays (`k_pages`, `v_pages`
-        `[num_kv_heads, num_blocks, block_size, head_dim]`, and `k_scales`,
-        `v_scales` for a quantised cache).
+      pages: the cache's arrays by name: `k_pages`, `v_pages`, and `k_scales`,
+        `v_scales` for a quantised cache (None or absent for a float one).
+        With `layer=None` one layer's (`KVCache.layer`: pages `[num_kv_heads,
+        num_blocks, block_size, head_dim]`); with a layer the whole cache's
+        (pages `[num_layers, num_kv_heads, num_blocks, block_size,
+        head_dim]`).
+      layer: None, or the layer index into the whole cache (an int or a
+        traced int32 scalar): the K/V are then written in place at it
+        (`flax_attention.write_and_attend(..., layer=...)`).
 
     Returns:
-      `(out [num_tokens, hidden], pages)` with this step's K/V written.
+      `(out [num_tokens, hidden], pages)` with this step's K/V written, the
+      arrays in the shapes given.
     """
     q, k, v = self.qkv(x, meta.positions)
     names = [n for n in ("k_pages", "v_pages", "k_scales", "v_scales")
              if pages.get(n) is not None]
     out, *arrays = flax_attention.write_and_attend(
-        q, k, v, pages["k_pages"], pages["v_pages"], meta,
+        q, k, v, pages["k_pages"], pages["v_pages"], meta, layer=layer,
         sliding_window=self.sliding_window, implementation=self.implementation,
         **{n: pages[n] for n in names[2:]})
     return self.o_proj(out.reshape(x.shape[0], -1)), dict(zip(names, arrays))
@@ -278,8 +286,9 @@ class DecoderLayer(nnx.Module):
         config.hidden_size, config.rms_norm_eps, param_dtype=dt)
     self.mlp = MLP(config, rngs=rngs)
 
-  def __call__(self, x, meta, pages: dict):
-    h, pages = self.self_attn(self.input_layernorm(x), meta, pages)
+  def __call__(self, x, meta, pages: dict, layer=None):
+    """As `Attention.__call__` (`pages` and `layer` alike)."""
+    h, pages = self.self_attn(self.input_layernorm(x), meta, pages, layer)
     x = x + h
     return x + self.mlp(self.post_attention_layernorm(x)), pages
 
@@ -387,12 +396,11 @@ class Llama(nnx.Module):
     def body(carry, layer_params):
       x, arrays, i = carry
       layer = nnx.merge(graphdef, layer_params)
-      pages = {n: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
-               for n, a in zip(names, arrays)}
-      x, pages = layer(x, meta, pages)
-      arrays = tuple(jax.lax.dynamic_update_index_in_dim(a, pages[n], i, 0)
-                     for n, a in zip(names, arrays))
-      return (x, arrays, i + 1), None
+      # The whole cache goes in with the traced layer index: the K/V are
+      # scattered into the carry at layer i (in place) and attention reads
+      # layer i's pages from it, no per-layer copy out and back.
+      x, pages = layer(x, meta, dict(zip(names, arrays)), i)
+      return (x, tuple(pages[n] for n in names), i + 1), None
 
     carry = (self.embed_tokens(tokens),
              tuple(getattr(cache, n) for n in names), jnp.int32(0))

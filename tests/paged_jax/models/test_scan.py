@@ -3,6 +3,8 @@ donated cache updated in place, paged == dense for every family."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,6 +55,45 @@ def test_program_does_not_grow_with_depth_and_the_cache_is_aliased():
     assert header.count("may-alias") >= 2, header[:400]
   # One layer in the program at any depth (only the stacked shapes differ).
   assert len(texts[1].splitlines()) == len(texts[6].splitlines())
+
+
+def _hlo_shape(x) -> str:
+  """How compiled HLO spells an array's type: `f32[3,2,24,4,16]`."""
+  name = {"float32": "f32", "int8": "s8", "bfloat16": "bf16",
+          "float8_e4m3fn": "f8e4m3fn"}[str(x.dtype)]
+  return f"{name}[{','.join(map(str, x.shape))}]"
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+@pytest.mark.parametrize("cache_dtype", [None, "int8"])
+def test_the_step_writes_into_the_cache_without_copying_it(cache_dtype,
+                                                           decode_only):
+  # The K/V are scattered into the carried 5-D cache at the traced layer
+  # index: the compiled step has no copy and no dynamic-update-slice of a
+  # whole cache array (writing a layer's pages back into the carry, as the
+  # slice-write-put-back form did), and the donated arrays alias outputs.
+  num_seqs, q_len = (2, 1) if decode_only else (2, 5)
+  state = bm.init(num_blocks=BLOCKS, block_size=BS, max_seqs=num_seqs,
+                  max_blocks_per_seq=8)
+  seq_ids = jnp.arange(num_seqs, dtype=jnp.int32)
+  q_lens = jnp.full(num_seqs, q_len, jnp.int32)
+  state, _ = bm.reserve(state, seq_ids, q_lens)
+  meta = step_metadata.step_metadata(state, seq_ids, q_lens,
+                                     num_tokens=num_seqs * q_len,
+                                     decode_only=decode_only)
+  model = models.tiny(0, num_layers=3)
+  fwd, params = _jitted_forward(model)
+  cache = model.make_cache(BLOCKS, BS, cache_dtype)
+  compiled = fwd.lower(params, cache, jnp.zeros(num_seqs * q_len, jnp.int32),
+                       meta).compile().as_text()
+  header = compiled.splitlines()[0]
+  assert header.count("may-alias") >= len(cache.arrays()), header[:400]
+  for x in cache.arrays():
+    pattern = (re.escape(_hlo_shape(x)) +
+               r"\{[^}]*\} (copy|dynamic-update-slice)\(")
+    hits = [line.strip()[:200] for line in compiled.splitlines()
+            if re.search(pattern, line)]
+    assert not hits, hits
 
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
