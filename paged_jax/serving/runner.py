@@ -171,8 +171,9 @@ class Runner:
   def fetch(self, out: StepOutputs, num_pools: int, *, top: bool = True
             ) -> list[StepOutputs]:
     """Waits for a dispatched step's outputs; returns each pool's, on the
-    host. `top`: also the top log-probs and their ids (beam search needs
-    them; otherwise they stay on the device, `None` here)."""
+    host. `top`: also the top log-probs and their ids (beam search and
+    requests with `SamplingParams.logprobs` need them; otherwise they stay
+    on the device, `None` here)."""
     if not top:
       out = out.replace(top_logprobs=None, top_ids=None)
     if not all(a.is_fully_addressable for a in jax.tree.leaves(out)):

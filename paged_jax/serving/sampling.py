@@ -45,6 +45,14 @@ class SamplingParams:
       (`paged_jax.serving.text`); the engine itself ignores them. One str is
       one stop string.
     ignore_eos: no EOS token ends a sequence (`stop_token_ids` still do).
+    logprobs: None, or the number of most likely alternatives returned with
+      each generated token besides the sampled one (vLLM's meaning; 0: the
+      sampled token's log-probability only, which every token has anyway).
+      At most the engine's `EngineConfig.max_logprobs` (a rejection past
+      it); not with beam search. The log-probabilities are those of the
+      distribution the sampler starts from: the model's logits after
+      `logit_bias` and the `min_tokens` mask, before temperature, top-k and
+      top-p (see `token_logprobs`).
 
   Every field is checked here against what the engine can hold (ids, counts
   and seeds are int32 on the device), so a request built from any input
@@ -69,6 +77,7 @@ class SamplingParams:
   min_tokens: int = 0
   stop: tuple[str, ...] = ()
   ignore_eos: bool = False
+  logprobs: int | None = None
 
   def __post_init__(self):
     # Every value is checked against what the engine holds: int32 ids,
@@ -113,6 +122,11 @@ class SamplingParams:
     if self.ignore_eos and self.eos_token_ids:
       raise ValueError(f"give eos_token_ids or ignore_eos, not both (got "
                        f"eos_token_ids={self.eos_token_ids})")
+    if self.logprobs is not None:
+      self._set("logprobs", _int("logprobs", self.logprobs, 0, INT32_MAX))
+      if self.beam_width > 1:
+        raise ValueError(f"logprobs is not served with beam search (got "
+                         f"beam_width={self.beam_width})")
     if self.n > 1 and self.beam_width > 1:
       raise ValueError(f"use n or beam_width, not both (got n={self.n}, "
                        f"beam_width={self.beam_width})")
@@ -182,7 +196,8 @@ def ban_tokens(logits: jax.Array, banned: jax.Array) -> jax.Array:
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   """f32[rows]: log-probability of `tokens` (i32[rows]) under `logits`
-  (f32[rows, vocab], before temperature)."""
+  (f32[rows, vocab]: the engine passes the logits after the bans and biases,
+  before temperature, top-k and top-p; `top_logprobs` reads the same)."""
   lse = jax.nn.logsumexp(logits, axis=-1)
   return jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
 

@@ -161,6 +161,9 @@ class Scheduler(InputPacking, PrefixCaching, Results):
       return f"needs {p.num_seqs} sequences at once, max_batch is {c.max_batch}"
     if p.beam_width > c.max_beam_width:
       return f"beam_width={p.beam_width} exceeds the engine's max_beam_width={c.max_beam_width}"
+    max_lp = min(c.max_logprobs, vocab)
+    if p.logprobs is not None and p.logprobs > max_lp:
+      return (f"logprobs={p.logprobs} exceeds the engine's max_logprobs={max_lp}")
     stops = p.stop_ids(self.model_config.eos_token_ids)
     if p.min_tokens and len(stops) > sampling_lib.MAX_BANNED:
       return (f"min_tokens needs at most {sampling_lib.MAX_BANNED} EOS and stop "

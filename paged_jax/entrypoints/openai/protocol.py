@@ -222,6 +222,11 @@ class _SamplingRequest(_Strict):
   def requested_max_tokens(self) -> int | None:
     return self.max_tokens
 
+  @property
+  def num_logprobs(self) -> int | None:
+    """Top alternatives per token asked for (`SamplingParams.logprobs`)."""
+    return None
+
   def check(self) -> None:
     """Checks across fields and refusals by name (raises `RequestError`)."""
     for name, (neutral, why) in _NEUTRAL.items():
@@ -242,7 +247,8 @@ class _SamplingRequest(_Strict):
         top_p=1.0 if self.top_p is None else self.top_p,
         top_k=max(self.top_k or 0, 0), n=self.num_seqs, seed=seed,
         stop=self.stop or (), stop_token_ids=tuple(self.stop_token_ids or ()),
-        min_tokens=self.min_tokens or 0, ignore_eos=bool(self.ignore_eos))
+        min_tokens=self.min_tokens or 0, ignore_eos=bool(self.ignore_eos),
+        logprobs=self.num_logprobs)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -263,12 +269,12 @@ class CompletionRequest(_SamplingRequest):
   def num_seqs(self) -> int:
     return max(self.n or 1, self.best_of or 1)
 
+  @property
+  def num_logprobs(self) -> int | None:
+    return self.logprobs
+
   def check(self) -> None:
     super().check()
-    if self.logprobs:
-      raise RequestError(f"logprobs {self.logprobs}: the most likely alternatives are "
-                         "not served yet; logprobs 0 gives each sampled token's "
-                         "log-probability", "logprobs", code="unsupported_parameter")
     if self.echo and self.logprobs is not None:
       raise RequestError("echo with logprobs needs the prompt's log-probabilities, "
                          "which are not served", "echo", code="unsupported_parameter")
@@ -284,7 +290,7 @@ class ChatCompletionRequest(_SamplingRequest):
   messages: list[ChatMessage] = Field(min_length=1)
   max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
   logprobs: bool | None = False
-  top_logprobs: int | None = Field(None, ge=0, le=20)
+  top_logprobs: int | None = Int32  # at most the server's --max-logprobs
   add_generation_prompt: bool | None = True  # vLLM
   tools: list | None = None
   tool_choice: Any = None
@@ -297,14 +303,14 @@ class ChatCompletionRequest(_SamplingRequest):
   def requested_max_tokens(self) -> int | None:
     return self.max_completion_tokens or self.max_tokens
 
+  @property
+  def num_logprobs(self) -> int | None:
+    return (self.top_logprobs or 0) if self.logprobs else None
+
   def check(self) -> None:
     super().check()
     if self.top_logprobs is not None and not self.logprobs:
       raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-    if self.top_logprobs:
-      raise RequestError(f"top_logprobs {self.top_logprobs}: the most likely "
-                         "alternatives are not served yet; give 0 or leave it out",
-                         "top_logprobs", code="unsupported_parameter")
     if (self.max_tokens is not None and self.max_completion_tokens is not None
         and self.max_tokens != self.max_completion_tokens):
       raise RequestError("max_tokens and max_completion_tokens disagree; give one",
@@ -434,13 +440,20 @@ def check_model(req: _SamplingRequest, model_name: str) -> None:
 
 
 def check_limits(req: _SamplingRequest, *, prompt_len: int, max_model_len: int,
-                 max_seqs: int, default_max_tokens: int) -> int:
+                 max_seqs: int, default_max_tokens: int,
+                 max_logprobs: int | None = None) -> int:
   """The server's limits; returns `max_tokens` (the request's, else the
   default cut to what the context leaves).
 
   Raises:
-    RequestError: 400 past the context or the batch.
+    RequestError: 400 past the context, the batch or `max_logprobs` (the
+      engine's `EngineConfig.max_logprobs`, the server's `--max-logprobs`).
   """
+  asked = req.num_logprobs
+  if max_logprobs is not None and asked is not None and asked > max_logprobs:
+    name = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
+    raise RequestError(f"{name} must be <= {max_logprobs} (this server's "
+                       f"--max-logprobs), got {asked}", name)
   where = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
   if prompt_len >= max_model_len:
     raise RequestError(f"This model's maximum context length is {max_model_len} "

@@ -49,6 +49,10 @@ DEEP = json.loads("[" * 500 + "]" * 500)
     (dict(stop=(1,)), "stop strings must be non-empty str, got \\(1,\\)"),
     (dict(ignore_eos=1), "ignore_eos must be a bool, got 1"),
     (dict(ignore_eos=True, eos_token_ids=(2,)), "give eos_token_ids or ignore_eos, not both"),
+    (dict(logprobs=-1), "logprobs must be >= 0, got -1"),
+    (dict(logprobs=2.0), "logprobs must be an int >= 0, got 2.0"),
+    (dict(logprobs=2, beam_width=2), r"logprobs is not served with beam search \(got "
+     "beam_width=2\)"),
 ])
 def test_refuses_what_the_engine_cannot_hold(kw, match):
   with pytest.raises(ValueError, match=match):
