@@ -117,6 +117,14 @@ class EngineConfig:
       steps where some row asked. Default 8, what the step computed before;
       `lax.top_k` of 20 rather than 8 costs little next to the sampler's
       pass over the vocab, so the server raises it to its `--max-logprobs`.
+    max_logit_bias: most `SamplingParams.logit_bias` entries a request may
+      give. Static: every step carries `i32` ids and `f32` biases of this
+      width per sample row (8 bytes per entry and row, sent every step,
+      added to the logits by one scatter-add). Default 0, the feature off:
+      zero-sized arrays, nothing sent or run, so an engine that does not
+      serve it pays nothing; a request with a bias is then rejected. The
+      OpenAI server sets it from `--max-logit-bias` (default 300, OpenAI's
+      bound).
     static_batching: admit only when nothing runs (the contiguous baseline).
     cache_dtype: KV dtype name as `kv_cache.cache_dtype` ("auto",
       "float32", "bfloat16", "float16", "int8", "fp8"); None: the model's.
@@ -163,6 +171,7 @@ class EngineConfig:
   max_model_len: int | None = None
   max_beam_width: int = 1
   max_logprobs: int = 8
+  max_logit_bias: int = 0
   static_batching: bool = False
   cache_dtype: str | None = None
   min_bucket: int = 1
@@ -178,7 +187,7 @@ class EngineConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    for name in ("admission_headroom_steps", "max_logprobs"):
+    for name in ("admission_headroom_steps", "max_logprobs", "max_logit_bias"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")

@@ -53,6 +53,12 @@ class SamplingParams:
       distribution the sampler starts from: the model's logits after
       `logit_bias` and the `min_tokens` mask, before temperature, top-k and
       top-p (see `token_logprobs`).
+    logit_bias: added to the model's logits before sampling (greedy too), a
+      mapping (or pairs) from token id to a bias in [-100, 100] (OpenAI's
+      range: -100 in effect bans a token, +100 all but forces it). Stored as
+      `(id, bias)` pairs sorted by id. At most the engine's
+      `EngineConfig.max_logit_bias` entries, ids inside its vocabulary (the
+      engine rejects the request otherwise).
 
   Every field is checked here against what the engine can hold (ids, counts
   and seeds are int32 on the device), so a request built from any input
@@ -78,6 +84,7 @@ class SamplingParams:
   stop: tuple[str, ...] = ()
   ignore_eos: bool = False
   logprobs: int | None = None
+  logit_bias: tuple[tuple[int, float], ...] = ()
 
   def __post_init__(self):
     # Every value is checked against what the engine holds: int32 ids,
@@ -127,6 +134,7 @@ class SamplingParams:
       if self.beam_width > 1:
         raise ValueError(f"logprobs is not served with beam search (got "
                          f"beam_width={self.beam_width})")
+    self._set("logit_bias", _bias(self.logit_bias))
     if self.n > 1 and self.beam_width > 1:
       raise ValueError(f"use n or beam_width, not both (got n={self.n}, "
                        f"beam_width={self.beam_width})")
@@ -180,6 +188,44 @@ def _ids(name: str, value) -> tuple[int, ...]:
   if bad:
     raise ValueError(f"{name} must hold int32 token ids, got {_show(bad[0])}")
   return tuple(int(t) for t in value)
+
+
+MAX_BIAS = 100.0  # |logit_bias| (OpenAI's range)
+
+
+def _bias(value) -> tuple[tuple[int, float], ...]:
+  """`logit_bias` as `(id, bias)` pairs sorted by id: int32 ids >= 0, each
+  once, biases finite reals in [-MAX_BIAS, MAX_BIAS]."""
+  if isinstance(value, dict):
+    pairs = list(value.items())
+  elif isinstance(value, (tuple, list)) and all(
+      isinstance(p, (tuple, list)) and len(p) == 2 for p in value):
+    pairs = [tuple(p) for p in value]
+  else:
+    raise ValueError(f"logit_bias must map token ids to biases, got {_show(value)}")
+  for t, b in pairs:
+    if isinstance(t, bool) or not isinstance(t, (int, np.integer)) \
+        or not 0 <= t <= INT32_MAX:
+      raise ValueError(f"logit_bias keys must be int32 token ids >= 0, got {_show(t)}")
+    if isinstance(b, bool) or not isinstance(b, (int, float, np.integer, np.floating)) \
+        or not -MAX_BIAS <= b <= MAX_BIAS:  # (NaN fails both comparisons)
+      raise ValueError(f"logit_bias values must be finite numbers in "
+                       f"[-{MAX_BIAS:g}, {MAX_BIAS:g}], got {_show(b)} for token {t}")
+  ids = [int(t) for t, _ in pairs]
+  if len(set(ids)) != len(ids):
+    raise ValueError("logit_bias names a token id twice")
+  return tuple(sorted((int(t), float(b)) for t, b in pairs))
+
+
+def add_bias(logits: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
+  """`logits` (f32[rows, vocab]) plus each row's `values` (f32[rows, B]) at
+  its `ids` (i32[rows, B], -1 = none): one scatter-add. `B == 0` (the
+  feature off): `logits` unchanged, nothing runs."""
+  if ids.shape[-1] == 0:
+    return logits
+  rows, vocab = logits.shape
+  ids = jnp.where(ids >= 0, ids, vocab)  # out of range: dropped
+  return logits.at[jnp.arange(rows)[:, None], ids].add(values, mode="drop")
 
 
 # Token ids one sample row may mask (min_tokens: the EOS and stop tokens).

@@ -185,7 +185,8 @@ def make_app(loop: EngineLoop, tokenizer: Tokenizer, *, model_name: str,
     max_tokens = protocol.check_limits(
         req, prompt_len=len(prompt), max_model_len=engine.max_model_len,
         max_seqs=engine.config.max_batch, default_max_tokens=default_max_tokens,
-        max_logprobs=engine.max_logprobs)
+        max_logprobs=engine.max_logprobs, max_logit_bias=engine.config.max_logit_bias,
+        vocab_size=engine.model_config.vocab_size)
     seed = req.seed if req.seed is not None else random.randint(
         0, INT32_MAX - req.num_seqs + 1)
     try:
@@ -443,6 +444,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="most top log-probs a request may ask for (completions' "
                    "logprobs, chat's top_logprobs); the device step computes this "
                    "many per sampled row (EngineConfig.max_logprobs)")
+  srv.add_argument("--max-logit-bias", type=_cli.int_in(0, protocol.MAX_LOGIT_BIAS),
+                   default=protocol.MAX_LOGIT_BIAS,
+                   help="most logit_bias entries a request may give; every step "
+                   "sends 8 bytes per entry and sampled row (EngineConfig."
+                   "max_logit_bias); 0 turns logit_bias off")
   srv.add_argument("--no-warmup", action="store_true",
                    help="compile step shapes on first use, not at start")
   args = p.parse_args(argv)
@@ -466,7 +472,7 @@ def build(args):
       bucket_midpoints=not args.no_bucket_midpoints,
       cache_dtype=args.kv_cache_dtype, async_scheduling=args.async_scheduling,
       enable_prefix_caching=args.enable_prefix_caching,
-      max_logprobs=args.max_logprobs)
+      max_logprobs=args.max_logprobs, max_logit_bias=args.max_logit_bias)
   engine = Engine(model, config, mesh=mesh)
   if not args.no_warmup:
     engine.warmup()

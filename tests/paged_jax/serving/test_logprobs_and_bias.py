@@ -32,7 +32,8 @@ def oracle(model):
 def engine(model):
   """One trace-counted engine for the module: every compiled shape traces once."""
   chex.clear_trace_counter()
-  e = Engine(model, EngineConfig(num_blocks=64, check_traces=True, **SIZES))
+  e = Engine(model, EngineConfig(num_blocks=64, check_traces=True, max_logit_bias=8,
+                                 **SIZES))
   e.warmup()
   return e
 
@@ -82,3 +83,54 @@ def test_top_logprobs_stream_in_deltas(engine):
   deltas = [d for d in e.take_deltas() if d.index == 0]
   e.stream_deltas(False)
   assert [len(d.top_logprobs[0]) for d in deltas] == [2, 2, 2]
+
+
+def _greedy(engine, prompts, **params):
+  reqs = [Request(rid, p, SamplingParams(max_new_tokens=5, **params.get(rid, {})))
+          for rid, p in prompts.items()]
+  return {rid: o.completions[0] for rid, o in serve(engine, reqs).items()}
+
+
+def test_logit_bias_forces_and_bans_and_leaves_neighbours_alone(engine):
+  prompts = {"up": [5, 6, 7, 8], "plain": [9, 10, 11], "down": [12, 13, 14, 15, 16]}
+  base = _greedy(engine, prompts)
+  forced = next(t for t in range(300, 512) if t not in base["up"].token_ids)
+  banned = sorted(set(base["down"].token_ids))
+  compiles = compiler.compiled_count()
+  got = _greedy(engine, prompts, up=dict(logit_bias={forced: 100.0}, logprobs=2),
+                down=dict(logit_bias={t: -100 for t in banned}))
+  assert compiler.compiled_count() == compiles  # (and chex: no step traced again)
+  assert got["up"].token_ids == [forced] * 5
+  # The log-probs are of the biased distribution the sampler drew from.
+  assert all(top[0][0] == forced and top[0][1] > -1e-3 for top in got["up"].top_logprobs)
+  assert not set(got["down"].token_ids) & set(banned)
+  assert got["down"].token_ids != base["down"].token_ids
+  assert got["plain"].token_ids == base["plain"].token_ids  # the unbiased neighbour
+  np.testing.assert_allclose(got["plain"].token_logprobs, base["plain"].token_logprobs,
+                             atol=1e-5)
+
+
+def test_logit_bias_the_engine_cannot_hold_is_rejected(engine, model):
+  for bias, why in (({t: 1.0 for t in range(9)}, "logit_bias has 9 entries, the engine's "
+                     "max_logit_bias is 8"),
+                    ({512: 1.0}, r"logit_bias token id 512 is outside the vocabulary")):
+    out = engine.add_request(Request("x", [1, 2], SamplingParams(logit_bias=bias)))
+    assert out is not None and why in out.rejected, out
+  off = Engine(model, EngineConfig(num_blocks=64, **SIZES))  # max_logit_bias 0
+  out = off.add_request(Request("y", [1, 2], SamplingParams(logit_bias={3: 1.0})))
+  assert "max_logit_bias is 0" in out.rejected
+  pool = off._pools[0]  # pylint: disable=protected-access
+  x, _ = pool._build([], off.buckets[0])  # pylint: disable=protected-access
+  assert x.bias_ids.shape == (off.buckets[0].num_seqs, 0) == x.bias_values.shape
+
+
+def test_engines_of_other_bias_widths_do_not_share_steps(model):
+  """Equal sizes share compiled steps (`compiler.py`), but `max_logit_bias`
+  is the width of two step inputs: a regression test for sharing them."""
+  req = lambda bias: Request("r", [3, 4, 5], SamplingParams(max_new_tokens=2,  # noqa: E731
+                                                           logit_bias=bias))
+  off = Engine(model, EngineConfig(num_blocks=64, **SIZES))
+  on = Engine(model, EngineConfig(num_blocks=64, max_logit_bias=2, **SIZES))
+  plain = serve(off, [req({})])["r"].completions[0].token_ids
+  forced = serve(on, [req({400: 100.0})])["r"].completions[0].token_ids
+  assert forced == [400, 400] and plain != forced
