@@ -134,3 +134,19 @@ def test_engines_of_other_bias_widths_do_not_share_steps(model):
   plain = serve(off, [req({})])["r"].completions[0].token_ids
   forced = serve(on, [req({400: 100.0})])["r"].completions[0].token_ids
   assert forced == [400, 400] and plain != forced
+
+
+def test_top_logprobs_are_fetched_only_for_steps_that_asked(engine, monkeypatch):
+  runner = engine._runner  # pylint: disable=protected-access
+  real, asked = runner.fetch, []
+
+  def fetch(out, num_pools, *, top=True):
+    asked.append(top)
+    return real(out, num_pools, top=top)
+
+  monkeypatch.setattr(runner, "fetch", fetch)
+  serve(engine, [Request("p", [3, 4], SamplingParams(max_new_tokens=3, logprobs=0))])
+  assert asked and not any(asked)
+  asked.clear()
+  serve(engine, [Request("q", [3, 4], SamplingParams(max_new_tokens=3, logprobs=1))])
+  assert asked.count(True) == 3  # its three sampling steps (not e.g. a release-only one)
