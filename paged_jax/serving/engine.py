@@ -93,6 +93,7 @@ class InFlight(NamedTuple):
   out: StepOutputs  # on the device
   pending: list[Pending]  # each pool's
   has_beam: bool  # beam rows: their groups wait for the results
+  wants_top: bool  # beam rows, or rows that asked for top log-probs
   bucket: Bucket
 
 
@@ -109,6 +110,21 @@ class EngineConfig:
     max_model_len: longest prompt + output; default the model's
       `max_position_embeddings` capped at the pool size.
     max_beam_width: largest beam width served (fixes the log-prob rows).
+    max_logprobs: most top log-probs a request may ask for
+      (`SamplingParams.logprobs`, vLLM's name). Static: the device step
+      computes `max(max_logprobs, 2 * max_beam_width)` (at most the vocab)
+      top log-probs per sample row, and the host fetches them only for the
+      steps where some row asked. Default 8, what the step computed before;
+      `lax.top_k` of 20 rather than 8 costs little next to the sampler's
+      pass over the vocab, so the server raises it to its `--max-logprobs`.
+    max_logit_bias: most `SamplingParams.logit_bias` entries a request may
+      give. Static: every step carries `i32` ids and `f32` biases of this
+      width per sample row (8 bytes per entry and row, sent every step,
+      added to the logits by one scatter-add). Default 0, the feature off:
+      zero-sized arrays, nothing sent or run, so an engine that does not
+      serve it pays nothing; a request with a bias is then rejected. The
+      OpenAI server sets it from `--max-logit-bias` (default 300, OpenAI's
+      bound).
     static_batching: admit only when nothing runs (the contiguous baseline).
     cache_dtype: KV dtype name as `kv_cache.cache_dtype` ("auto",
       "float32", "bfloat16", "float16", "int8", "fp8"); None: the model's.
@@ -154,6 +170,8 @@ class EngineConfig:
   max_tokens_per_step: int = 128
   max_model_len: int | None = None
   max_beam_width: int = 1
+  max_logprobs: int = 8
+  max_logit_bias: int = 0
   static_batching: bool = False
   cache_dtype: str | None = None
   min_bucket: int = 1
@@ -169,9 +187,10 @@ class EngineConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    value = self.admission_headroom_steps
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-      raise ValueError(f"admission_headroom_steps must be an int >= 0, got {value!r}")
+    for name in ("admission_headroom_steps", "max_logprobs", "max_logit_bias"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     for name in ("static_batching", "check_traces", "async_scheduling",
                  "enable_prefix_caching", "bucket_midpoints"):
       if not isinstance(getattr(self, name), bool):
@@ -227,10 +246,13 @@ class Engine:
                                           config.num_blocks * bs)
     self.max_model_len = max_len
     self.max_seqs = 2 * config.max_batch
-    # Top log-probs returned per sample row: 2 * beam width candidates, at
-    # least 8 so that beam widths up to 4 share one compiled step.
-    self.num_logprobs = min(max(8, 2 * config.max_beam_width),
-                            model.config.vocab_size)
+    # Top log-probs computed per sample row: 2 * beam width candidates, and
+    # at least the `max_logprobs` requests may ask for (8 by default, so
+    # that beam widths up to 4 share one compiled step).
+    self.num_logprobs = max(1, min(max(config.max_logprobs, 2 * config.max_beam_width),
+                                   model.config.vocab_size))
+    # The most a request may ask for (`SamplingParams.logprobs`).
+    self.max_logprobs = min(config.max_logprobs, model.config.vocab_size)
     self.stats = EngineStats()
     self.buckets = config.buckets
     data = 1 if mesh is None else mesh.shape[sharding.DATA]
@@ -374,7 +396,8 @@ class Engine:
       p.end_step()
     previous, self._pending = self._pending, InFlight(
         out, [pending for _, pending in built],
-        any(pending.beam for _, pending in built), bucket)
+        any(pending.beam for _, pending in built),
+        any(pending.beam or pending.top for _, pending in built), bucket)
     if previous is not None:
       waited += self._resolve(previous)
     if not self.config.async_scheduling or self._pending.has_beam:
@@ -411,7 +434,7 @@ class Engine:
     """Waits for a dispatched step's results and applies them; returns the
     seconds spent waiting."""
     t = time.perf_counter()
-    outs = self._runner.fetch(flight.out, len(self._pools), top=flight.has_beam)
+    outs = self._runner.fetch(flight.out, len(self._pools), top=flight.wants_top)
     now = time.perf_counter()
     for p, rec, o in zip(self._pools, flight.pending, outs):
       p.resolve(rec, o, now)

@@ -135,6 +135,9 @@ class InputPacking:
     seeds = np.zeros(S, np.int32)
     positions = np.zeros(S, np.int32)
     banned = np.full((S, sampling_lib.MAX_BANNED), -1, np.int32)
+    nb = self._slot_bias_ids.shape[1]
+    bias_ids = np.full((S, nb), -1, np.int32)
+    bias_values = np.zeros((S, nb), np.float32)
     if k:
       sl = np.asarray(slots, np.int32)
       sample_rows[:k] = [r for r, _, _ in samples]
@@ -148,8 +151,12 @@ class InputPacking:
       masked = positions[:k] < self._slot_ban_until[sl]
       if masked.any():
         banned[:k][masked] = self._slot_banned[sl[masked]]
+      if nb:
+        bias_ids[:k] = self._slot_bias_ids[sl]
+        bias_values[:k] = self._slot_bias_values[sl]
     x = StepInputs(**book._asdict(), tokens=tokens, token_slots=token_slots,
                    sample_slots=np.full(S, -1, np.int32), sample_rows=sample_rows,
                    temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds,
-                   positions=positions, banned=banned)
+                   positions=positions, banned=banned, bias_ids=bias_ids,
+                   bias_values=bias_values)
     return x, samples

@@ -55,6 +55,10 @@ class Completion:
     logprob: summed log-probability (beam search only).
     token_logprobs: log-probability of each generated token under the model
       (before temperature; not for beam search); left out of `==`.
+    top_logprobs: with `SamplingParams.logprobs = N`, per generated token
+      its N most likely alternatives as `(token id, log-prob)`, best first
+      (the same distribution as `token_logprobs`); None otherwise; left out
+      of `==`.
   """
 
   token_ids: list[int]
@@ -62,6 +66,8 @@ class Completion:
   logprob: float | None = None
   # Not compared: float noise varies with the batch a token was sampled in.
   token_logprobs: list[float] | None = dataclasses.field(default=None, compare=False)
+  top_logprobs: list[list[tuple[int, float]]] | None = dataclasses.field(
+      default=None, compare=False)
 
 
 @dataclasses.dataclass
@@ -127,6 +133,8 @@ class RequestDelta:
     finish_reason: "stop" or "length" on a sequence's last delta, else None.
     output: the final `RequestOutput`, on the request's last delta only.
     logprobs: the log-probability of each of `token_ids` (not beam search).
+    top_logprobs: with `SamplingParams.logprobs = N`, each of `token_ids`'
+      N most likely alternatives, `(token id, log-prob)` best first.
   """
 
   request_id: Hashable
@@ -135,6 +143,7 @@ class RequestDelta:
   finish_reason: str | None = None
   output: RequestOutput | None = None
   logprobs: list[float] | None = None
+  top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Group:
@@ -178,7 +187,7 @@ class Seq:
 
   __slots__ = ("group", "index", "tokens", "num_cached", "slot", "fork_from",
                "logprob", "last_token_time", "final", "done", "token_logprobs",
-               "hashes", "num_registered")
+               "hashes", "num_registered", "top_logprobs")
 
   def __init__(self, group: Group, index: int, tokens: list[int]):
     self.group = group
@@ -194,6 +203,9 @@ class Seq:
     self.final = False  # its last token in flight reaches max_new_tokens
     self.done = False  # finished: its completion is recorded
     self.token_logprobs: list[float] = []  # per generated token (not beam)
+    # Per generated token, its top alternatives (`SamplingParams.logprobs`).
+    self.top_logprobs: list[list[tuple[int, float]]] | None = (
+        [] if group.params.logprobs else None)
     # Prefix caching: chained hashes of its full blocks of known tokens (by
     # content, so they survive preemption), and how many of its current
     # slot's blocks are registered (or known to be held under their hash).

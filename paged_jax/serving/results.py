@@ -31,6 +31,8 @@ class Pending:
     num_forks: rows of `fork_ok` that were real forks.
     fingerprint: u32[5], the host model's `HostPool.fingerprint()` after
       this step's bookkeeping (the device's must equal it).
+    top: whether a row asked for top log-probs (`SamplingParams.logprobs`):
+      only then, or for beam rows, does the host fetch them.
   """
 
   records: list
@@ -38,6 +40,7 @@ class Pending:
   num_entries: int
   num_forks: int
   fingerprint: np.ndarray
+  top: bool = False
 
   def live(self) -> bool:
     """Whether applying the results still changes a request (a token of an
@@ -101,7 +104,8 @@ class Results:
       x.sample_slots[np.array([r for r, _, _ in records])] = target_slots
     for t in finals:  # after every child exists (a parent may retire late)
       self._retire(t)
-    return Pending(records, beam, len(plan), len(forks), self._fingerprint)
+    top = any(t.group.params.logprobs for _, t, _ in records)
+    return Pending(records, beam, len(plan), len(forks), self._fingerprint, top)
 
   def resolve(self, pending: "Pending", out: StepOutputs, now: float):
     """Applies a step's results: the pending tokens' values, EOS, streaming
@@ -121,6 +125,9 @@ class Results:
           "block states diverged (engine bug)")
     tokens = out.tokens.tolist()
     logprobs = out.token_logprobs.tolist()
+    top_lp = top_ids = None
+    if pending.top:  # fetched for this step (`InFlight.wants_top`)
+      top_lp, top_ids = out.top_logprobs.tolist(), out.top_ids.tolist()
     deltas = self._deltas if self.collect_deltas else None
     itls = []
     for r, t, idx in pending.records:
@@ -129,6 +136,11 @@ class Results:
       tok = tokens[r]
       t.tokens[idx] = tok
       t.token_logprobs.append(logprobs[r])
+      top = None
+      if t.top_logprobs is not None:
+        k = t.group.params.logprobs
+        top = list(zip(top_ids[r][:k], top_lp[r][:k]))
+        t.top_logprobs.append(top)
       g = t.group
       if g.output.first_token_step is None:
         self._first_token(g)
@@ -143,7 +155,8 @@ class Results:
         reason = "length"
       if deltas is not None:
         deltas.append(RequestDelta(g.request.request_id, t.index, [tok], reason,
-                                   logprobs=[logprobs[r]]))
+                                   logprobs=[logprobs[r]],
+                                   top_logprobs=None if top is None else [top]))
       if reason is not None:
         del t.tokens[idx + 1:]  # a token sampled after the EOS is void
         self._finish_seq(t, reason)
@@ -172,7 +185,8 @@ class Results:
       seq.tokens.pop()
     seq.done = True
     g.done[seq.index] = Completion(list(seq.generated), reason,
-                                   token_logprobs=list(seq.token_logprobs))
+                                   token_logprobs=list(seq.token_logprobs),
+                                   top_logprobs=_copy(seq.top_logprobs))
     self._retire(seq)
     if len(g.done) == g.params.n:
       self._finish_group(g)
@@ -221,7 +235,8 @@ class Results:
       seq.done = True  # results still in flight for it are ignored
       if not g.is_beam and seq.index not in g.done:
         g.done[seq.index] = Completion(list(seq.generated), "abort",
-                                       token_logprobs=list(seq.token_logprobs))
+                                       token_logprobs=list(seq.token_logprobs),
+                                       top_logprobs=_copy(seq.top_logprobs))
     g.live = []
     g.aborted = True
     out = g.output
@@ -332,3 +347,7 @@ class Results:
     if seq in seq.group.live:
       seq.group.live.remove(seq)
     self._release(seq)
+
+
+def _copy(top):
+  return None if top is None else list(top)

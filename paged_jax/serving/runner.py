@@ -85,8 +85,10 @@ class Runner:
       self._jit = jax.jit(functools.partial(mesh_device_step, mesh=mesh),
                           static_argnums=(0,), donate_argnums=_DONATE,
                           static_argnames=_STATIC)
-    # What fixes the executables besides the bucket (`compiler.signature`).
-    self._key = (self._model_def, mesh, num_logprobs, config.check_traces
+    # What fixes the executables besides the bucket (`compiler.signature`;
+    # `max_logit_bias` is the width of two step inputs).
+    self._key = (self._model_def, mesh, num_logprobs, config.max_logit_bias,
+                 config.check_traces
                  and id(self), compiler.signature(self._params, self.cache,
                                                   self.state, self.last_tokens))
     self._steps: dict[Bucket, jax.stages.Compiled] = {}
@@ -171,8 +173,9 @@ class Runner:
   def fetch(self, out: StepOutputs, num_pools: int, *, top: bool = True
             ) -> list[StepOutputs]:
     """Waits for a dispatched step's outputs; returns each pool's, on the
-    host. `top`: also the top log-probs and their ids (beam search needs
-    them; otherwise they stay on the device, `None` here)."""
+    host. `top`: also the top log-probs and their ids (beam search and
+    requests with `SamplingParams.logprobs` need them; otherwise they stay
+    on the device, `None` here)."""
     if not top:
       out = out.replace(top_logprobs=None, top_ids=None)
     if not all(a.is_fully_addressable for a in jax.tree.leaves(out)):

@@ -45,6 +45,20 @@ class SamplingParams:
       (`paged_jax.serving.text`); the engine itself ignores them. One str is
       one stop string.
     ignore_eos: no EOS token ends a sequence (`stop_token_ids` still do).
+    logprobs: None, or the number of most likely alternatives returned with
+      each generated token besides the sampled one (vLLM's meaning; 0: the
+      sampled token's log-probability only, which every token has anyway).
+      At most the engine's `EngineConfig.max_logprobs` (a rejection past
+      it); not with beam search. The log-probabilities are those of the
+      distribution the sampler starts from: the model's logits after
+      `logit_bias` and the `min_tokens` mask, before temperature, top-k and
+      top-p (see `token_logprobs`).
+    logit_bias: added to the model's logits before sampling (greedy too), a
+      mapping (or pairs) from token id to a bias in [-100, 100] (OpenAI's
+      range: -100 in effect bans a token, +100 all but forces it). Stored as
+      `(id, bias)` pairs sorted by id. At most the engine's
+      `EngineConfig.max_logit_bias` entries, ids inside its vocabulary (the
+      engine rejects the request otherwise).
 
   Every field is checked here against what the engine can hold (ids, counts
   and seeds are int32 on the device), so a request built from any input
@@ -69,6 +83,8 @@ class SamplingParams:
   min_tokens: int = 0
   stop: tuple[str, ...] = ()
   ignore_eos: bool = False
+  logprobs: int | None = None
+  logit_bias: tuple[tuple[int, float], ...] = ()
 
   def __post_init__(self):
     # Every value is checked against what the engine holds: int32 ids,
@@ -113,6 +129,12 @@ class SamplingParams:
     if self.ignore_eos and self.eos_token_ids:
       raise ValueError(f"give eos_token_ids or ignore_eos, not both (got "
                        f"eos_token_ids={self.eos_token_ids})")
+    if self.logprobs is not None:
+      self._set("logprobs", _int("logprobs", self.logprobs, 0, INT32_MAX))
+      if self.beam_width > 1:
+        raise ValueError(f"logprobs is not served with beam search (got "
+                         f"beam_width={self.beam_width})")
+    self._set("logit_bias", _bias(self.logit_bias))
     if self.n > 1 and self.beam_width > 1:
       raise ValueError(f"use n or beam_width, not both (got n={self.n}, "
                        f"beam_width={self.beam_width})")
@@ -168,6 +190,44 @@ def _ids(name: str, value) -> tuple[int, ...]:
   return tuple(int(t) for t in value)
 
 
+MAX_BIAS = 100.0  # |logit_bias| (OpenAI's range)
+
+
+def _bias(value) -> tuple[tuple[int, float], ...]:
+  """`logit_bias` as `(id, bias)` pairs sorted by id: int32 ids >= 0, each
+  once, biases finite reals in [-MAX_BIAS, MAX_BIAS]."""
+  if isinstance(value, dict):
+    pairs = list(value.items())
+  elif isinstance(value, (tuple, list)) and all(
+      isinstance(p, (tuple, list)) and len(p) == 2 for p in value):
+    pairs = [tuple(p) for p in value]
+  else:
+    raise ValueError(f"logit_bias must map token ids to biases, got {_show(value)}")
+  for t, b in pairs:
+    if isinstance(t, bool) or not isinstance(t, (int, np.integer)) \
+        or not 0 <= t <= INT32_MAX:
+      raise ValueError(f"logit_bias keys must be int32 token ids >= 0, got {_show(t)}")
+    if isinstance(b, bool) or not isinstance(b, (int, float, np.integer, np.floating)) \
+        or not -MAX_BIAS <= b <= MAX_BIAS:  # (NaN fails both comparisons)
+      raise ValueError(f"logit_bias values must be finite numbers in "
+                       f"[-{MAX_BIAS:g}, {MAX_BIAS:g}], got {_show(b)} for token {t}")
+  ids = [int(t) for t, _ in pairs]
+  if len(set(ids)) != len(ids):
+    raise ValueError("logit_bias names a token id twice")
+  return tuple(sorted((int(t), float(b)) for t, b in pairs))
+
+
+def add_bias(logits: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
+  """`logits` (f32[rows, vocab]) plus each row's `values` (f32[rows, B]) at
+  its `ids` (i32[rows, B], -1 = none): one scatter-add. `B == 0` (the
+  feature off): `logits` unchanged, nothing runs."""
+  if ids.shape[-1] == 0:
+    return logits
+  rows, vocab = logits.shape
+  ids = jnp.where(ids >= 0, ids, vocab)  # out of range: dropped
+  return logits.at[jnp.arange(rows)[:, None], ids].add(values, mode="drop")
+
+
 # Token ids one sample row may mask (min_tokens: the EOS and stop tokens).
 MAX_BANNED = 8
 
@@ -182,7 +242,8 @@ def ban_tokens(logits: jax.Array, banned: jax.Array) -> jax.Array:
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   """f32[rows]: log-probability of `tokens` (i32[rows]) under `logits`
-  (f32[rows, vocab], before temperature)."""
+  (f32[rows, vocab]: the engine passes the logits after the bans and biases,
+  before temperature, top-k and top-p; `top_logprobs` reads the same)."""
   lse = jax.nn.logsumexp(logits, axis=-1)
   return jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
 

@@ -114,6 +114,9 @@ class Scheduler(InputPacking, PrefixCaching, Results):
     self._slot_seed = np.zeros(ms, np.int32)
     self._slot_ban_until = np.zeros(ms, np.int32)  # EOS masked below this position
     self._slot_banned = np.full((ms, sampling_lib.MAX_BANNED), -1, np.int32)
+    nb = config.max_logit_bias  # logit_bias entries per slot (0: none)
+    self._slot_bias_ids = np.full((ms, nb), -1, np.int32)
+    self._slot_bias_values = np.zeros((ms, nb), np.float32)
     self._fork_pending = False  # a child may wait to fork (see `_forks`)
 
   # ----------------------------------------------------------------- requests
@@ -161,6 +164,15 @@ class Scheduler(InputPacking, PrefixCaching, Results):
       return f"needs {p.num_seqs} sequences at once, max_batch is {c.max_batch}"
     if p.beam_width > c.max_beam_width:
       return f"beam_width={p.beam_width} exceeds the engine's max_beam_width={c.max_beam_width}"
+    max_lp = min(c.max_logprobs, vocab)
+    if p.logprobs is not None and p.logprobs > max_lp:
+      return (f"logprobs={p.logprobs} exceeds the engine's max_logprobs={max_lp}")
+    if len(p.logit_bias) > c.max_logit_bias:
+      return (f"logit_bias has {len(p.logit_bias)} entries, the engine's "
+              f"max_logit_bias is {c.max_logit_bias}")
+    if p.logit_bias and p.logit_bias[-1][0] >= vocab:  # (sorted by id)
+      return (f"logit_bias token id {p.logit_bias[-1][0]} is outside the "
+              f"vocabulary [0, {vocab})")
     stops = p.stop_ids(self.model_config.eos_token_ids)
     if p.min_tokens and len(stops) > sampling_lib.MAX_BANNED:
       return (f"min_tokens needs at most {sampling_lib.MAX_BANNED} EOS and stop "
@@ -239,6 +251,13 @@ class Scheduler(InputPacking, PrefixCaching, Results):
     if p.min_tokens:
       ban = sorted(g.eos)
       self._slot_banned[slot, :len(ban)] = ban
+    if self._slot_bias_ids.shape[1]:
+      self._slot_bias_ids[slot] = -1
+      self._slot_bias_values[slot] = 0.0
+      if p.logit_bias:
+        nb = len(p.logit_bias)
+        self._slot_bias_ids[slot, :nb] = [t for t, _ in p.logit_bias]
+        self._slot_bias_values[slot, :nb] = [b for _, b in p.logit_bias]
 
   def _release(self, seq: Seq, late: bool = False):
     """Queues `seq`'s slot for release by the next step's bookkeeping (after

@@ -9,8 +9,8 @@ order is
   hits) -> reserve (this step's tokens) -> copy-on-write ->
   the input tokens (the host's, or the last token sampled for a slot) ->
   `step_metadata` (once for every layer) -> `model.paged_forward` -> logits of
-  the rows to sample -> sampling and top log-probs -> the sampled tokens
-  stored per slot.
+  the rows to sample -> `logit_bias`, bans -> sampling and top log-probs ->
+  the sampled tokens stored per slot.
 
 Storing the sampled tokens on the device is what makes the engine's steps
 asynchronous: the host builds and dispatches step N+1 before step N's tokens
@@ -101,6 +101,8 @@ class StepInputs:
   seeds: jax.Array  # i32[num_seqs]
   positions: jax.Array  # i32[num_seqs]  position of the token being sampled
   banned: jax.Array  # i32[num_seqs, sampling.MAX_BANNED]  masked ids, -1 = none
+  bias_ids: jax.Array  # i32[num_seqs, max_logit_bias]  logit_bias ids, -1 = none
+  bias_values: jax.Array  # f32[num_seqs, max_logit_bias]  their biases
 
 
 @flax.struct.dataclass
@@ -327,7 +329,9 @@ def _bookkeeping(state: bm.BlockState, x: StepInputs):
 
 def _sample(logits, x: StepInputs, num_logprobs: int):
   """Sampled tokens, top log-probs and the sampled tokens' log-probs of the
-  sample rows' logits (banned ids masked first)."""
+  sample rows' logits, after `logit_bias` and then the bans (so a banned id
+  stays banned whatever its bias); the log-probs are of these logits."""
+  logits = sampling.add_bias(logits, x.bias_ids, x.bias_values)
   logits = sampling.ban_tokens(logits, x.banned)
   tokens = sampling.sample_tokens(logits, x.temperature, x.top_k, x.top_p,
                                   x.seeds, x.positions)

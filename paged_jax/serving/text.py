@@ -40,6 +40,7 @@ class TextCompletion:
   token_ids: list[int]
   logprobs: list[float] | None
   finish_reason: str | None
+  top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclasses.dataclass
@@ -51,6 +52,8 @@ class TextDelta:
     text: the new text (may be empty while characters or a possible stop
       string are held back).
     token_ids, logprobs: the new tokens and their log-probabilities.
+    top_logprobs: each new token's top alternatives `(token id, log-prob)`
+      when the request asked for them (`SamplingParams.logprobs`).
     finish_reason: "stop", "length" or "abort" on a sequence's last delta.
     output: the `RequestOutput` (completions' token ids) on the last delta;
       `completions` then holds each sequence's `TextCompletion`.
@@ -67,6 +70,7 @@ class TextDelta:
   output: RequestOutput | None = None
   completions: list[TextCompletion] | None = None
   error: str | None = None
+  top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class _SeqText:
@@ -77,6 +81,7 @@ class _SeqText:
     self.searched = 0
     self.token_ids: list[int] = []
     self.logprobs: list[float] = []
+    self.top_logprobs: list | None = None
     self.finish_reason: str | None = None
 
 
@@ -174,19 +179,22 @@ class TextEngine:
       s.logprobs = None
       return TextDelta(d.request_id, d.index, s.text, list(d.token_ids),
                        None, d.finish_reason)
-    return self._tokens(r, d.index, d.token_ids, d.logprobs, d.finish_reason)
+    return self._tokens(r, d.index, d.token_ids, d.logprobs, d.finish_reason,
+                        d.top_logprobs)
 
   def _seq(self, r: _Req, index: int) -> _SeqText:
     if index not in r.seqs:
       r.seqs[index] = _SeqText(self.tokenizer.stream_decoder())
     return r.seqs[index]
 
-  def _tokens(self, r: _Req, index, token_ids, logprobs, finish_reason):
+  def _tokens(self, r: _Req, index, token_ids, logprobs, finish_reason, top=None):
     s = self._seq(r, index)
     if s.finish_reason is not None:  # stopped by a stop string: drop the rest
       return None
     s.token_ids += token_ids
     s.logprobs += logprobs or []
+    if top is not None:
+      s.top_logprobs = (s.top_logprobs or []) + list(top)
     ids = list(token_ids)
     if finish_reason == "stop" and ids and ids[-1] in r.stop_ids:
       ids = ids[:-1]
@@ -206,7 +214,8 @@ class TextEngine:
     upto = len(s.text) if finish_reason else max(s.emitted, len(s.text) - r.hold)
     text, s.emitted = s.text[s.emitted:upto], upto
     return TextDelta(r.request.request_id, index, text, list(token_ids),
-                     list(logprobs) if logprobs is not None else None, finish_reason)
+                     list(logprobs) if logprobs is not None else None, finish_reason,
+                     top_logprobs=None if top is None else list(top))
 
   def _final(self, r: _Req, output: RequestOutput) -> TextDelta:
     comps = []
@@ -218,6 +227,7 @@ class TextEngine:
         s.text += s.decoder.flush()
         s.finish_reason = c.finish_reason
       comps.append(TextCompletion(s.text, list(c.token_ids), s.logprobs or
-                                  c.token_logprobs, s.finish_reason))
+                                  c.token_logprobs, s.finish_reason,
+                                  s.top_logprobs or c.top_logprobs))
     del self._reqs[output.request_id]
     return TextDelta(output.request_id, -1, output=output, completions=comps)

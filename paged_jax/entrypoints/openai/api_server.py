@@ -185,7 +185,9 @@ def make_app(loop: EngineLoop, tokenizer: Tokenizer, *, model_name: str,
       text, prompt = None, list(req.prompt)
     max_tokens = protocol.check_limits(
         req, prompt_len=len(prompt), max_model_len=engine.max_model_len,
-        max_seqs=engine.config.max_batch, default_max_tokens=default_max_tokens)
+        max_seqs=engine.config.max_batch, default_max_tokens=default_max_tokens,
+        max_logprobs=engine.max_logprobs, max_logit_bias=engine.config.max_logit_bias,
+        vocab_size=engine.model_config.vocab_size)
     seed = req.seed if req.seed is not None else random.randint(
         0, INT32_MAX - req.num_seqs + 1)
     try:
@@ -285,7 +287,9 @@ async def _sse(reply: "_Reply", first: TextDelta, events, http, loop: EngineLoop
       if d.output is not None:
         done = True
         break
-      if d.text or d.finish_reason:
+      # A delta without text (held back, or tokens that decode to nothing)
+      # still carries its tokens' log-probs when they were asked for.
+      if d.text or d.finish_reason or (reply.logprobs and d.token_ids):
         yield reply.chunk(d)
       d = await _next(events, http, loop, rid)
     if done:
@@ -336,21 +340,36 @@ class _Reply:
     return {"prompt_tokens": len(self.prompt), "completion_tokens": generated,
             "total_tokens": len(self.prompt) + generated}
 
-  def _lp(self, index, token_ids, logprobs, start: int = 0):
+  def _lp(self, index, token_ids, logprobs, start: int = 0, top=None):
+    """OpenAI's `logprobs` object of these tokens: chat's `content` list, or
+    the completions' legacy `tokens` / `token_logprobs` / `top_logprobs` /
+    `text_offset`. `top`: per token its `(id, log-prob)` alternatives (the
+    request's `top_logprobs` / `logprobs` N, best first); the legacy
+    `top_logprobs` dict also holds the sampled token, as OpenAI's does
+    (keyed by text, so tokens of equal text collide; the sampled one wins)."""
     if not self.logprobs or logprobs is None:
       return None
-    tokens = [self.tokenizer.decode([t]) for t in token_ids]
+    decode = lambda t: self.tokenizer.decode([t])  # pylint: disable=unnecessary-lambda-assignment
+    tokens = [decode(t) for t in token_ids]
+    top = top if top is not None else [[] for _ in token_ids]
     if self.chat:
-      return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                           "top_logprobs": []} for t, lp in zip(tokens, logprobs)]}
+      def entry(text, lp):
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+      return {"content": [{**entry(t, lp),
+                           "top_logprobs": [entry(decode(i), v) for i, v in alts]}
+                          for t, lp, alts in zip(tokens, logprobs, top)]}
     offsets, at = [], self.offsets.get(index, start)
     for t in tokens:
       offsets.append(at)
       at += len(t)
     self.offsets[index] = at
+    tops = []
+    for t, lp, alts in zip(tokens, logprobs, top):
+      d = {decode(i): v for i, v in alts}
+      d[t] = lp  # texts may collide: the sampled token's entry is its own
+      tops.append(d)
     return {"tokens": tokens, "token_logprobs": list(logprobs),
-            "top_logprobs": [{t: lp} for t, lp in zip(tokens, logprobs)],
-            "text_offset": offsets}
+            "top_logprobs": tops, "text_offset": offsets}
 
   def opening(self) -> list[str]:
     """The first events of a stream: the chat role, the echoed prompt."""
@@ -367,7 +386,7 @@ class _Reply:
 
   def chunk(self, d: TextDelta) -> str:
     start = len(self.echo or "")
-    lp = self._lp(d.index, d.token_ids, d.logprobs, start)
+    lp = self._lp(d.index, d.token_ids, d.logprobs, start, d.top_logprobs)
     if self.chat:
       choice = {"index": d.index, "delta": {"content": d.text} if d.text else {},
                 "logprobs": lp, "finish_reason": d.finish_reason}
@@ -393,7 +412,7 @@ class _Reply:
     choices = []
     for i, c in enumerate(best):
       text = (self.echo or "") + c.text
-      lp = self._lp(i, c.token_ids, c.logprobs, len(self.echo or ""))
+      lp = self._lp(i, c.token_ids, c.logprobs, len(self.echo or ""), c.top_logprobs)
       if self.chat:
         choices.append({"index": i, "message": {"role": "assistant", "content": text},
                         "logprobs": lp, "finish_reason": c.finish_reason})
@@ -422,6 +441,15 @@ def parse_args(argv=None) -> argparse.Namespace:
   srv.add_argument("--max-body-bytes", type=_cli.int_in(1024, 2**31 - 1),
                    default=MAX_BODY_BYTES,
                    help="a request body past it gets 413 (and the connection closes)")
+  srv.add_argument("--max-logprobs", type=_cli.int_in(0, 2**16), default=20,
+                   help="most top log-probs a request may ask for (completions' "
+                   "logprobs, chat's top_logprobs); the device step computes this "
+                   "many per sampled row (EngineConfig.max_logprobs)")
+  srv.add_argument("--max-logit-bias", type=_cli.int_in(0, protocol.MAX_LOGIT_BIAS),
+                   default=protocol.MAX_LOGIT_BIAS,
+                   help="most logit_bias entries a request may give; every step "
+                   "sends 8 bytes per entry and sampled row (EngineConfig."
+                   "max_logit_bias); 0 turns logit_bias off")
   srv.add_argument("--no-warmup", action="store_true",
                    help="compile step shapes on first use, not at start")
   args = p.parse_args(argv)
@@ -446,7 +474,8 @@ def build(args):
       bucket_midpoints=not args.no_bucket_midpoints,
       cache_dtype=args.kv_cache_dtype, async_scheduling=args.async_scheduling,
       enable_prefix_caching=args.enable_prefix_caching,
-      admission_headroom_steps=args.admission_headroom_steps)
+      admission_headroom_steps=args.admission_headroom_steps,
+      max_logprobs=args.max_logprobs, max_logit_bias=args.max_logit_bias)
   engine = Engine(model, config, mesh=mesh)
   if not args.no_warmup:
     engine.warmup()

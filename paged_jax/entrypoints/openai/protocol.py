@@ -14,7 +14,11 @@ The rules, so that no value can harm the engine:
   2.0, not `true`, not "2"); a number field takes an integer or a finite float.
 - Integers are bounded to what the engine holds (int32: token ids, `top_k`,
   `seed + n - 1`, counts); `max_tokens`, `n` and `best_of` are >= 1.
-- A field the server knows but cannot honour (`logit_bias`, penalties,
+- `logit_bias` is OpenAI's: an object from token ids (strings of decimal
+  digits) to biases in [-100, 100], at most `MAX_LOGIT_BIAS` entries (and at
+  most the server's `--max-logit-bias`, ids inside its vocabulary:
+  `check_limits`).
+- A field the server knows but cannot honour (penalties,
   `suffix`, tools, ...) is refused by name when given a value other than its
   neutral one; a field it does not know is refused as unrecognized. Nothing
   is ignored silently (`user` is metadata and is accepted).
@@ -38,6 +42,7 @@ from paged_jax._int32 import INT32_MAX
 from paged_jax.serving.sampling import FLOAT32_MAX, SamplingParams
 
 MAX_STOP_STRINGS = 16  # stop strings per request (each one is searched per delta)
+MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's bound)
 MAX_SALT_CHARS = 1024  # the salt is hashed into every block's prefix hash
 
 
@@ -160,13 +165,39 @@ def _stop(value):
   return tuple(stops)
 
 
+_DIGITS = re.compile(r"[0-9]{1,10}")
+
+
+def _logit_bias(value) -> dict[int, float] | None:
+  """OpenAI's `logit_bias` as `{token id: bias}` (raises ValueError, worded
+  after the field's name)."""
+  if value is None:
+    return None
+  if not isinstance(value, dict):
+    raise ValueError(f"must be an object from token ids to biases, got {shown(value)}")
+  if len(value) > MAX_LOGIT_BIAS:
+    raise ValueError(f"must hold at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
+  out = {}
+  for key, bias in value.items():
+    if not _DIGITS.fullmatch(key) or int(key) > INT32_MAX:
+      raise ValueError(f"keys must be token ids (strings of decimal digits, < 2**31), "
+                       f"got {shown(key)}")
+    if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+        or not -100 <= bias <= 100:
+      raise ValueError(f"values must be numbers in [-100, 100], got {shown(bias)} "
+                       f"for token {key}")
+    if int(key) in out:  # "7" and "07"
+      raise ValueError(f"names token {int(key)} twice")
+    out[int(key)] = float(bias)
+  return out
+
+
 Int32 = Field(None, ge=0, le=INT32_MAX)
 TokenId = pydantic.conint(strict=True, ge=0, le=INT32_MAX)
 
 
 # Fields known and refused unless neutral: name -> (is it neutral?, why).
 _NEUTRAL = {
-    "logit_bias": (lambda v: not v, "logit_bias is not supported yet"),
     "presence_penalty": (lambda v: not v, "presence_penalty is not supported; give 0"),
     "frequency_penalty": (lambda v: not v, "frequency_penalty is not supported; give 0"),
     "repetition_penalty": (lambda v: v is None or v == 1,
@@ -201,8 +232,8 @@ class _SamplingRequest(_Strict):
   stream: bool | None = False
   stream_options: StreamOptions | None = None
   user: str | None = None  # metadata: accepted, unused
+  logit_bias: Any = None  # {token id: bias}, `_logit_bias`
   # Known, refused unless neutral (`_NEUTRAL`).
-  logit_bias: dict[str, float] | None = None
   presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
   frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
   repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)
@@ -213,6 +244,11 @@ class _SamplingRequest(_Strict):
   def _check_stop(cls, value):
     return _stop(value)
 
+  @field_validator("logit_bias", mode="before")
+  @classmethod
+  def _check_logit_bias(cls, value):
+    return _logit_bias(value)
+
   @property
   def num_seqs(self) -> int:
     """Sequences the engine runs for this request."""
@@ -221,6 +257,11 @@ class _SamplingRequest(_Strict):
   @property
   def requested_max_tokens(self) -> int | None:
     return self.max_tokens
+
+  @property
+  def num_logprobs(self) -> int | None:
+    """Top alternatives per token asked for (`SamplingParams.logprobs`)."""
+    return None
 
   def check(self) -> None:
     """Checks across fields and refusals by name (raises `RequestError`)."""
@@ -242,7 +283,8 @@ class _SamplingRequest(_Strict):
         top_p=1.0 if self.top_p is None else self.top_p,
         top_k=max(self.top_k or 0, 0), n=self.num_seqs, seed=seed,
         stop=self.stop or (), stop_token_ids=tuple(self.stop_token_ids or ()),
-        min_tokens=self.min_tokens or 0, ignore_eos=bool(self.ignore_eos))
+        min_tokens=self.min_tokens or 0, ignore_eos=bool(self.ignore_eos),
+        logprobs=self.num_logprobs, logit_bias=self.logit_bias or ())
 
 
 class CompletionRequest(_SamplingRequest):
@@ -263,12 +305,12 @@ class CompletionRequest(_SamplingRequest):
   def num_seqs(self) -> int:
     return max(self.n or 1, self.best_of or 1)
 
+  @property
+  def num_logprobs(self) -> int | None:
+    return self.logprobs
+
   def check(self) -> None:
     super().check()
-    if self.logprobs:
-      raise RequestError(f"logprobs {self.logprobs}: the most likely alternatives are "
-                         "not served yet; logprobs 0 gives each sampled token's "
-                         "log-probability", "logprobs", code="unsupported_parameter")
     if self.echo and self.logprobs is not None:
       raise RequestError("echo with logprobs needs the prompt's log-probabilities, "
                          "which are not served", "echo", code="unsupported_parameter")
@@ -284,7 +326,7 @@ class ChatCompletionRequest(_SamplingRequest):
   messages: list[ChatMessage] = Field(min_length=1)
   max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
   logprobs: bool | None = False
-  top_logprobs: int | None = Field(None, ge=0, le=20)
+  top_logprobs: int | None = Int32  # at most the server's --max-logprobs
   add_generation_prompt: bool | None = True  # vLLM
   tools: list | None = None
   tool_choice: Any = None
@@ -297,14 +339,14 @@ class ChatCompletionRequest(_SamplingRequest):
   def requested_max_tokens(self) -> int | None:
     return self.max_completion_tokens or self.max_tokens
 
+  @property
+  def num_logprobs(self) -> int | None:
+    return (self.top_logprobs or 0) if self.logprobs else None
+
   def check(self) -> None:
     super().check()
     if self.top_logprobs is not None and not self.logprobs:
       raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-    if self.top_logprobs:
-      raise RequestError(f"top_logprobs {self.top_logprobs}: the most likely "
-                         "alternatives are not served yet; give 0 or leave it out",
-                         "top_logprobs", code="unsupported_parameter")
     if (self.max_tokens is not None and self.max_completion_tokens is not None
         and self.max_tokens != self.max_completion_tokens):
       raise RequestError("max_tokens and max_completion_tokens disagree; give one",
@@ -434,13 +476,29 @@ def check_model(req: _SamplingRequest, model_name: str) -> None:
 
 
 def check_limits(req: _SamplingRequest, *, prompt_len: int, max_model_len: int,
-                 max_seqs: int, default_max_tokens: int) -> int:
+                 max_seqs: int, default_max_tokens: int,
+                 max_logprobs: int | None = None, max_logit_bias: int | None = None,
+                 vocab_size: int | None = None) -> int:
   """The server's limits; returns `max_tokens` (the request's, else the
   default cut to what the context leaves).
 
   Raises:
-    RequestError: 400 past the context or the batch.
+    RequestError: 400 past the context, the batch, `max_logprobs` (the
+      engine's `EngineConfig.max_logprobs`, the server's `--max-logprobs`),
+      `max_logit_bias` (likewise) or the vocabulary (`logit_bias` ids).
   """
+  bias = req.logit_bias or {}
+  if max_logit_bias is not None and len(bias) > max_logit_bias:
+    raise RequestError(f"logit_bias must hold at most {max_logit_bias} entries (this "
+                       f"server's --max-logit-bias), got {len(bias)}", "logit_bias")
+  if vocab_size is not None and bias and max(bias) >= vocab_size:
+    raise RequestError(f"logit_bias token id {max(bias)} is outside the vocabulary "
+                       f"[0, {vocab_size})", "logit_bias")
+  asked = req.num_logprobs
+  if max_logprobs is not None and asked is not None and asked > max_logprobs:
+    name = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
+    raise RequestError(f"{name} must be <= {max_logprobs} (this server's "
+                       f"--max-logprobs), got {asked}", name)
   where = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
   if prompt_len >= max_model_len:
     raise RequestError(f"This model's maximum context length is {max_model_len} "

@@ -49,6 +49,19 @@ DEEP = json.loads("[" * 500 + "]" * 500)
     (dict(stop=(1,)), "stop strings must be non-empty str, got \\(1,\\)"),
     (dict(ignore_eos=1), "ignore_eos must be a bool, got 1"),
     (dict(ignore_eos=True, eos_token_ids=(2,)), "give eos_token_ids or ignore_eos, not both"),
+    (dict(logit_bias={1: float("nan")}), r"logit_bias values must be finite numbers in "
+     r"\[-100, 100\], got nan for token 1"),
+    (dict(logit_bias={1: 1e9}), r"logit_bias values .* got 1000000000.0 for token 1"),
+    (dict(logit_bias={1: True}), r"logit_bias values .* got True"),
+    (dict(logit_bias={"1": 1.0}), "logit_bias keys must be int32 token ids >= 0, got '1'"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias keys must be int32 token ids >= 0, got -1"),
+    (dict(logit_bias={2**31: 1.0}), "logit_bias keys must be int32 token ids >= 0"),
+    (dict(logit_bias=[(1, 1.0), (1, 2.0)]), "logit_bias names a token id twice"),
+    (dict(logit_bias=5), "logit_bias must map token ids to biases, got 5"),
+    (dict(logprobs=-1), "logprobs must be >= 0, got -1"),
+    (dict(logprobs=2.0), "logprobs must be an int >= 0, got 2.0"),
+    (dict(logprobs=2, beam_width=2), r"logprobs is not served with beam search \(got "
+     r"beam_width=2\)"),
 ])
 def test_refuses_what_the_engine_cannot_hold(kw, match):
   with pytest.raises(ValueError, match=match):

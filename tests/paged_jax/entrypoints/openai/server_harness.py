@@ -20,7 +20,8 @@ from paged_jax.serving.tokenizer import ByteTokenizer
 NUM_BLOCKS = 32
 # Two compiled shapes only (decode 4 rows, mixed 16), as test_generate.SMALL.
 CONFIG = dict(num_blocks=NUM_BLOCKS, block_size=4, max_batch=4, max_tokens_per_step=16,
-              max_model_len=64, min_bucket=16, bucket_midpoints=False)
+              max_model_len=64, min_bucket=16, bucket_midpoints=False,
+              max_logit_bias=300)  # the server's default (OpenAI's bound)
 
 
 def free_port() -> int:
@@ -32,8 +33,9 @@ def free_port() -> int:
 class Server:
   """`api_server.make_app` over a warmed-up engine, served on 127.0.0.1."""
 
-  def __init__(self, model, max_waiting=64, tokenizer=None, max_body_bytes=2**16):
-    engine = Engine(model, EngineConfig(**CONFIG))
+  def __init__(self, model, max_waiting=64, tokenizer=None, max_body_bytes=2**16,
+               **config):
+    engine = Engine(model, EngineConfig(**{**CONFIG, **config}))
     engine.warmup()
     self.registry = prom.CollectorRegistry()
     tok = tokenizer or ByteTokenizer()

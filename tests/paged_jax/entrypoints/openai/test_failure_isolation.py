@@ -52,11 +52,11 @@ def _fail_decoding_after(server, monkeypatch, tokens: int):
   text = server.loop.text
   real = text._tokens  # pylint: disable=protected-access
 
-  def tokens_(r, index, token_ids, logprobs, finish_reason):
+  def tokens_(r, index, token_ids, logprobs, finish_reason, *rest):
     if _marked(server, r.request) and len(r.seqs.get(index).token_ids
                                           if index in r.seqs else []) >= tokens:
       raise Injected("injected into one request's decoding")
-    return real(r, index, token_ids, logprobs, finish_reason)
+    return real(r, index, token_ids, logprobs, finish_reason, *rest)
 
   monkeypatch.setattr(text, "_tokens", tokens_)
 

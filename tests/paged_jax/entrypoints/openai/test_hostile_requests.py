@@ -173,13 +173,45 @@ CASES = [
     ("best_of streamed", CMPL, dict(prompt="hi", best_of=2, stream=True), 400,
      "best_of > n cannot be streamed", "best_of"),
     ("logprobs 1000", CMPL, dict(prompt="hi", logprobs=1000), 400,
-     "logprobs 1000: the most likely alternatives are not served yet", "logprobs"),
-    ("logprobs 1", CMPL, dict(prompt="hi", logprobs=1), 400,
-     "logprobs 1: the most likely alternatives", "logprobs"),
+     r"logprobs must be <= 8 \(this server's --max-logprobs\), got 1000", "logprobs"),
+    ("logprobs 9", CMPL, dict(prompt="hi", logprobs=9), 400,
+     r"logprobs must be <= 8 \(this server's --max-logprobs\), got 9", "logprobs"),
+    ("logprobs 2**31", CMPL, dict(prompt="hi", logprobs=2**31), 400,
+     r"logprobs must be <= 2\*\*31 - 1", "logprobs"),
     ("echo with logprobs", CMPL, dict(prompt="hi", echo=True, logprobs=0), 400,
      "echo with logprobs needs the prompt's log-probabilities", "echo"),
-    ("logit_bias", CMPL, dict(prompt="hi", logit_bias={"65": 5}), 400,
-     "logit_bias is not supported yet", "logit_bias"),
+    ("logit_bias NaN", CMPL, _raw('{"prompt":"hi","logit_bias":{"65":NaN}}'), 400,
+     "the body is not valid JSON: NaN is not a JSON number", None),
+    ("logit_bias 1e9", CMPL, dict(prompt="hi", logit_bias={"65": 1e9}), 400,
+     r"logit_bias values must be numbers in \[-100, 100\], got 1000000000.0 for token 65",
+     "logit_bias"),
+    ("logit_bias -101", CHAT, dict(messages=MSG, logit_bias={"65": -101}), 400,
+     r"logit_bias values must be numbers in \[-100, 100\], got -101", "logit_bias"),
+    ("logit_bias true", CMPL, dict(prompt="hi", logit_bias={"65": True}), 400,
+     r"logit_bias values must be numbers .* got true for token 65", "logit_bias"),
+    ("logit_bias string value", CMPL, dict(prompt="hi", logit_bias={"65": "5"}), 400,
+     r'logit_bias values must be numbers .* got "5" for token 65', "logit_bias"),
+    ("logit_bias out of vocab", CMPL, dict(prompt="hi", logit_bias={"512": 1}), 400,
+     r"logit_bias token id 512 is outside the vocabulary \[0, 512\)", "logit_bias"),
+    ("logit_bias past int32", CMPL, dict(prompt="hi", logit_bias={"2147483648": 1}), 400,
+     r"logit_bias keys must be token ids \(strings of decimal digits, < 2\*\*31\), got "
+     '"2147483648"', "logit_bias"),
+    ("logit_bias key a", CHAT, dict(messages=MSG, logit_bias={"a": 1}), 400,
+     r'logit_bias keys must be token ids .* got "a"', "logit_bias"),
+    ("logit_bias key 1.5", CMPL, dict(prompt="hi", logit_bias={"1.5": 1}), 400,
+     r'logit_bias keys must be token ids .* got "1\.5"', "logit_bias"),
+    ("logit_bias key -1", CMPL, dict(prompt="hi", logit_bias={"-1": 1}), 400,
+     r'logit_bias keys must be token ids .* got "-1"', "logit_bias"),
+    ("logit_bias key ' 1'", CMPL, dict(prompt="hi", logit_bias={" 1": 1}), 400,
+     r'logit_bias keys must be token ids .* got " 1"', "logit_bias"),
+    ("logit_bias 7 and 07", CMPL, dict(prompt="hi", logit_bias={"7": 1, "07": 2}), 400,
+     "logit_bias names token 7 twice", "logit_bias"),
+    ("logit_bias 301 entries", CMPL,
+     dict(prompt="hi", logit_bias={str(i): 1 for i in range(301)}), 400,
+     "logit_bias must hold at most 300 entries, got 301", "logit_bias"),
+    ("logit_bias an array", CMPL, dict(prompt="hi", logit_bias=[[65, 1]]), 400,
+     "logit_bias must be an object from token ids to biases, got an array",
+     "logit_bias"),
     ("presence_penalty", CMPL, dict(prompt="hi", presence_penalty=0.5), 400,
      "presence_penalty is not supported; give 0", "presence_penalty"),
     ("frequency_penalty", CMPL, dict(prompt="hi", frequency_penalty=1), 400,
@@ -221,10 +253,10 @@ CASES = [
      400, "response_format other than text is not supported", "response_format"),
     ("top_logprobs without logprobs", CHAT, dict(messages=MSG, top_logprobs=0), 400,
      "top_logprobs needs logprobs: true", "top_logprobs"),
-    ("top_logprobs 2", CHAT, dict(messages=MSG, logprobs=True, top_logprobs=2), 400,
-     "top_logprobs 2: the most likely alternatives are not served yet", "top_logprobs"),
-    ("top_logprobs 21", CHAT, dict(messages=MSG, logprobs=True, top_logprobs=21), 400,
-     "top_logprobs must be <= 20, got 21", "top_logprobs"),
+    ("top_logprobs 9", CHAT, dict(messages=MSG, logprobs=True, top_logprobs=9), 400,
+     r"top_logprobs must be <= 8 \(this server's --max-logprobs\), got 9", "top_logprobs"),
+    ("top_logprobs -1", CHAT, dict(messages=MSG, logprobs=True, top_logprobs=-1), 400,
+     "top_logprobs must be >= 0, got -1", "top_logprobs"),
     ("max_completion_tokens 0", CHAT, dict(messages=MSG, max_completion_tokens=0), 400,
      "max_completion_tokens must be >= 1, got 0", "max_completion_tokens"),
     ("max_tokens disagree", CHAT, dict(messages=MSG, max_tokens=2, max_completion_tokens=3),
@@ -340,6 +372,10 @@ def test_a_body_past_the_limit_is_413_and_closes_the_connection(server, chunked)
                           {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
                 max_completion_tokens=2, logprobs=True, top_logprobs=0,
                 response_format={"type": "text"}, tool_choice="none")),
+    (CMPL, dict(prompt="hi", max_tokens=2, logprobs=8, n=2, temperature=1)),
+    (CMPL, dict(prompt="hi", max_tokens=2, logit_bias={str(i): -100 for i in range(300)})),
+    (CHAT, dict(messages=MSG, max_tokens=2, logit_bias={"0": 100, "511": -1.5})),
+    (CHAT, dict(messages=MSG, max_tokens=2, logprobs=True, top_logprobs=8)),
 ])
 def test_unusual_but_valid_requests_are_served(server, path, body):
   conn = _Conn(server.port)
@@ -380,8 +416,8 @@ def test_the_openai_client_gets_its_own_error_types(server):
   with pytest.raises(openai.NotFoundError, match="does not exist") as e:
     server.client.chat.completions.create(model="gpt-4o", messages=MSG)
   assert e.value.code == "model_not_found" and e.value.param == "model"
-  with pytest.raises(openai.BadRequestError, match="logit_bias is not supported"):
-    server.client.chat.completions.create(model="tiny", messages=MSG, logit_bias={"1": 1})
+  with pytest.raises(openai.BadRequestError, match="presence_penalty is not supported"):
+    server.client.chat.completions.create(model="tiny", messages=MSG, presence_penalty=1)
 
 
 # ---------------------------------------------------------------- generated
@@ -408,9 +444,11 @@ _VALID = {
                       st.lists(st.text(min_size=1, max_size=2), max_size=3)),
     "stop_token_ids": st.lists(st.integers(0, 600), max_size=3),
     "ignore_eos": st.booleans(), "cache_salt": st.text(min_size=1, max_size=4),
-    "stream": st.booleans(), "logprobs": st.just(0), "echo": st.booleans(),
+    "stream": st.booleans(), "logprobs": st.integers(0, 9), "echo": st.booleans(),
     "best_of": st.integers(1, 4), "user": st.text(max_size=4), "model": st.just("tiny"),
-    "logit_bias": st.just({}), "presence_penalty": st.just(0),
+    "logit_bias": st.dictionaries(st.integers(0, 600).map(str), st.floats(-100, 100),
+                                  max_size=3),
+    "presence_penalty": st.just(0),
 }
 
 
