@@ -29,8 +29,10 @@ fixed-size probing, collision handling and a device round trip before the
 scheduler can size the step; and a wide cryptographic hash is cheap in
 `hashlib` but awkward in int32 XLA. The device keeps what must be exact inside
 the jitted step: which blocks are cached, their refcounts and the LRU order,
-in the `BlockState` pytree. The host learns evictions from the same pure
-bookkeeping function that its mirror of the pool runs, so it never has to ask.
+in the `BlockState` pytree. The host learns evictions from its exact NumPy
+model of the pool (`paged_jax.serving.host_pool.HostPool`, proven equal to the
+block manager and checked against a device fingerprint every step), so it
+never has to ask.
 
 Example:
   >>> index = PrefixIndex(block_size=4)
