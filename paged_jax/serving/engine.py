@@ -187,10 +187,16 @@ class EngineConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    for name in ("admission_headroom_steps", "max_logprobs", "max_logit_bias"):
+    # Upper bounds: past them a value is a mistake, not a setting (the
+    # headroom is in decode steps, at most the longest sequence the CLIs
+    # allow; the other two size per-row arrays of every step).
+    for name, hi in (("admission_headroom_steps", 2**24), ("max_logprobs", 2**16),
+                     ("max_logit_bias", 2**16)):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+      if value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
     for name in ("static_batching", "check_traces", "async_scheduling",
                  "enable_prefix_caching", "bucket_midpoints"):
       if not isinstance(getattr(self, name), bool):

@@ -258,6 +258,11 @@ def test_request_that_does_not_fit_now_waits(model):
     (dict(num_blocks=8, max_batch=2, max_beam_width=3), "max_beam_width=3 must be <="),
     (dict(num_blocks=8, admission_headroom_steps=-1),
      "admission_headroom_steps must be an int >= 0, got -1"),
+    (dict(num_blocks=8, admission_headroom_steps=2**24 + 1),
+     "admission_headroom_steps must be <= 16777216, got 16777217"),
+    (dict(num_blocks=8, max_logprobs=2**40), "max_logprobs must be <= 65536, got 1099511627776"),
+    (dict(num_blocks=8, max_logit_bias=10**12), "max_logit_bias must be <= 65536"),
+    (dict(num_blocks=8, max_logit_bias=-1), "max_logit_bias must be an int >= 0, got -1"),
 ])
 def test_engine_config_errors(kw, match):
   with pytest.raises(ValueError, match=match):
