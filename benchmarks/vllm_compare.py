@@ -13,16 +13,20 @@ then (`--vllm-python` or $VLLM_PYTHON point at another one):
   python benchmarks/vllm_compare.py --quick    # smoke test
 
 What is compared, the same on both sides:
-- the model: a 30.7M-parameter random Llama (hidden 512, 8 layers, 8 query /
-  2 KV heads, head_dim 64, intermediate 2048, vocab 256, float32), written
-  once as a Hugging Face checkpoint (config.json + model.safetensors) that
-  both load (`examples/generate.py --checkpoint`, `vllm.LLM(model=...)`);
+- the model (`--model`): `random`, a 30.7M-parameter random Llama (hidden
+  512, 8 layers, 8 query / 2 KV heads, head_dim 64, intermediate 2048, vocab
+  256, float32), or `smollm2`, the real SmolLM2-135M-Instruct (30 layers,
+  vocab 49,152; its GGUF dequantised to float32), written once as a Hugging
+  Face checkpoint (config.json + model.safetensors) that both load
+  (`examples/generate.py --checkpoint`, `vllm.LLM(model=...)`);
 - the requests: every one submitted at once, greedy, EOS ignored, fixed
   output lengths, token-id prompts. Workloads: `sharegpt` (the ShareGPT-like
   lengths of `paged_jax.traces`, scaled down 6x) and `azure` (the first
   requests of the real Azure LLM inference trace 2023, conversation service,
-  in benchmarks/data/, lengths scaled down 8x); both clipped to
-  `--max-model-len`;
+  in benchmarks/data/, lengths scaled down 8x) and `longprompt` (prompts of
+  100-400 tokens, outputs of 10-60: it preempts on a 4,096-token pool; run
+  it with `--max-model-len 512`); all clipped to `--max-model-len`;
+- prefix caching: off on both, or on on both (`--prefix-caching`);
 - the engine sizes: KV memory of `--kv-tokens` tokens in bytes
   (`--kv-budget-mb` / `kv_cache_memory_bytes`), block size 32 (vLLM's CPU
   backend takes multiples of 32 only), `--max-num-seqs` sequences and a
@@ -43,6 +47,7 @@ benchmarks/results/vllm_compare.json (`_quick` for --quick).
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import json
@@ -63,12 +68,16 @@ from paged_jax import _cli  # noqa: E402
 
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 AZURE_CSV = ROOT / "benchmarks" / "data" / "azure_llm_conv_2023_first256.csv"
-WORKLOADS = ("sharegpt", "azure")
+WORKLOADS = ("sharegpt", "azure", "longprompt")
+MODELS = ("random", "smollm2")
 # The model both engines serve (30,679,552 parameters).
 MODEL = dict(vocab_size=256, hidden_size=512, intermediate_size=2048,
              num_layers=8, num_heads=8, num_kv_heads=2, head_dim=64,
              max_position_embeddings=1024, eos_token_ids=(2,), dtype="float32")
 FIRST_ID = 3  # prompt ids are drawn from [3, vocab): no EOS in a prompt
+# SmolLM2's special and chat tokens are ids < 17; its prompts are drawn from
+# [SMOLLM2_FIRST_ID, vocab) so that they are ordinary text tokens.
+SMOLLM2_FIRST_ID = 100
 
 
 def parse_args(argv=None):
@@ -81,7 +90,17 @@ def parse_args(argv=None):
                  help="the Python of vLLM's virtual environment ($VLLM_PYTHON)")
   p.add_argument("--workloads", default=",".join(WORKLOADS),
                  help=f"comma-separated, from {', '.join(WORKLOADS)}")
+  p.add_argument("--model", choices=MODELS, default="random",
+                 help="random: the 30.7M-parameter random Llama; smollm2: the real "
+                 "SmolLM2-135M-Instruct (from its GGUF, written once as a float32 HF "
+                 "checkpoint that both engines load)")
   p.add_argument("--num-requests", type=n(1, 256), default=128)
+  p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                 help="automatic prefix caching on both engines (vLLM's default is on; "
+                 "the workloads' prompts share no prefix, so this measures its cost)")
+  p.add_argument("--paged-jax-args", default="",
+                 help="extra flags for paged-jax's generate, e.g. "
+                 "'--num-scheduler-steps 4' (split on spaces)")
   p.add_argument("--repeats", type=n(1, 20), default=2,
                  help="A B pairs per workload (medians over them)")
   p.add_argument("--kv-tokens", type=n(32, 2**20), default=4096,
@@ -99,6 +118,8 @@ def parse_args(argv=None):
   p.add_argument("--timeout", type=n(10, 3600), default=900,
                  help="seconds allowed for one run of either engine")
   p.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "results")
+  p.add_argument("--tag", default="",
+                 help="suffix of the results file: vllm_compare_TAG.json")
   args = p.parse_args(argv)
   args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
   bad = [w for w in args.workloads if w not in WORKLOADS]
@@ -143,6 +164,16 @@ def _lengths(workload: str, args) -> list[tuple[int, int]]:
         output_mean=s.output_mean * args.sharegpt_scale, max_total_len=args.max_model_len)
     t = traces.make_trace(spec, args.num_requests, seed=0)
     return [(int(p), int(o)) for p, o in zip(t.prompt_lens, t.output_lens)]
+  if workload == "longprompt":
+    # Long prompts, short outputs: prompts 100-400 tokens, outputs 10-60
+    # (issue #21's preempting workload), clipped to --max-model-len.
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(3)
+    out = []
+    for _ in range(args.num_requests):
+      o = int(rng.integers(10, 61))
+      out.append((min(int(rng.integers(100, 401)), args.max_model_len - o), o))
+    return out
   with open(AZURE_CSV, encoding="utf-8") as f:
     rows = list(csv.DictReader(f))[:args.num_requests]
   out = []
@@ -153,10 +184,11 @@ def _lengths(workload: str, args) -> list[tuple[int, int]]:
   return out
 
 
-def write_prompts(path: pathlib.Path, lengths, seed: int) -> None:
+def write_prompts(path: pathlib.Path, lengths, seed: int, *, first_id: int = FIRST_ID,
+                  vocab_size: int = MODEL["vocab_size"]) -> None:
   import numpy as np  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(seed)
-  entries = [{"prompt_ids": rng.integers(FIRST_ID, MODEL["vocab_size"], size=p).tolist(),
+  entries = [{"prompt_ids": rng.integers(first_id, vocab_size, size=p).tolist(),
               "max_new_tokens": o} for p, o in lengths]
   path.write_text(json.dumps(entries))
 
@@ -168,6 +200,21 @@ def write_checkpoint(path: pathlib.Path) -> int:
   config = model_lib.LlamaConfig(**MODEL)
   checkpoint.save_checkpoint(model_lib.init_model(config, seed=0), path)
   return config.kv_bytes_per_token()
+
+
+def write_smollm2_checkpoint(path: pathlib.Path) -> tuple[int, dict]:
+  """The real SmolLM2-135M-Instruct (its GGUF, dequantised) as a float32 HF
+  checkpoint; returns (KV bytes/token, its sizes)."""
+  from paged_jax.models import loader  # pylint: disable=import-outside-toplevel
+  from paged_jax.models.llama import checkpoint  # pylint: disable=import-outside-toplevel
+  loaded = loader.load("smollm2", dtype="float32")
+  checkpoint.save_checkpoint(loaded.model, path)
+  c = loaded.model.config
+  sizes = {"name": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised to float32)",
+           "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+           "num_layers": c.num_layers, "num_heads": c.num_heads,
+           "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
+  return c.kv_bytes_per_token(), sizes
 
 
 # ---------------------------------------------------------------------------
@@ -182,7 +229,9 @@ def run_paged_jax(args, ckpt, prompts, out, kv_bytes, max_num_seqs) -> dict:
          "--max-num-seqs", str(max_num_seqs),
          "--max-num-batched-tokens", str(max(args.max_num_batched_tokens, max_num_seqs)),
          "--max-model-len", str(args.max_model_len),
-         "--no-baseline", "--no-progress", "--output", str(out)]
+         "--no-baseline", "--no-progress", "--output", str(out),
+         "--enable-prefix-caching" if args.prefix_caching else "--no-enable-prefix-caching",
+         *args.paged_jax_args.split()]
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
   r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                      env=env, check=False)
@@ -236,7 +285,8 @@ class VllmWorker:
          "--kv-bytes", str(kv_bytes),
          "--max-num-batched-tokens", str(args.max_num_batched_tokens),
          "--max-model-len", str(args.max_model_len),
-         "--max-num-seqs", str(args.max_num_seqs)],
+         "--max-num-seqs", str(args.max_num_seqs),
+         *(["--enable-prefix-caching"] if args.prefix_caching else [])],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
         env=env, cwd=str(ROOT))
 
@@ -373,14 +423,19 @@ def main(argv=None) -> int:
   t_start = time.perf_counter()
   worker = None
   try:
-    per_token = write_checkpoint(work / "ckpt")
+    if args.model == "smollm2":
+      per_token, model_sizes = write_smollm2_checkpoint(work / "ckpt")
+      ids = {"first_id": SMOLLM2_FIRST_ID, "vocab_size": model_sizes["vocab_size"]}
+    else:
+      per_token = write_checkpoint(work / "ckpt")
+      model_sizes, ids = {**MODEL, "parameters": 30_679_552}, {}
     kv_bytes = args.kv_tokens * per_token
     files = {}
     for w in args.workloads:
       files[w] = work / f"{w}.json"
-      write_prompts(files[w], _lengths(w, args), seed=1)
+      write_prompts(files[w], _lengths(w, args), seed=1, **ids)
     files["single"] = work / "single.json"
-    write_prompts(files["single"], [(32, args.single_output_tokens)], seed=2)
+    write_prompts(files["single"], [(32, args.single_output_tokens)], seed=2, **ids)
     worker = VllmWorker(args, work / "ckpt", kv_bytes, work / "vllm.log")
     startup = worker.wait_ready()
     print(f"vLLM engine up in {startup:.0f} s", flush=True)
@@ -415,7 +470,9 @@ def main(argv=None) -> int:
         "what": ("one request alone: ms per output token = wall / tokens of a "
                  "32-token prompt and a fixed output, on an engine of max_num_seqs "
                  "batch-N; workloads: every request at once, greedy, EOS ignored"),
-        "model": {**MODEL, "parameters": 30_679_552},
+        "model": model_sizes,
+        "prefix_caching": args.prefix_caching,
+        "paged_jax_args": args.paged_jax_args,
         "sizes": {"kv_tokens": args.kv_tokens, "kv_bytes": kv_bytes,
                   "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
                   "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -446,7 +503,8 @@ def main(argv=None) -> int:
       worker.close()
     shutil.rmtree(work, ignore_errors=True)
   from benchmarks import common  # pylint: disable=import-outside-toplevel
-  path = common.write_json(args.out, "vllm_compare", results, quick=args.quick)
+  name = "vllm_compare" + (f"_{args.tag}" if args.tag else "")
+  path = common.write_json(args.out, name, results, quick=args.quick)
   print("\n".join(summary_lines(results)))
   print(f"total {results['total_seconds']:.0f} s; wrote {path}")
   return 0

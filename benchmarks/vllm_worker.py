@@ -31,6 +31,7 @@ import time
 def _args(argv):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--checkpoint", required=True)
+  p.add_argument("--enable-prefix-caching", action="store_true")
   p.add_argument("--block-size", type=int, default=32)
   p.add_argument("--kv-bytes", type=int, required=True)
   p.add_argument("--max-num-batched-tokens", type=int, default=256)
@@ -82,7 +83,7 @@ class _Server:
           max_num_seqs=max_num_seqs,
           max_num_batched_tokens=a.max_num_batched_tokens,
           max_model_len=a.max_model_len, seed=0, disable_log_stats=False,
-          enable_prefix_caching=False)
+          enable_prefix_caching=a.enable_prefix_caching)
       self.startup, self.max_num_seqs = time.perf_counter() - t0, max_num_seqs
     return self.llm
 

@@ -26,6 +26,13 @@ def test_workloads_fit_the_engine_sizes():
   assert vllm_compare._lengths("azure", args)[0] == (47, 6)
 
 
+def test_longprompt_workload_is_long_prompts_and_short_outputs():
+  args = vllm_compare.parse_args(["--num-requests", "64", "--max-model-len", "512"])
+  lengths = vllm_compare._lengths("longprompt", args)
+  assert all(100 <= p <= 400 and 10 <= o <= 60 for p, o in lengths)
+  assert len(set(lengths)) > 32  # drawn, not one length repeated
+
+
 def test_summary_and_greedy_comparison():
   a = [{"tokens_per_second": t, "generated_tokens": 10, "wall_seconds": 1.0,
         "token_ids": [[1, 2, 3], [4, 5]], "engine": "paged-jax"} for t in (50.0, 70.0)]
