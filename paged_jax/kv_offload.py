@@ -39,6 +39,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from paged_jax import _int32
 from paged_jax.kv_cache import KVCache, zero_arrays
@@ -90,9 +91,11 @@ def host_cache(like: KVCache, num_host_blocks: int, *,
   sharding = _sharding(device, kind)
   shape = list(like.k_pages.shape)
   shape[2] = n
-  zeros = jax.jit(lambda: zero_arrays(tuple(shape), like.dtype, jnp.zeros),
-                  out_shardings=sharding)
-  return KVCache(*zeros())
+  # Host zeros (calloc'd, not touched) put into the memory kind: a program
+  # with `out_shardings` there would return arrays whose type lacks the host
+  # memory space on JAX 0.10, which later programs then mix with host ones.
+  arrays = zero_arrays(tuple(shape), like.dtype, np.zeros)
+  return KVCache(*jax.device_put(arrays, sharding))
 
 
 def _arrays(cache: KVCache) -> dict:
