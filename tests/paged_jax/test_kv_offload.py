@@ -138,13 +138,14 @@ def test_memory_kinds_and_errors():
     kv_offload.copy_to_device(cache, dev, _ids([0]), _ids([0, 1]))
 
 
-def test_copies_into_a_device_memory_pool_too():
+@pytest.mark.parametrize("kind", [kv_offload.host_memory_kind(), "device"])
+def test_copies_through_a_fresh_host_cache(kind):
   rng = np.random.default_rng(3)
   cache = _random_cache(rng, "float32")
   want = np.asarray(cache.k_pages[:, :, [3, 5]])
-  host = kv_offload.host_cache(cache, 4, memory_kind="device")
+  host = kv_offload.host_cache(cache, 4, memory_kind=kind)
   host = kv_offload.copy_to_host(cache, host, _ids([3, 5, -1]), _ids([1, 0, 2]))
-  np.testing.assert_array_equal(np.asarray(host.k_pages[:, :, [1, 0]]), want)
-  assert not np.asarray(host.k_pages[:, :, 2]).any()  # the NULL pair: skipped
+  np.testing.assert_array_equal(np.asarray(host.k_pages)[:, :, [1, 0]], want)
+  assert not np.asarray(host.k_pages)[:, :, 2].any()  # the NULL pair: skipped
   cache = kv_offload.copy_to_device(cache, host, _ids([1, 0]), _ids([0, 9]))
   np.testing.assert_array_equal(np.asarray(cache.k_pages[:, :, 0]), want[:, :, 0])
