@@ -76,20 +76,52 @@ def _read(cache, state, q):
   return kv, np.asarray(out)
 
 
+def _kv_np(cache, state):
+  """Every slot's blocks' K and V, read on the host (any pool size)."""
+  tables, lens = np.asarray(state.block_tables), np.asarray(state.seq_lens)
+  k, v = np.asarray(cache.k_pages), np.asarray(cache.v_pages)
+  return [(k[:, :, row[:-(-n // BS)]], v[:, :, row[:-(-n // BS)]])
+          for row, n in zip(tables, lens)]
+
+
+def _same(a, b):
+  for (ka, va), (kb, vb) in zip(a, b):
+    np.testing.assert_array_equal(ka, kb)
+    np.testing.assert_array_equal(va, vb)
+
+
 def _cached_contents(cache, state, blocks):
   return np.asarray(cache.k_pages[:, :, np.asarray(blocks, np.int64)])
 
 
-@hypothesis.settings(max_examples=20, deadline=None, derandomize=True,
-                     suppress_health_check=list(hypothesis.HealthCheck))
-@hypothesis.given(lengths=st.lists(st.integers(0, WIDTH * BS),
-                                   min_size=MAX_SEQS // 2, max_size=MAX_SEQS),
-                  ops=st.lists(op, max_size=8),
-                  dropped=st.lists(st.booleans(), min_size=MAX_SEQS,
-                                   max_size=MAX_SEQS),
-                  prefix_caching=st.booleans())
-def test_compact_keeps_every_sequence_and_cached_block(lengths, ops, dropped,
-                                                        prefix_caching):
+_FRAGMENTATIONS = dict(
+    lengths=st.lists(st.integers(0, WIDTH * BS), min_size=MAX_SEQS // 2,
+                     max_size=MAX_SEQS),
+    ops=st.lists(op, max_size=8),
+    dropped=st.lists(st.booleans(), min_size=MAX_SEQS, max_size=MAX_SEQS),
+    prefix_caching=st.booleans())
+
+
+def _settings(examples):
+  return hypothesis.settings(max_examples=examples, deadline=None,
+                             derandomize=True,
+                             suppress_health_check=list(hypothesis.HealthCheck))
+
+
+@_settings(40)
+@hypothesis.given(**_FRAGMENTATIONS)
+def test_compact_keeps_every_sequence_and_cached_block(**kw):
+  _check_compaction(**kw)
+
+
+@pytest.mark.slow
+@_settings(400)
+@hypothesis.given(**_FRAGMENTATIONS)
+def test_compact_keeps_every_sequence_and_cached_block_long(**kw):
+  _check_compaction(**kw)
+
+
+def _check_compaction(lengths, ops, dropped, prefix_caching):
   state = _fragment(lengths, ops, dropped, prefix_caching)
   rng = np.random.default_rng(len(ops))
   shape = (1, HEADS, NUM_BLOCKS, BS, DIM)
@@ -97,6 +129,7 @@ def test_compact_keeps_every_sequence_and_cached_block(lengths, ops, dropped,
                   jnp.asarray(rng.standard_normal(shape), jnp.float32))
   q = jnp.asarray(rng.standard_normal((MAX_SEQS, 2 * HEADS, DIM)), jnp.float32)
   kv, out = _read(cache, state, q)
+  kv_np = _kv_np(cache, state)
   cached = bm.cached_blocks(state)
   cached_kv = _cached_contents(cache, state, cached)
   index = prefix_cache.PrefixIndex(BS)
@@ -133,8 +166,7 @@ def test_compact_keeps_every_sequence_and_cached_block(lengths, ops, dropped,
   assert res.ok and res.evicted.size == 0
   bm.check_invariants(small)
   cache = compaction.resize_cache(cache, max(k, 1))
-  for a, b in zip(_read(cache, small, q)[0], kv):
-    np.testing.assert_array_equal(a, b)
+  _same(_kv_np(cache, small), kv_np)
   if k > 1:
     _check_shrink_past_kept(small, k - 1)
   big, res = compaction.resize(small, NUM_BLOCKS + 3)
@@ -143,8 +175,7 @@ def test_compact_keeps_every_sequence_and_cached_block(lengths, ops, dropped,
   used = int(big.num_used)
   assert int(big.num_available) == NUM_BLOCKS + 3 - used
   cache = compaction.resize_cache(cache, NUM_BLOCKS + 3)
-  for a, b in zip(_read(cache, big, q)[0], kv):
-    np.testing.assert_array_equal(a, b)
+  _same(_kv_np(cache, big), kv_np)
 
 
 def _check_shrink_past_kept(state, m):

@@ -230,13 +230,26 @@ class CachingTierMachine(TierMachine):
   prefix_caching = True
 
 
-_SETTINGS = hypothesis.settings(
-    max_examples=30, stateful_step_count=20, deadline=None, derandomize=True,
-    suppress_health_check=list(hypothesis.HealthCheck))
+def _settings(examples, steps):
+  return hypothesis.settings(
+      max_examples=examples, stateful_step_count=steps, deadline=None,
+      derandomize=True, suppress_health_check=list(hypothesis.HealthCheck))
+
+
 TestTierModel = TierMachine.TestCase
-TestTierModel.settings = _SETTINGS
+TestTierModel.settings = _settings(15, 20)
 TestCachingTierModel = CachingTierMachine.TestCase
-TestCachingTierModel.settings = _SETTINGS
+TestCachingTierModel.settings = _settings(15, 20)
+
+
+@pytest.mark.slow
+class TestTierModelLong(TierMachine.TestCase):
+  settings = _settings(300, 40)
+
+
+@pytest.mark.slow
+class TestCachingTierModelLong(CachingTierMachine.TestCase):
+  settings = _settings(300, 40)
 
 
 def _pool(prefix_caching=False):
