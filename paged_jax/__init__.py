@@ -14,6 +14,10 @@ Public API:
   * KV cache (`paged_jax.kv_cache`; int8 / fp8 pages with per-token scales:
     `pallas_kernels.quantization`): `KVCache`, `write_kv`, `copy_blocks`,
     `gather_kv`, `check_compatible`;
+  * host tier and compaction (`import paged_jax.host_tier`,
+    `paged_jax.kv_offload`, `paged_jax.compaction`): `HostTier`, `swap_out`,
+    `swap_in`, `drop`; `host_cache`, `copy_to_host`, `copy_to_device`;
+    `compact`, `resize`, `resize_cache`;
   * attention (`paged_jax.attention`): `paged_attention`,
     `ragged_paged_attention`, `write_and_ragged_attention`;
   * reference (`paged_jax.reference`): float32 oracles;

@@ -184,6 +184,22 @@ class PrefixIndex:
         dropped += 1
     return dropped
 
+  def relabel(self, new_ids) -> None:
+    """Follows a compaction: every indexed block `b` becomes `new_ids[b]`
+    (`compaction.Compaction.new_ids`, old block -> new block).
+
+    Raises:
+      ValueError: if an indexed block has no new id (`new_ids[b] < 0`): it
+        was neither live nor cached, so the index was already stale.
+    """
+    new = np.asarray(new_ids, np.int64).reshape(-1)
+    lost = [b for b in self._hash_of if not 0 <= b < new.size or new[b] < 0]
+    if lost:
+      raise ValueError(f"indexed blocks {sorted(lost)} have no new id: they "
+                       f"were neither live nor cached (a stale index)")
+    self._hash_of = {int(new[b]): h for b, h in self._hash_of.items()}
+    self._block_of = {h: int(new[b]) for h, b in self._block_of.items()}
+
   def __len__(self) -> int:
     return len(self._block_of)
 
