@@ -322,15 +322,15 @@ def run_text(model, requests, config, mesh, tokenizer, questions=None):
   the user's message) as a chat, whole answers. Returns `(stats, outputs,
   texts)`, `texts[request_id]` the completions' texts."""
   from paged_jax.serving.engine import Engine  # pylint: disable=import-outside-toplevel
-  from paged_jax.serving.text import TextEngine  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving.driver import Driver  # pylint: disable=import-outside-toplevel
   engine = Engine(model, config, mesh=mesh)
   compile_s = workload.warmup(engine)
-  te = TextEngine(engine, tokenizer)
+  driver = Driver(engine, tokenizer)
   limit = 200 if len(requests) <= 16 else 72
   single = len(requests) == 1
   t0 = time.perf_counter()
   for r in requests:
-    te.add_request(r)
+    driver.add_request(r)
   outputs, texts = [], {}
   def chat(rid):
     print(f"  user: {questions[rid]}\n  assistant: ", end="", flush=True)
@@ -340,29 +340,27 @@ def run_text(model, requests, config, mesh, tokenizer, questions=None):
       chat(requests[0].request_id)
     else:
       print(f"[{requests[0].request_id}] ", end="", flush=True)
-  while te.has_unfinished():
-    for d in te.step():
-      if d.output is None:
-        if single and d.text:
-          print(d.text.replace("\n", "\n    ") if questions else d.text,
-                end="", flush=True)
-        continue
-      outputs.append(d.output)
-      texts[d.request_id] = [c.text for c in d.completions]
-      if d.output.rejected:
-        continue
-      for i, c in enumerate(d.completions):
-        tag = f"[{d.request_id}]" if len(d.completions) == 1 else f"[{d.request_id}.{i}]"
-        if single:
-          print(f"  ({c.finish_reason}, {len(c.token_ids)} tokens)")
-        elif questions:
-          chat(d.request_id)
-          print(c.text.replace("\n", "\n    ")
-                + f"  ({c.finish_reason}, {len(c.token_ids)} tokens)")
-        else:
-          print(f"{tag} {report.short(c.text, limit)!r} ({c.finish_reason}, "
-                f"{len(c.token_ids)} tokens)")
-  engine.flush()
+  for d in driver.run():  # flushes at the end
+    if d.output is None:
+      if single and d.text:
+        print(d.text.replace("\n", "\n    ") if questions else d.text,
+              end="", flush=True)
+      continue
+    outputs.append(d.output)
+    texts[d.request_id] = [c.text for c in d.completions]
+    if d.output.rejected:
+      continue
+    for i, c in enumerate(d.completions):
+      tag = f"[{d.request_id}]" if len(d.completions) == 1 else f"[{d.request_id}.{i}]"
+      if single:
+        print(f"  ({c.finish_reason}, {len(c.token_ids)} tokens)")
+      elif questions:
+        chat(d.request_id)
+        print(c.text.replace("\n", "\n    ")
+              + f"  ({c.finish_reason}, {len(c.token_ids)} tokens)")
+      else:
+        print(f"{tag} {report.short(c.text, limit)!r} ({c.finish_reason}, "
+              f"{len(c.token_ids)} tokens)")
   wall = time.perf_counter() - t0
   order = {r.request_id: i for i, r in enumerate(requests)}
   outputs.sort(key=lambda o: order[o.request_id])
