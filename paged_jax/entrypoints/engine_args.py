@@ -4,7 +4,10 @@ into what the library takes (`load_model`, `engine_memory`, `engine_config`).
 
 Sizes are the library's: the KV bytes per token come from the model config,
 the memory check from `paged_jax.capacity`, the engine's own rules from
-`EngineConfig` (whose ValueErrors `engine_config` rewords as flag messages).
+`EngineConfig` itself: `check_engine_config` builds one from the flags before
+any work and `as_flags` turns its ValueError into the same message with the
+flags' names (`max_batch=8` -> `--max-batch 8`). The rules checked here are
+about flags alone (which go together, --mesh's form).
 """
 
 from __future__ import annotations
