@@ -168,7 +168,8 @@ def engine():
   from paged_jax.serving.engine import Engine, EngineConfig  # pylint: disable=import-outside-toplevel
   model = model_lib.init_model(model_lib.LlamaConfig.tiny(), seed=0)
   return Engine(model, EngineConfig(num_blocks=32, block_size=8, max_batch=4,
-                                    max_tokens_per_step=32, max_model_len=64))
+                                    max_tokens_per_step=32, max_model_len=64,
+                                    min_bucket=4, bucket_midpoints=False))
 
 
 def test_the_three_forms_agree_on_the_tiny_engine(engine):
