@@ -134,7 +134,7 @@ def test_generate_refuses_inconsistent_sizes(batch, data):
   b, t = data.draw(st.sampled_from([("--max-batch", "--max-tokens-per-step"),
                                     ("--max-num-seqs", "--max-num-batched-tokens")]))
   err = _generate([b, str(batch), t, str(step)])
-  assert err == f"error: {t} {step} must be >= {b} {batch} (every decode must fit one step)\n"
+  assert err == f"error: {t} {step} must be >= {b} {batch} so every decode fits a step\n"
   block = data.draw(st.integers(257, generate.MAX_BLOCK_SIZE))
   assert _generate(["--block-size", str(block)]).startswith(
       f"error: --block-size {block} must be <= --max-model-len 256")

@@ -4,7 +4,10 @@ into what the library takes (`load_model`, `engine_memory`, `engine_config`).
 
 Sizes are the library's: the KV bytes per token come from the model config,
 the memory check from `paged_jax.capacity`, the engine's own rules from
-`EngineConfig` (whose ValueErrors `engine_config` rewords as flag messages).
+`EngineConfig` itself: `check_engine_config` builds one from the flags before
+any work and `as_flags` turns its ValueError into the same message with the
+flags' names (`max_batch=8` -> `--max-batch 8`). The rules checked here are
+about flags alone (which go together, --mesh's form).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import re
 
 from paged_jax import _cli
 from paged_jax import capacity
@@ -182,12 +186,59 @@ def flag(args, dest: str) -> str:
   return _cli.typed_flag(args, dest, "--" + dest.replace("_", "-"))
 
 
+# `EngineConfig` / `SamplingParams` fields -> the flag that sets each (its
+# dest); a field not here has no flag and keeps its name in messages.
+FIELD_FLAGS = {
+    "num_blocks": "num_blocks", "block_size": "block_size", "max_batch": "max_batch",
+    "max_tokens_per_step": "max_tokens_per_step", "max_model_len": "max_model_len",
+    "max_beam_width": "beam_width", "min_bucket": "min_bucket",
+    "admission_headroom_steps": "admission_headroom_steps",
+    "max_logprobs": "max_logprobs", "max_logit_bias": "max_logit_bias",
+    "max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_k": "top_k",
+    "top_p": "top_p", "seed": "seed", "n": "n", "beam_width": "beam_width",
+    "min_tokens": "min_tokens", "stop_token_ids": "stop_token_ids", "stop": "stop",
+}
+
+
+def as_flags(error: ValueError, args) -> ValueError:
+  """`error` (an `EngineConfig` or `SamplingParams` message, which names
+  fields) with each field named as the flag the user typed: `max_batch=8` ->
+  `--max-batch 8` (or `--max-num-seqs 8`), a bare `seed` -> `--seed`. The
+  rule, what it expected and what it got stay the config's own words."""
+  text = str(error)
+  for field in sorted(FIELD_FLAGS, key=len, reverse=True):
+    name = flag(args, FIELD_FLAGS[field])
+    text = re.sub(rf"(?<![\w.-]){field}=([^\s,)\]]+)", lambda m, n=name: f"{n} {m[1]}", text)
+    text = re.sub(rf"(?<![\w.-]){field}(?![\w=(])", lambda m, n=name: n, text)
+  return ValueError(text)
+
+
+def check_engine_config(args) -> None:
+  """The engine flags through `EngineConfig`'s own checks (the one place its
+  rules live), before any work: its ValueError as flag names (`as_flags`).
+  The pool size is not known yet (it follows from the model's KV bytes per
+  token), so `--num-blocks` is checked only when given."""
+  from paged_jax.serving.engine import EngineConfig  # pylint: disable=import-outside-toplevel
+  kw = dict(num_blocks=args.num_blocks or 1, block_size=args.block_size,
+            max_batch=args.max_batch, max_tokens_per_step=args.max_tokens_per_step,
+            max_model_len=args.max_model_len, admission_headroom_steps=args.admission_headroom_steps,
+            max_beam_width=getattr(args, "beam_width", 1))
+  if args.min_bucket is not None:
+    kw["min_bucket"] = args.min_bucket
+  for name in ("max_logprobs", "max_logit_bias"):  # the server's flags
+    if getattr(args, name, None) is not None:
+      kw[name] = getattr(args, name)
+  try:
+    EngineConfig(**kw)
+  except ValueError as e:
+    raise as_flags(e, args) from None
+
+
 def check_engine_args(args) -> None:
-  """Checks between the `add_engine_flags` flags; ValueError naming them."""
-  batch, step = flag(args, "max_batch"), flag(args, "max_tokens_per_step")
-  if args.max_tokens_per_step < args.max_batch:
-    raise ValueError(f"{step} {args.max_tokens_per_step} must be >= {batch} "
-                     f"{args.max_batch} (every decode must fit one step)")
+  """Checks between the `add_engine_flags` flags; ValueError naming them.
+  The engine's own rules are `EngineConfig`'s (`check_engine_config`); the
+  ones here are about flags alone."""
+  check_engine_config(args)
   if args.block_size > args.max_model_len:
     raise ValueError(f"--block-size {args.block_size} must be <= "
                      f"--max-model-len {args.max_model_len}")

@@ -136,24 +136,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def check_args(args) -> None:
-  """Checks between flags that need no model; ValueError naming the flags."""
+  """Checks the flags before any work; ValueError naming the flags.
+
+  The engine's and the requests' own rules are checked by `EngineConfig` and
+  `SamplingParams` themselves (`ea.check_engine_config`,
+  `check_sampling_flags`), their messages with flag names. Left here: the
+  rules about flags alone (which ones go together, paths, addresses), and
+  `check_fits_engine`.
+  """
   check_engine_args(args)
-  batch = ea.flag(args, "max_batch")
-  if args.max_new_tokens is not None and args.max_new_tokens >= args.max_model_len:
-    raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be < "
-                     f"--max-model-len {args.max_model_len} (room for a prompt)")
-  if args.n > 1 and args.beam_width > 1:
-    raise ValueError(f"give --n or --beam-width, not both (got --n {args.n}, "
-                     f"--beam-width {args.beam_width})")
-  for name in ("n", "beam_width"):
-    if getattr(args, name) > args.max_batch:
-      raise ValueError(f"{ea.flag(args, name)} {getattr(args, name)} must be <= "
-                       f"{batch} {args.max_batch} (a request's sequences run "
-                       "in one batch)")
-  span = max(args.n, args.beam_width)
-  if args.seed > 2**31 - span:
-    raise ValueError(f"--seed {args.seed} must be <= {2**31 - span} (sample i "
-                     "of a request uses its seed + i, an int32)")
+  check_sampling_flags(args)
   if args.coordinator:
     host, colon, port = args.coordinator.rpartition(":")
     if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
@@ -168,9 +160,42 @@ def check_args(args) -> None:
     raise ValueError("give one of --prompt, --prompts-file and --prompt-ids")
   if args.stop and not (args.prompt or args.prompts_file):
     raise ValueError("--stop needs text prompts (--prompt or --prompts-file)")
-  if args.max_new_tokens is not None and args.min_tokens > args.max_new_tokens:
-    raise ValueError(f"--min-tokens {args.min_tokens} must be <= "
-                     f"--max-new-tokens {args.max_new_tokens}")
+
+
+def check_sampling_flags(args) -> None:
+  """The sampling flags through `SamplingParams`' own checks (the seed's
+  range, `--n` or `--beam-width`, `--min-tokens` <= `--max-new-tokens`, ...)
+  and `check_fits_engine`; ValueError with flag names (`ea.as_flags`).
+  Without `--max-new-tokens` each request's budget is its own (min_tokens is
+  then cut to it), so the budget checked is `--min-tokens` (at least 1)."""
+  new = args.max_new_tokens if args.max_new_tokens is not None else max(1, args.min_tokens)
+  try:
+    params = SamplingParams(
+        max_new_tokens=new, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed, n=args.n, beam_width=args.beam_width,
+        ignore_eos=args.ignore_eos, stop=tuple(args.stop),
+        stop_token_ids=tuple(args.stop_token_ids), min_tokens=args.min_tokens)
+  except ValueError as e:
+    raise ea.as_flags(e, args) from None
+  check_fits_engine(args, params, budget_given=args.max_new_tokens is not None)
+
+
+def check_fits_engine(args, params: SamplingParams, *, budget_given: bool) -> None:
+  """What the engine's admission (`Scheduler._rejection`) would refuse for
+  every request these flags make, said before any work instead of as one
+  rejection per request after loading the model: a request's sequences in
+  one batch, and room for a prompt of at least one token. The engine keeps
+  the rule (and rejects); this only asks it early, in its terms, on the
+  flags (tests/paged_jax/entrypoints/test_validation.py checks that the
+  engine rejects exactly what this refuses)."""
+  if params.num_seqs > args.max_batch:
+    name = "n" if params.n > 1 else "beam_width"
+    raise ValueError(f"{ea.flag(args, name)} {params.num_seqs} must be <= "
+                     f"{ea.flag(args, 'max_batch')} {args.max_batch} (a request's "
+                     "sequences run in one batch)")
+  if budget_given and params.max_new_tokens >= args.max_model_len:
+    raise ValueError(f"--max-new-tokens {params.max_new_tokens} must be < "
+                     f"--max-model-len {args.max_model_len} (room for a prompt)")
 
 
 def parse_and_check(argv=None) -> argparse.Namespace:
@@ -322,15 +347,15 @@ def run_text(model, requests, config, mesh, tokenizer, questions=None):
   the user's message) as a chat, whole answers. Returns `(stats, outputs,
   texts)`, `texts[request_id]` the completions' texts."""
   from paged_jax.serving.engine import Engine  # pylint: disable=import-outside-toplevel
-  from paged_jax.serving.text import TextEngine  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving.driver import Driver  # pylint: disable=import-outside-toplevel
   engine = Engine(model, config, mesh=mesh)
   compile_s = workload.warmup(engine)
-  te = TextEngine(engine, tokenizer)
+  driver = Driver(engine, tokenizer)
   limit = 200 if len(requests) <= 16 else 72
   single = len(requests) == 1
   t0 = time.perf_counter()
   for r in requests:
-    te.add_request(r)
+    driver.add_request(r)
   outputs, texts = [], {}
   def chat(rid):
     print(f"  user: {questions[rid]}\n  assistant: ", end="", flush=True)
@@ -340,29 +365,27 @@ def run_text(model, requests, config, mesh, tokenizer, questions=None):
       chat(requests[0].request_id)
     else:
       print(f"[{requests[0].request_id}] ", end="", flush=True)
-  while te.has_unfinished():
-    for d in te.step():
-      if d.output is None:
-        if single and d.text:
-          print(d.text.replace("\n", "\n    ") if questions else d.text,
-                end="", flush=True)
-        continue
-      outputs.append(d.output)
-      texts[d.request_id] = [c.text for c in d.completions]
-      if d.output.rejected:
-        continue
-      for i, c in enumerate(d.completions):
-        tag = f"[{d.request_id}]" if len(d.completions) == 1 else f"[{d.request_id}.{i}]"
-        if single:
-          print(f"  ({c.finish_reason}, {len(c.token_ids)} tokens)")
-        elif questions:
-          chat(d.request_id)
-          print(c.text.replace("\n", "\n    ")
-                + f"  ({c.finish_reason}, {len(c.token_ids)} tokens)")
-        else:
-          print(f"{tag} {report.short(c.text, limit)!r} ({c.finish_reason}, "
-                f"{len(c.token_ids)} tokens)")
-  engine.flush()
+  for d in driver.run():  # flushes at the end
+    if d.output is None:
+      if single and d.text:
+        print(d.text.replace("\n", "\n    ") if questions else d.text,
+              end="", flush=True)
+      continue
+    outputs.append(d.output)
+    texts[d.request_id] = [c.text for c in d.completions]
+    if d.output.rejected:
+      continue
+    for i, c in enumerate(d.completions):
+      tag = f"[{d.request_id}]" if len(d.completions) == 1 else f"[{d.request_id}.{i}]"
+      if single:
+        print(f"  ({c.finish_reason}, {len(c.token_ids)} tokens)")
+      elif questions:
+        chat(d.request_id)
+        print(c.text.replace("\n", "\n    ")
+              + f"  ({c.finish_reason}, {len(c.token_ids)} tokens)")
+      else:
+        print(f"{tag} {report.short(c.text, limit)!r} ({c.finish_reason}, "
+              f"{len(c.token_ids)} tokens)")
   wall = time.perf_counter() - t0
   order = {r.request_id: i for i, r in enumerate(requests)}
   outputs.sort(key=lambda o: order[o.request_id])

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from paged_jax.models.llama.model import Llama
+from paged_jax.serving.driver import Driver
 from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.requests import Request, RequestOutput
 from paged_jax.serving.sampling import SamplingParams
@@ -204,25 +205,10 @@ def run_workload(
       bar.update(len(done))
 
   t0 = time.perf_counter()
-  if arrival_times is None:
-    for r in requests:
-      engine.add_request(r)  # rejections come back from run_until_done too
-    outputs = engine.run_until_done(on_step=on_step)
-  else:  # online: each request joins when its arrival time has passed
-    order = sorted(range(len(requests)), key=lambda i: arrival_times[i])
-    outputs, nxt = [], 0
-    while nxt < len(order) or engine.has_unfinished():
-      now = time.perf_counter() - t0
-      while nxt < len(order) and arrival_times[order[nxt]] <= now:
-        engine.add_request(requests[order[nxt]])
-        nxt += 1
-      if engine.has_unfinished():
-        done = engine.step()
-        outputs += done
-        on_step(engine, done)
-      elif nxt < len(order):
-        time.sleep(max(0.0, arrival_times[order[nxt]] - now))
-    outputs += engine.run_until_done(on_step=on_step)
+  driver = Driver(engine)  # arrival times count from here
+  for i, r in enumerate(requests):  # rejections come back from the driver too
+    driver.add_request(r, None if arrival_times is None else arrival_times[i])
+  outputs = driver.run_until_done(on_step=on_step)
   jax.block_until_ready(engine.block_state.num_free)
   # Shapes compiled on first use (none after a full warm-up) are not serving.
   wall = time.perf_counter() - t0 - engine.stats.compile_seconds

@@ -495,26 +495,18 @@ class Engine:
   def run_until_done(self, max_steps: int = 1_000_000,
                      on_step: Callable[["Engine", list], None] | None = None
                      ) -> list[RequestOutput]:
-    """Steps until every request has finished; returns all outputs."""
-    outputs = self._take_outputs()
-    for _ in range(max_steps):
-      if not self.has_unfinished():
-        break
-      done = self.step()
-      outputs += done
-      if on_step is not None:
-        on_step(self, done)
-    else:
-      raise RuntimeError(f"requests still unfinished after {max_steps} steps")
-    self.flush()
-    return outputs + self._take_outputs()
+    """Steps until every request has finished; returns all outputs
+    (`driver.Driver`, the one loop over `step`)."""
+    from paged_jax.serving.driver import Driver  # pylint: disable=import-outside-toplevel  # it imports this module
+    return Driver(self).run_until_done(max_steps, on_step)
 
-  def flush(self):
+  def flush(self) -> list[RequestOutput]:
     """Applies the step still in flight and runs the releases still queued
-    (so the pool is empty when idle)."""
+    (so the pool is empty when idle); returns the requests that finished (or
+    were rejected) since the last call, as `step` does."""
     if self._pending is not None:
       self._resolve_pending()
-    if any(p.has_releases() for p in self._pools):
-      self.step()
+    outputs = self.step() if any(p.has_releases() for p in self._pools) else []
     if self._pending is not None:
       self._resolve_pending()
+    return outputs + self._take_outputs()

@@ -18,6 +18,7 @@ from typing import Iterator, Sequence
 
 from jax.sharding import Mesh
 
+from paged_jax.serving.driver import Driver
 from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.protocol import ServingModel
 from paged_jax.serving.requests import Request, RequestDelta, RequestOutput
@@ -90,9 +91,10 @@ class LLM:
         request ids.
     """
     requests = self._requests(prompts, sampling_params)
+    driver = Driver(self.engine)
     for r in requests:
-      self.engine.add_request(r)
-    by_id = {o.request_id: o for o in self.engine.run_until_done()}
+      driver.add_request(r)
+    by_id = {o.request_id: o for o in driver.run()}
     return [by_id[r.request_id] for r in requests]
 
   def stream(self, prompts: Prompts, sampling_params: Params = None
@@ -100,15 +102,10 @@ class LLM:
     """Serves every prompt, yielding `RequestDelta`s as tokens arrive (see
     the module docstring); arguments as in `generate`."""
     requests = self._requests(prompts, sampling_params)
-    self.engine.stream_deltas(True)
+    driver = Driver(self.engine, stream=True)
     try:
       for r in requests:
-        self.engine.add_request(r)
-      yield from self.engine.take_deltas()  # rejections
-      while self.engine.has_unfinished():
-        self.engine.step()
-        yield from self.engine.take_deltas()
-      self.engine.flush()
+        driver.add_request(r)
+      yield from driver.run()
     finally:
-      self.engine.stream_deltas(False)
-      self.engine.take_deltas()
+      driver.close()

@@ -14,12 +14,15 @@ A failure while turning one request's tokens into text (its tokenizer
 raised, say) fails that request alone: it is aborted in the engine and ends
 with a `TextDelta` whose `error` is set; the others go on.
 
+It does not step the engine: `driver.Driver(engine, tokenizer)` does, and
+returns these deltas.
+
 Example:
-  >>> te = TextEngine(engine, ByteTokenizer())
-  >>> te.add_request(Request("a", te.tokenizer.encode("Hi"), SamplingParams(stop=("\\n",))))
-  >>> while te.has_unfinished():
-  ...   for d in te.step():
-  ...     print(d.text, end="")
+  >>> driver = Driver(engine, ByteTokenizer())   # driver.text is the TextEngine
+  >>> driver.add_request(Request("a", ByteTokenizer().encode("Hi"),
+  ...                            SamplingParams(stop=("\\n",))))
+  >>> for d in driver.run():
+  ...   print(d.text, end="")
 """
 
 from __future__ import annotations
@@ -131,15 +134,6 @@ class TextEngine:
 
   def has_unfinished(self) -> bool:
     return self.engine.has_unfinished() or bool(self._reqs)
-
-  def step(self) -> list[TextDelta]:
-    """One engine step when there is work (else the releases still queued);
-    returns the text deltas since the last call."""
-    if self.engine.has_unfinished():
-      self.engine.step()
-    else:
-      self.engine.flush()
-    return self.take()
 
   def take(self) -> list[TextDelta]:
     """The text deltas of the engine's deltas since the last call."""

@@ -222,9 +222,18 @@ class HFTokenizer:
   def from_gguf_metadata(cls, meta: dict) -> "HFTokenizer":
     """The tokenizer a GGUF file's `tokenizer.*` metadata describes
     (llama.cpp's keys without the `tokenizer.ggml.` prefix, as
-    `paged_jax.models.gguf` reads them): a byte-level BPE (`model` "gpt2",
-    with `tokens`, `merges`, `token_type`) whose pre-tokenizer follows `pre`
-    as llama.cpp's does (`PRE_TOKENIZERS`), and the `chat_template`.
+    `paged_jax.models.gguf` reads them), and its `chat_template`:
+
+    * `model` "gpt2": a byte-level BPE (`tokens`, `merges`, `token_type`)
+      whose pre-tokenizer follows `pre` as llama.cpp's does
+      (`PRE_TOKENIZERS`; "qwen2" also NFC-normalises, as Qwen2's own
+      tokenizer.json does);
+    * `model` "llama": a SentencePiece BPE (Llama 2, Mistral, TinyLlama:
+      `tokens`, `scores`, `token_type`, optional `merges`), as
+      `sentencepiece_bpe` builds it.
+
+    BOS is added when `add_bos_token` says so (default: yes for "llama",
+    as llama.cpp and transformers do), EOS when `add_eos_token` does.
 
     Raises:
       ValueError: another tokenizer model or pre-tokenizer (named), or
@@ -235,31 +244,18 @@ class HFTokenizer:
     except ImportError as e:
       raise ImportError("a GGUF tokenizer needs the `tokenizers` package "
                         "(pip install tokenizers, or the `gguf` extra)") from e
-    from tokenizers import decoders, models, pre_tokenizers, processors  # pylint: disable=import-outside-toplevel
+    from tokenizers import processors  # pylint: disable=import-outside-toplevel
     kind = meta.get("model")
-    if kind != "gpt2":
+    if kind == "gpt2":
+      tok = _byte_level_bpe(meta)
+      add_bos = bool(meta.get("add_bos_token"))
+    elif kind == "llama":
+      tok = sentencepiece_bpe(meta)
+      add_bos = meta.get("add_bos_token", True) is not False
+    else:
       raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only "
-                       "'gpt2', byte-level BPE)")
-    pre = meta.get("pre", "default")
-    if pre not in PRE_TOKENIZERS:
-      raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; known: "
-                       f"{', '.join(sorted(PRE_TOKENIZERS))}")
-    tokens, merges = meta.get("tokens"), meta.get("merges")
-    if not tokens or merges is None:
-      raise ValueError("GGUF tokenizer metadata lacks tokenizer.ggml.tokens or "
-                       "tokenizer.ggml.merges")
-    vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = tokenizers.Tokenizer(models.BPE(vocab, pairs, fuse_unk=False,
-                                          byte_fallback=False))
-    digits, pattern = PRE_TOKENIZERS[pre]
-    steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
-    if pattern is not None:
-      steps.append(pre_tokenizers.Split(tokenizers.Regex(pattern), "isolated"))
-    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                          use_regex=pattern is None))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
-    tok.decoder = decoders.ByteLevel()
+                       "'gpt2', byte-level BPE, and 'llama', SentencePiece BPE)")
+    tokens = meta["tokens"]
     types = meta.get("token_type") or [1] * len(tokens)
     # llama.cpp token types: 3 control (special), 4 user-defined.
     special = [tokenizers.AddedToken(tokens[i], special=True, normalized=False)
@@ -270,10 +266,14 @@ class HFTokenizer:
     tok.add_tokens(added)
     bos, eos = meta.get("bos_token_id"), meta.get("eos_token_id")
     name = lambda i: tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None  # noqa: E731
-    if meta.get("add_bos_token") and name(bos) is not None:
+    add_bos = add_bos and name(bos) is not None
+    add_eos = bool(meta.get("add_eos_token")) and name(eos) is not None
+    if add_bos or add_eos:
+      first = f"{name(bos)} " if add_bos else ""
+      last = f" {name(eos)}" if add_eos else ""
       tok.post_processor = processors.TemplateProcessing(
-          single=f"{name(bos)} $A", pair=f"{name(bos)} $A {name(bos)} $B",
-          special_tokens=[(name(bos), bos)])
+          single=f"{first}$A{last}", pair=f"{first}$A{last} {first}$B{last}",
+          special_tokens=[(name(i), i) for i, on in ((bos, add_bos), (eos, add_eos)) if on])
     config = {"bos_token": name(bos), "eos_token": name(eos),
               "unk_token": name(meta.get("unknown_token_id")),
               "pad_token": name(meta.get("padding_token_id")),
@@ -321,6 +321,95 @@ class HFTokenizer:
     return self._compiled.render(messages=messages,
                                  add_generation_prompt=add_generation_prompt,
                                  **tokens)
+
+
+def _byte_level_bpe(meta: dict):
+  """GGUF `model` "gpt2": byte-level BPE with llama.cpp's pre-tokenizer `pre`."""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  from tokenizers import decoders, models, normalizers, pre_tokenizers  # pylint: disable=import-outside-toplevel
+  pre = meta.get("pre", "default")
+  if pre not in PRE_TOKENIZERS:
+    raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; known: "
+                     f"{', '.join(sorted(PRE_TOKENIZERS))}")
+  tokens, merges = meta.get("tokens"), meta.get("merges")
+  if not tokens or merges is None:
+    raise ValueError("GGUF tokenizer metadata lacks tokenizer.ggml.tokens or "
+                     "tokenizer.ggml.merges")
+  vocab = {t: i for i, t in enumerate(tokens)}
+  pairs = [tuple(m.split(" ", 1)) for m in merges]
+  tok = tokenizers.Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
+  digits, pattern = PRE_TOKENIZERS[pre]
+  steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+  if pattern is not None:
+    steps.append(pre_tokenizers.Split(tokenizers.Regex(pattern), "isolated"))
+  steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pattern is None))
+  tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+  if pre in NFC_PRE_TOKENIZERS:
+    tok.normalizer = normalizers.NFC()
+  tok.decoder = decoders.ByteLevel()
+  return tok
+
+
+# llama.cpp `pre` names whose Hugging Face tokenizer.json NFC-normalises
+# the text first (Qwen2's `Qwen2Tokenizer`; llama.cpp itself does not).
+NFC_PRE_TOKENIZERS = frozenset({"qwen2"})
+
+
+def sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+  """BPE merges that replay SentencePiece's score order: every split of a
+  piece into two pieces of the vocabulary, best-scored piece first (ties:
+  the longer left, then right, part; then vocabulary order), as
+  transformers' `generate_merges` and llama.cpp's SPM tokenizer rank them."""
+  vocab = {t: i for i, t in enumerate(tokens)}
+  merges = []
+  for piece, score in zip(tokens, scores):
+    local = [(piece[:k], piece[k:]) for k in range(1, len(piece))
+             if piece[:k] in vocab and piece[k:] in vocab]
+    local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+    merges += [(l, r, float(score)) for l, r in local]
+  merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+  return [(l, r) for l, r, _ in merges]
+
+
+def sentencepiece_bpe(meta: dict):
+  """GGUF `model` "llama" (SentencePiece BPE) as a `tokenizers.Tokenizer`.
+
+  The vocabulary is `tokens` (ids in order); the merges are the file's, or
+  `sentencepiece_merges` of `scores`. Spaces are "\u2581" (a Metaspace
+  pre-tokenizer, no splitting), prefixed to the text when `add_space_prefix`
+  (default yes); characters outside the vocabulary fall back to the
+  `<0xNN>` byte tokens, else `unknown_token_id`. Decoding undoes both (and
+  strips the prefixed space).
+
+  Raises:
+    ValueError: no `tokens`, or `scores` of another length (without merges).
+  """
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  from tokenizers import decoders, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
+  tokens, scores, merges = meta.get("tokens"), meta.get("scores"), meta.get("merges")
+  if not tokens:
+    raise ValueError("GGUF tokenizer metadata lacks tokenizer.ggml.tokens")
+  if merges is not None:
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+  elif scores is not None and len(scores) == len(tokens):
+    pairs = sentencepiece_merges(tokens, scores)
+  else:
+    raise ValueError(f"GGUF SentencePiece tokenizer needs tokenizer.ggml.scores, one "
+                     f"per token ({len(tokens)}), or tokenizer.ggml.merges; got "
+                     f"{'no scores' if scores is None else f'{len(scores)} scores'}")
+  unk = meta.get("unknown_token_id")
+  unk = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
+  vocab = {t: i for i, t in enumerate(tokens)}
+  tok = tokenizers.Tokenizer(models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True,
+                                        byte_fallback=True))
+  prefix = meta.get("add_space_prefix", True) is not False
+  tok.pre_tokenizer = pre_tokenizers.Metaspace(
+      replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
+  steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+  if prefix:
+    steps.append(decoders.Strip(content=" ", left=1))
+  tok.decoder = decoders.Sequence(steps)
+  return tok
 
 
 def load_tokenizer(checkpoint: str | None) -> Tokenizer:

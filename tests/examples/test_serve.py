@@ -88,8 +88,8 @@ def test_disconnect_mid_stream_frees_the_blocks(server, monkeypatch):
   # No race with the engine: once the stream has sent two chunks, the engine
   # thread waits (before its next step) until the server has queued the
   # abort of the disconnected request; so it cannot finish first.
-  text, loop = server.loop.text, server.loop
-  step, abort = text.step, loop.abort
+  driver, loop = server.loop.driver, server.loop
+  step, abort = driver.step, loop.abort
   chunks, aborted = [0], threading.Event()
 
   def gated_step():
@@ -103,7 +103,7 @@ def test_disconnect_mid_stream_frees_the_blocks(server, monkeypatch):
     abort(rid)
     aborted.set()
 
-  monkeypatch.setattr(text, "step", gated_step)
+  monkeypatch.setattr(driver, "step", gated_step)
   monkeypatch.setattr(loop, "abort", noted_abort)
   with httpx.stream("POST", server.url + "/v1/completions", json={
       "model": "tiny", "prompt": "disconnect me", "max_tokens": 40,

@@ -28,7 +28,8 @@ import traceback
 from paged_jax import _cli
 from paged_jax.serving.engine import Engine
 from paged_jax.serving.requests import Request
-from paged_jax.serving.text import TextDelta, TextEngine
+from paged_jax.serving.driver import Driver
+from paged_jax.serving.text import TextDelta
 from paged_jax.serving.tokenizer import Tokenizer
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -48,7 +49,8 @@ class EngineLoop:
   def __init__(self, engine: Engine, tokenizer: Tokenizer, registry, on_fatal=None):
     import prometheus_client as prom  # pylint: disable=import-outside-toplevel
     self.engine = engine
-    self.text = TextEngine(engine, tokenizer)
+    self.driver = Driver(engine, tokenizer)
+    self.text = self.driver.text  # adds, aborts and fails requests
     self.on_fatal = on_fatal
     self._commands: queue.Queue = queue.Queue()
     self._sinks: dict = {}
@@ -186,9 +188,7 @@ class EngineLoop:
             cmd = self._commands.get_nowait()
           except queue.Empty:
             cmd = False
-        deltas = self.text.take()  # rejections
-        if self.engine.has_unfinished() or self.engine.usage()["blocks_used"] > 0:
-          deltas += self.text.step()
+        deltas = self.driver.step()  # a step, or a flush when idle
         self.usage = self.engine.usage()
         self._deliver(deltas)
       except Exception as e:  # pylint: disable=broad-except  # an engine fault

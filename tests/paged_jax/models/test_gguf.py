@@ -199,7 +199,9 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
 TEXTS = ["Hello world, it's 2026!", "  leading spaces\tand\ttabs\n\nnewlines",
          "numbers 1234567 and 3.14159", "ünïcödé — emoji 🙂 and 中文",
          "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
-         "I'M SHOUTING, you're not; they'll've"]
+         "I'M SHOUTING, you're not; they'll've",
+         # NFC changes these: e + combining acute -> é, the Angstrom sign -> Å.
+         "cafe\u0301 au \u212b lait"]
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # HF's tokenizer.json pre-tokenizers for these llama.cpp `pre` names.
 HF_PRE = {
@@ -216,7 +218,16 @@ HF_PRE = {
          "behavior": "Isolated", "invert": False},
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
          "use_regex": False}]},
+    # Qwen2's tokenizer.json: its split (digits one by one) after an NFC normaliser.
+    "qwen2": {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": (
+            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+            r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")},
+         "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+         "use_regex": False}]},
 }
+NORMALIZERS = {"qwen2": {"type": "NFC"}}
 
 
 def trained_tokenizer_json(pre: str) -> dict:
@@ -232,6 +243,7 @@ def trained_tokenizer_json(pre: str) -> dict:
                           trainer)
   d = json.loads(tok.to_str())
   d["pre_tokenizer"] = HF_PRE[pre]
+  d["normalizer"] = NORMALIZERS.get(pre)
   return d
 
 
@@ -273,6 +285,26 @@ def test_gguf_tokenizer_gives_the_tokenizer_json_ids(tmp_path, pre):
   assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
   ids = tok.encode(chat, add_special_tokens=False)
   assert ids[0] == d["model"]["vocab"]["<|im_start|>"]
+
+
+def test_qwen2_normalises_to_nfc_first(tmp_path):
+  """A string that NFC changes encodes as its NFC form, as Qwen2's own
+  tokenizer does (and the other byte-level pre-tokenizers do not)."""
+  import unicodedata  # pylint: disable=import-outside-toplevel
+  text = "cafe\u0301 au \u212b lait"
+  composed = unicodedata.normalize("NFC", text)
+  assert composed != text
+  toks = {}
+  for pre in ("qwen2", "llama-bpe"):
+    d = trained_tokenizer_json(pre)
+    cfg = model_lib.LlamaConfig.tiny(vocab_size=len(d["model"]["vocab"]), rope_scaling=None)
+    write_gguf(tmp_path / f"{pre}.gguf", hf_tensors(cfg), cfg, types={},
+               tokenizer=gguf_tokenizer_metadata(d, pre))
+    toks[pre] = gguf_lib.read_gguf(tmp_path / f"{pre}.gguf").tokenizer()
+  qwen, llama = toks["qwen2"], toks["llama-bpe"]
+  assert qwen.encode(text, add_special_tokens=False) == qwen.encode(composed, add_special_tokens=False)
+  assert qwen.decode(qwen.encode(text, add_special_tokens=False)) == composed
+  assert llama.decode(llama.encode(text, add_special_tokens=False)) == text  # no NFC
 
 
 def test_unknown_tokenizer_is_refused_by_name():

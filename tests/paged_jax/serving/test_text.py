@@ -8,6 +8,7 @@ import types
 import pytest
 
 from paged_jax.serving import Completion, Request, RequestDelta, RequestOutput, SamplingParams
+from paged_jax.serving.driver import Driver
 from paged_jax.serving.text import TextEngine
 from paged_jax.serving.tokenizer import ByteTokenizer
 
@@ -71,7 +72,7 @@ def _run(te):
 
 def test_stop_string_across_tokens_cuts_and_stops():
   eng = _Scripted()
-  te = TextEngine(eng, TOK)
+  te = Driver(eng, TOK)
   # "ab€<END>cd": the stop string spans 5 tokens; "€" is 3 bytes.
   te.add_request(Request("a", TOK.encode("ab€<END>cd", add_special_tokens=False),
                          SamplingParams(max_new_tokens=20, stop=("<END>", "zz"))))
@@ -89,7 +90,7 @@ def test_stop_string_across_tokens_cuts_and_stops():
 
 def test_eos_is_not_decoded_and_text_is_complete():
   eng = _Scripted()
-  te = TextEngine(eng, TOK)
+  te = Driver(eng, TOK)
   te.add_request(Request("b", TOK.encode("hé", add_special_tokens=False) + [2],
                          SamplingParams(max_new_tokens=20)))
   deltas = _run(te)
@@ -101,12 +102,12 @@ def test_eos_is_not_decoded_and_text_is_complete():
 
 def test_abort_keeps_the_text_so_far():
   eng = _Scripted()
-  te = TextEngine(eng, TOK)
+  te = Driver(eng, TOK)
   te.add_request(Request("c", TOK.encode("xyz", add_special_tokens=False),
                          SamplingParams(max_new_tokens=20)))
   te.step()
   te.abort_request("c")
-  deltas = _run(te) + te.take()
+  deltas = _run(te) + te.text.take()
   (final,) = [d for d in deltas if d.output is not None]
   assert final.completions[0].text == "x" and final.completions[0].finish_reason == "abort"
   assert not te.has_unfinished()
@@ -132,7 +133,7 @@ class _FailingTokenizer(ByteTokenizer):
 
 def test_a_failure_while_decoding_fails_that_request_alone():
   engine = _Scripted()
-  te = TextEngine(engine, _FailingTokenizer())
+  te = Driver(engine, _FailingTokenizer())
   bad = TOK.encode("ab!cd", add_special_tokens=False)
   good = TOK.encode("hello", add_special_tokens=False)
   te.add_request(Request("bad", bad, SamplingParams(max_new_tokens=20)))
