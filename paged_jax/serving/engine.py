@@ -79,6 +79,7 @@ from paged_jax import sharding
 from paged_jax.serving import buckets as buckets_lib
 from paged_jax.serving import compiler
 from paged_jax.serving.buckets import Bucket
+from paged_jax.serving.multistep import MAX_STEPS
 from paged_jax.serving.protocol import ServingModel
 from paged_jax.serving.requests import Request, RequestDelta, RequestOutput
 from paged_jax.serving.runner import Runner
@@ -95,6 +96,7 @@ class InFlight(NamedTuple):
   has_beam: bool  # beam rows: their groups wait for the results
   wants_top: bool  # beam rows, or rows that asked for top log-probs
   bucket: Bucket
+  multi: list | None = None  # a K-step dispatch: each pool's MultiStepPending
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +164,14 @@ class EngineConfig:
       on a 4,096-token pool at batch 32, preemptions 34 -> 5 and 191 -> 42,
       computed tokens -15% and -42%, steps +3% and +1%, on a long-prompt and
       a ShareGPT-like workload against no block check).
+    num_scheduler_steps: K, decode steps per dispatch in a steady decode
+      state (vLLM's former `--num-scheduler-steps`; `multistep.py`): when
+      nothing waits for admission and every entry decodes, one program runs
+      up to K decode steps, blocks reserved on the device, each row stopping
+      at its stop ids, budget or a full pool; the next step is planned after
+      its results. In [1, `multistep.MAX_STEPS`]; 1 = off. Single steps
+      where it does not apply (`multistep_host.py`: beam search, forks,
+      stop strings, prompt chunks) and always on a mesh.
   """
 
   num_blocks: int
@@ -180,6 +190,7 @@ class EngineConfig:
   async_scheduling: bool = True
   enable_prefix_caching: bool = False
   admission_headroom_steps: int = 16
+  num_scheduler_steps: int = 1
 
   def __post_init__(self):
     for name in ("num_blocks", "block_size", "max_batch", "max_tokens_per_step",
@@ -197,6 +208,10 @@ class EngineConfig:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
       if value > hi:
         raise ValueError(f"{name} must be <= {hi}, got {value}")
+    k = self.num_scheduler_steps
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_STEPS:
+      raise ValueError(f"num_scheduler_steps must be an int in [1, {MAX_STEPS}], "
+                       f"got {k!r}")
     for name in ("static_batching", "check_traces", "async_scheduling",
                  "enable_prefix_caching", "bucket_midpoints"):
       if not isinstance(getattr(self, name), bool):
@@ -383,8 +398,10 @@ class Engine:
     compile0 = self._compile_seconds()
     waited, bucket = 0.0, None
     if self._pending is not None and (self._pending.has_beam
+                                      or self._pending.multi is not None
                                       or not self.config.async_scheduling):
-      waited += self._resolve_pending()  # beam search: its next step needs them
+      # Beam search: its next step needs them; K steps: their token counts.
+      waited += self._resolve_pending()
     plans = [p.begin_step() for p in self._pools]
     if all(plan is None for plan in plans):
       if self._pending is not None:
@@ -393,23 +410,39 @@ class Engine:
       return self._take_outputs()
     plans = [plan or [] for plan in plans]
     bucket = self._bucket(plans)
+    k = self._num_steps(plans, bucket)
     built = [p.build_step(plan, bucket) for p, plan in zip(self._pools, plans)]
     # Did the device finish everything dispatched while the host worked?
     exposed = self._pending is None or self._pending.out.ok.is_ready()
-    out = self._runner.dispatch(bucket, [x for x, _ in built])
+    multi = None
+    if k > 1:
+      ((x, pending),) = built
+      m, ms = self._pools[0].multistep_inputs(pending, x)
+      out, multi = self._runner.dispatch_multistep(bucket, k, x, m), [ms]
+      self.stats.multisteps += 1
+    else:
+      out = self._runner.dispatch(bucket, [x for x, _ in built])
     self._count(bucket)
     for p in self._pools:
       p.end_step()
     previous, self._pending = self._pending, InFlight(
         out, [pending for _, pending in built],
         any(pending.beam for _, pending in built),
-        any(pending.beam or pending.top for _, pending in built), bucket)
+        any(pending.beam or pending.top for _, pending in built), bucket, multi)
     if previous is not None:
       waited += self._resolve(previous)
     if not self.config.async_scheduling or self._pending.has_beam:
       waited += self._resolve_pending()
     self._account(t0, waited, compile0, exposed, bucket)
     return self._take_outputs()
+
+  def _num_steps(self, plans, bucket: Bucket) -> int:
+    """Decode steps this dispatch runs: `num_scheduler_steps` when it
+    applies (one device, a decode bucket, `Scheduler.multistep_ok`), else 1."""
+    k = self.config.num_scheduler_steps
+    if k == 1 or self.mesh is not None or not bucket.decode_only:
+      return 1
+    return k if self._pools[0].multistep_ok(plans[0]) else 1
 
   def _compile_seconds(self) -> float:
     """Seconds spent compiling step shapes so far."""
@@ -442,6 +475,10 @@ class Engine:
     t = time.perf_counter()
     outs = self._runner.fetch(flight.out, len(self._pools), top=flight.wants_top)
     now = time.perf_counter()
+    if flight.multi is not None:
+      (p,), (rec,), (o,), (ms,) = self._pools, flight.pending, outs, flight.multi
+      p.resolve_multistep(rec, ms, o, now)
+      return now - t
     for p, rec, o in zip(self._pools, flight.pending, outs):
       p.resolve(rec, o, now)
     return now - t
@@ -466,9 +503,16 @@ class Engine:
     compiling (0 when this process had compiled them all already, e.g. for
     an engine of equal sizes)."""
     before = self._runner.compile_seconds
+    buckets = buckets or self.buckets
     self._runner.compile(
         {b: [p._build([], b)[0] for p in self._pools]  # pylint: disable=protected-access
-         for b in buckets or self.buckets})
+         for b in buckets})
+    k = self.config.num_scheduler_steps
+    if k > 1 and self.mesh is None:  # the K-step decode programs too
+      pool = self._pools[0]
+      self._runner.compile_multistep(
+          {b: (x, pool.multistep_padding(x)) for b in buckets if b.decode_only
+           for x in [pool._build([], b)[0]]}, k)  # pylint: disable=protected-access
     # Warm-up is not "compiling on first use": keep it out of the stats.
     seconds = self._runner.compile_seconds - before
     self._runner.compile_seconds = before

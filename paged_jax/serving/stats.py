@@ -95,6 +95,12 @@ class EngineStats:
     recomputed_tokens: tokens whose K/V a preemption dropped (the victims'
       computed tokens at that moment), to be computed again at re-admission
       (less any prefix-cache hits then).
+    multisteps: dispatches that ran several decode steps on the device
+      (`EngineConfig.num_scheduler_steps`; each counts once in `steps`).
+    multistep_tokens: tokens those dispatches sampled after their first
+      iteration (decode tokens with no host work of their own).
+    multistep_refused: rows those dispatches stopped on a refused
+      reservation (the pool full inside the loop).
     deferred_admissions: steps in which block-aware admission left a
       waiting request queued because its prompt's blocks would not leave
       the running sequences room to grow (`Scheduler._schedule`).
@@ -134,6 +140,9 @@ class EngineStats:
   preemptions: int = 0
   recomputed_tokens: int = 0
   deferred_admissions: int = 0
+  multisteps: int = 0
+  multistep_tokens: int = 0
+  multistep_refused: int = 0
   refused_reservations: int = 0
   finished: int = 0
   rejected: int = 0
