@@ -410,7 +410,8 @@ class Engine:
       return self._take_outputs()
     plans = [plan or [] for plan in plans]
     bucket = self._bucket(plans)
-    k = self._num_steps(plans, bucket)
+    # Decode steps in this dispatch (`multistep_host.py`; one device only).
+    k = 1 if self.mesh is not None else self._pools[0].num_steps(plans[0], bucket)
     built = [p.build_step(plan, bucket) for p, plan in zip(self._pools, plans)]
     # Did the device finish everything dispatched while the host worked?
     exposed = self._pending is None or self._pending.out.ok.is_ready()
@@ -436,14 +437,6 @@ class Engine:
     self._account(t0, waited, compile0, exposed, bucket)
     return self._take_outputs()
 
-  def _num_steps(self, plans, bucket: Bucket) -> int:
-    """Decode steps this dispatch runs: `num_scheduler_steps` when it
-    applies (one device, a decode bucket, `Scheduler.multistep_ok`), else 1."""
-    k = self.config.num_scheduler_steps
-    if k == 1 or self.mesh is not None or not bucket.decode_only:
-      return 1
-    return k if self._pools[0].multistep_ok(plans[0]) else 1
-
   def _compile_seconds(self) -> float:
     """Seconds spent compiling step shapes so far."""
     return self._runner.compile_seconds
@@ -452,18 +445,9 @@ class Engine:
                bucket: Bucket | None):
     """Adds a step's host work, waiting and device share to the stats
     (compiling on first use excluded, counted apart)."""
-    st = self.stats
     compiled = self._compile_seconds() - compile0
-    st.compile_seconds += compiled
-    wall = time.perf_counter() - t0 - compiled
-    host = max(wall - waited, 0.0)
-    st.host_seconds += host
-    st.wait_seconds += waited
-    st.exposed_host_seconds += host * exposed
-    device = wall - host * exposed
-    st.device_seconds += device
-    if bucket is not None and bucket.decode_only:
-      st.decode_device_seconds += device
+    self.stats.add_step_time(time.perf_counter() - t0 - compiled, waited, compiled,
+                             exposed, bucket is not None and bucket.decode_only)
 
   def _resolve_pending(self) -> float:
     pending, self._pending = self._pending, None
@@ -484,18 +468,7 @@ class Engine:
     return now - t
 
   def _count(self, bucket: Bucket):
-    st = self.stats
-    st.steps += 1
-    st.decode_steps += bucket.decode_only
-    st.mixed_steps += not bucket.decode_only
-    st.padded_rows += bucket.num_tokens * len(self._pools)
-    key = (bucket.num_tokens, bucket.num_seqs, bucket.decode_only)
-    st.buckets[key] = st.buckets.get(key, 0) + 1
-    usage = self.usage()
-    st.blocks_used.add(usage["blocks_used"])
-    st.blocks_cached.add(usage["blocks_cached"])
-    st.running.add(usage["running"])
-    st.waiting.add(usage["waiting"])
+    self.stats.add_step(bucket, len(self._pools), self.usage())
 
   def warmup(self, buckets: tuple[Bucket, ...] | None = None) -> float:
     """Compiles the step of every bucket (default: all of `self.buckets`),
@@ -509,10 +482,7 @@ class Engine:
          for b in buckets})
     k = self.config.num_scheduler_steps
     if k > 1 and self.mesh is None:  # the K-step decode programs too
-      pool = self._pools[0]
-      self._runner.compile_multistep(
-          {b: (x, pool.multistep_padding(x)) for b in buckets if b.decode_only
-           for x in [pool._build([], b)[0]]}, k)  # pylint: disable=protected-access
+      self._runner.compile_multistep(self._pools[0].multistep_padding(buckets), k)
     # Warm-up is not "compiling on first use": keep it out of the stats.
     seconds = self._runner.compile_seconds - before
     self._runner.compile_seconds = before

@@ -90,15 +90,26 @@ class MultiStep:
                         ban_ids=ban_ids)
     return m, MultiStepPending(x.seq_ids.copy(), budget)
 
-  @staticmethod
-  def multistep_padding(x: StepInputs) -> MultiStepInputs:
-    """The loop's inputs for an all-padding step `x` (warm-up shapes)."""
-    S = x.seq_ids.shape[0]
-    return MultiStepInputs(
-        budget=np.zeros(S, np.int32),
-        stop_ids=np.full((S, MAX_STOP_IDS), -1, np.int32),
-        ban_until=np.zeros(S, np.int32),
-        ban_ids=np.full((S, sampling_lib.MAX_BANNED), -1, np.int32))
+  def num_steps(self, plan, bucket) -> int:
+    """Decode steps to run for `plan` in `bucket`: `num_scheduler_steps`
+    where multi-step applies (a decode bucket, `multistep_ok`), else 1."""
+    k = self.config.num_scheduler_steps
+    return k if k > 1 and bucket.decode_only and self.multistep_ok(plan) else 1
+
+  def multistep_padding(self, buckets) -> dict:
+    """`{bucket: (StepInputs, MultiStepInputs)}` of all-padding steps, for
+    each decode bucket of `buckets` (the K-step programs' warm-up shapes)."""
+    out = {}
+    for b in buckets:
+      if b.decode_only:
+        x = self._build([], b)[0]
+        S = x.seq_ids.shape[0]
+        out[b] = (x, MultiStepInputs(
+            budget=np.zeros(S, np.int32),
+            stop_ids=np.full((S, MAX_STOP_IDS), -1, np.int32),
+            ban_until=np.zeros(S, np.int32),
+            ban_ids=np.full((S, sampling_lib.MAX_BANNED), -1, np.int32)))
+    return out
 
   def resolve_multistep(self, pending: Pending, ms: MultiStepPending,
                         out: MultiStepOutputs, now: float):
@@ -132,6 +143,8 @@ class MultiStep:
     st.computed_tokens += extra
     st.multistep_tokens += extra
     st.multistep_refused += int(np.count_nonzero(refused))
+    # The loop's later iterations computed the bucket's rows too.
+    st.padded_rows += ms.seq_ids.shape[0] * (int((counts + refused).max(initial=1)) - 1)
     if not extra:
       return
     tokens, logprobs = out.tokens.tolist(), out.token_logprobs.tolist()

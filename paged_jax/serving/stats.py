@@ -168,6 +168,37 @@ class EngineStats:
   e2e: Latency = dataclasses.field(default_factory=Latency)
   buckets: dict = dataclasses.field(default_factory=dict)
 
+  def add_step(self, bucket, num_pools: int, usage: dict):
+    """Counts one dispatched step of `bucket` (`buckets.Bucket`) over
+    `num_pools` pools, and samples the gauges from `usage`
+    (`Engine.usage()`)."""
+    self.steps += 1
+    self.decode_steps += bucket.decode_only
+    self.mixed_steps += not bucket.decode_only
+    self.padded_rows += bucket.num_tokens * num_pools
+    key = (bucket.num_tokens, bucket.num_seqs, bucket.decode_only)
+    self.buckets[key] = self.buckets.get(key, 0) + 1
+    self.blocks_used.add(usage["blocks_used"])
+    self.blocks_cached.add(usage["blocks_cached"])
+    self.running.add(usage["running"])
+    self.waiting.add(usage["waiting"])
+
+  def add_step_time(self, wall: float, waited: float, compiled: float,
+                    exposed: bool, decode: bool):
+    """Adds one `Engine.step`'s seconds: `wall` (compiling excluded) of
+    which `waited` waiting for results, `compiled` compiling on first use;
+    `exposed`: the device had finished everything before the host's work
+    ended; `decode`: a decode step."""
+    self.compile_seconds += compiled
+    host = max(wall - waited, 0.0)
+    self.host_seconds += host
+    self.wait_seconds += waited
+    self.exposed_host_seconds += host * exposed
+    device = wall - host * exposed
+    self.device_seconds += device
+    if decode:
+      self.decode_device_seconds += device
+
   @property
   def host_share(self) -> float:
     """Exposed host time / (exposed host time + waiting): the share of the
