@@ -6,8 +6,11 @@ Each case serves `batch` requests at once (16-token prompts, `--new` output
 tokens each, EOS ignored, greedy) after warm-up (every shape compiled first,
 K-step programs included), and reports output tokens/s over the whole run
 (prefill included), the requests' median TPOT, dispatches and the host's
-share (`EngineStats.host_share`). Cases are interleaved: round after round,
-every (batch, K) once per round; medians over the rounds.
+share (`EngineStats.host_share`) and the process's CPU time per output token
+(all threads: the host's Python and XLA's; less sensitive than wall time to
+other jobs on a shared machine). Cases are interleaved: round after round,
+every (batch, K) once per round; medians over the rounds, and the median of
+the per-round ratios to K = 1 (each from cases run back to back).
 
   PYTHONPATH=. python benchmarks/engine_multistep.py [--rounds 3] [--new 64]
 """
@@ -49,16 +52,16 @@ def run_case(model, batch: int, k: int, new: int, seed: int) -> dict:
     prompt = [(31 * (i + seed) + 7 * j) % (vocab - 3) + 3 for j in range(PROMPT)]
     engine.add_request(Request(i, prompt, SamplingParams(max_new_tokens=new,
                                                          ignore_eos=True)))
-  t0 = time.perf_counter()
+  t0, c0 = time.perf_counter(), time.process_time()
   outs = engine.run_until_done()
-  wall = time.perf_counter() - t0
+  wall, cpu = time.perf_counter() - t0, time.process_time() - c0
   st = engine.stats
   assert st.compile_seconds == 0, "compiled while serving"
   tokens = sum(len(c.token_ids) for o in outs for c in o.completions)
   return {"batch": batch, "k": k, "tokens_per_s": tokens / wall,
           "tpot_ms": 1e3 * statistics.median(o.tpot for o in outs),
           "dispatches": st.steps, "multisteps": st.multisteps,
-          "host_share": st.host_share,
+          "host_share": st.host_share, "cpu_ms_per_token": 1e3 * cpu / tokens,
           "host_ms_per_token": 1e3 * st.host_seconds / tokens}
 
 
@@ -81,23 +84,29 @@ def main(argv=None):
         runs.setdefault((batch, k), []).append(r)
         print(f"round {rnd} batch {batch:3d} K {k}: {r['tokens_per_s']:8.1f} tok/s, "
               f"TPOT {r['tpot_ms']:7.2f} ms, {r['dispatches']} dispatches "
-              f"({r['multisteps']} multi-step), host share {r['host_share']:.2f}",
+              f"({r['multisteps']} multi-step), host share {r['host_share']:.2f}, "
+              f"CPU {r['cpu_ms_per_token']:.2f} ms/token",
               flush=True)
   rows = []
   for batch in batches:
-    base = statistics.median(r["tokens_per_s"] for r in runs[batch, 1]) if 1 in ks else None
     for k in ks:
       rs = runs[batch, k]
       med = {f: statistics.median(r[f] for r in rs)
-             for f in ("tokens_per_s", "tpot_ms", "host_share", "host_ms_per_token")}
-      row = {"batch": batch, "k": k, **med, "dispatches": rs[0]["dispatches"],
-             "vs_k1": med["tokens_per_s"] / base if base else None}
+             for f in ("tokens_per_s", "tpot_ms", "host_share", "host_ms_per_token",
+                       "cpu_ms_per_token")}
+      row = {"batch": batch, "k": k, **med, "dispatches": rs[0]["dispatches"]}
+      if 1 in ks:  # per-round ratios to K = 1, then their median
+        base = runs[batch, 1]
+        for f in ("tokens_per_s", "tpot_ms", "cpu_ms_per_token"):
+          row[f + "_vs_k1"] = statistics.median(r[f] / b[f] for r, b in zip(rs, base))
       rows.append(row)
-      print(f"median batch {batch:3d} K {k}: {med['tokens_per_s']:8.1f} tok/s"
-            + (f" ({row['vs_k1']:.2f}x K=1)" if base else "")
-            + f", TPOT {med['tpot_ms']:7.2f} ms, host {med['host_ms_per_token']:.3f} "
-            f"ms/token, host share {med['host_share']:.2f}, "
-            f"{row['dispatches']} dispatches", flush=True)
+      vs = (f" ({row['tokens_per_s_vs_k1']:.2f}x K=1 tok/s, "
+            f"{row['tpot_ms_vs_k1']:.2f}x TPOT, {row['cpu_ms_per_token_vs_k1']:.2f}x CPU)"
+            if 1 in ks else "")
+      print(f"median batch {batch:3d} K {k}: {med['tokens_per_s']:8.1f} tok/s, TPOT "
+            f"{med['tpot_ms']:7.2f} ms, CPU {med['cpu_ms_per_token']:.2f} ms/token, "
+            f"host share {med['host_share']:.2f}, {row['dispatches']} dispatches"
+            + vs, flush=True)
   if args.json:
     with open(args.json, "a", encoding="utf-8") as f:
       for r in rows:
