@@ -178,3 +178,22 @@ def test_num_scheduler_steps_flag(capsys):
   assert code == 2
   err = capsys.readouterr().err
   assert f"num_scheduler_steps must be an int in [1, {MAX_STEPS}], got 0" in err
+
+
+def test_abort_and_stop_while_a_multistep_dispatch_runs(model):
+  """Rows the host finishes while their K-step dispatch runs (an abort, a
+  stop string's `stop_sequence`) still took blocks on the device: the replay
+  counts them, their tokens are dropped, and every block comes back."""
+  engine = make_engine(model, num_scheduler_steps=4)
+  for i in range(3):
+    engine.add_request(Request(i, [9 + i, 4, 7], SamplingParams(max_new_tokens=30)))
+  while engine._pending is None or engine._pending.multi is None:  # pylint: disable=protected-access
+    engine.step()
+  assert engine.abort_request(0) and engine.stop_sequence(1)
+  outs = {o.request_id: o for o in engine.run_until_done()}
+  assert outs[0].completions[0].finish_reason == "abort"
+  assert outs[1].completions[0].finish_reason == "stop"
+  want = _run(make_engine(model), [Request(2, [11, 4, 7], SamplingParams(max_new_tokens=30))],
+              checked=False)
+  assert [(c.token_ids, c.finish_reason) for c in outs[2].completions] == want[2]
+  _assert_pool_empty(engine)
