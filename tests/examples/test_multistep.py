@@ -5,7 +5,6 @@ per dispatch; the host's pool model replays the loop exactly."""
 from __future__ import annotations
 
 import chex
-import numpy as np
 import pytest
 
 from paged_jax import block_manager as bm
@@ -132,7 +131,7 @@ def test_forks_seeds_stop_ids_min_tokens_and_budgets_end_mid_loop(model):
       assert len(d.logprobs) == len(d.token_ids)
       if d.request_id == "lp":
         assert len(d.top_logprobs[0]) == 2
-  assert {k: v for k, v in streamed.items()} == {
+  assert streamed == {
       (rid, i): c[0] for rid, cs in got.items() for i, c in enumerate(cs)}
   _assert_pool_empty(engine)
 
@@ -187,7 +186,9 @@ def test_abort_and_stop_while_a_multistep_dispatch_runs(model):
   engine = make_engine(model, num_scheduler_steps=4)
   for i in range(3):
     engine.add_request(Request(i, [9 + i, 4, 7], SamplingParams(max_new_tokens=30)))
-  while engine._pending is None or engine._pending.multi is None:  # pylint: disable=protected-access
+  def in_flight():
+    return engine._pending  # pylint: disable=protected-access
+  while in_flight() is None or in_flight().multi is None:
     engine.step()
   assert engine.abort_request(0) and engine.stop_sequence(1)
   outs = {o.request_id: o for o in engine.run_until_done()}
