@@ -163,6 +163,14 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_model: str = "tiny")
                    "its blocks leave the running sequences room for this many "
                    "more decode steps (0: rows and token budget only, which "
                    "preempts more; EngineConfig.admission_headroom_steps)")
+  # Any integer parses: the range is EngineConfig's rule (one place), and
+  # its error names the range and the value given.
+  eng.add_argument("--num-scheduler-steps", type=count(-INT31 - 1, INT31),
+                   default=1, metavar="K",
+                   help="multi-step decode (vLLM's former flag): when nothing "
+                   "waits for admission, run up to K decode steps in one device "
+                   "dispatch, blocks reserved on the device (1-64; 1 = off; "
+                   "EngineConfig.num_scheduler_steps)")
   eng.add_argument("--max-model-len", type=count(2, MAX_MODEL_LEN), default=256,
                    help="longest prompt + output (at least 2: one prompt and "
                    "one generated token)")

@@ -425,7 +425,8 @@ def main(argv=None) -> int:
                   bucket_midpoints=args.bucket_midpoints,
                   async_scheduling=args.async_scheduling,
                   enable_prefix_caching=args.enable_prefix_caching,
-                  admission_headroom_steps=args.admission_headroom_steps)
+                  admission_headroom_steps=args.admission_headroom_steps,
+                  num_scheduler_steps=args.num_scheduler_steps)
     sizes = {n: v for n, v in common.items() if n not in ("progress", "mesh")}
     if args.request_rate is not None:
       common["arrival_times"] = poisson_arrivals(

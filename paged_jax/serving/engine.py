@@ -79,6 +79,7 @@ from paged_jax import sharding
 from paged_jax.serving import buckets as buckets_lib
 from paged_jax.serving import compiler
 from paged_jax.serving.buckets import Bucket
+from paged_jax.serving.multistep import MAX_STEPS
 from paged_jax.serving.protocol import ServingModel
 from paged_jax.serving.requests import Request, RequestDelta, RequestOutput
 from paged_jax.serving.runner import Runner
@@ -95,6 +96,7 @@ class InFlight(NamedTuple):
   has_beam: bool  # beam rows: their groups wait for the results
   wants_top: bool  # beam rows, or rows that asked for top log-probs
   bucket: Bucket
+  multi: list | None = None  # a K-step dispatch: each pool's MultiStepPending
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +164,17 @@ class EngineConfig:
       on a 4,096-token pool at batch 32, preemptions 34 -> 5 and 191 -> 42,
       computed tokens -15% and -42%, steps +3% and +1%, on a long-prompt and
       a ShareGPT-like workload against no block check).
+    num_scheduler_steps: K, decode steps per dispatch in a steady decode
+      state (vLLM's former `--num-scheduler-steps`; `multistep.py`): when
+      nothing waits for admission and every entry decodes, one program runs
+      up to K decode steps, blocks reserved on the device, each row stopping
+      at its stop ids, budget or a full pool; the next step is planned after
+      its results. In [1, `multistep.MAX_STEPS`]; 1 = off. Single steps
+      where it does not apply (`multistep_host.py`: beam search, forks,
+      stop strings, prompt chunks) and always on a mesh. Default 1, by
+      measurement (RESULTS.md section 13: on the loaded 2-core CPU, CPU time
+      per token 0.81-0.87x at K = 8, throughput within the noise at batch 32;
+      K > 1 makes the next step's planning wait and streams in bursts).
   """
 
   num_blocks: int
@@ -180,6 +193,7 @@ class EngineConfig:
   async_scheduling: bool = True
   enable_prefix_caching: bool = False
   admission_headroom_steps: int = 16
+  num_scheduler_steps: int = 1
 
   def __post_init__(self):
     for name in ("num_blocks", "block_size", "max_batch", "max_tokens_per_step",
@@ -197,6 +211,10 @@ class EngineConfig:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
       if value > hi:
         raise ValueError(f"{name} must be <= {hi}, got {value}")
+    k = self.num_scheduler_steps
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_STEPS:
+      raise ValueError(f"num_scheduler_steps must be an int in [1, {MAX_STEPS}], "
+                       f"got {k!r}")
     for name in ("static_batching", "check_traces", "async_scheduling",
                  "enable_prefix_caching", "bucket_midpoints"):
       if not isinstance(getattr(self, name), bool):
@@ -383,8 +401,10 @@ class Engine:
     compile0 = self._compile_seconds()
     waited, bucket = 0.0, None
     if self._pending is not None and (self._pending.has_beam
+                                      or self._pending.multi is not None
                                       or not self.config.async_scheduling):
-      waited += self._resolve_pending()  # beam search: its next step needs them
+      # Beam search: its next step needs them; K steps: their token counts.
+      waited += self._resolve_pending()
     plans = [p.begin_step() for p in self._pools]
     if all(plan is None for plan in plans):
       if self._pending is not None:
@@ -393,17 +413,26 @@ class Engine:
       return self._take_outputs()
     plans = [plan or [] for plan in plans]
     bucket = self._bucket(plans)
+    # Decode steps in this dispatch (`multistep_host.py`; one device only).
+    k = 1 if self.mesh is not None else self._pools[0].num_steps(plans[0], bucket)
     built = [p.build_step(plan, bucket) for p, plan in zip(self._pools, plans)]
     # Did the device finish everything dispatched while the host worked?
     exposed = self._pending is None or self._pending.out.ok.is_ready()
-    out = self._runner.dispatch(bucket, [x for x, _ in built])
+    multi = None
+    if k > 1:
+      ((x, pending),) = built
+      m, ms = self._pools[0].multistep_inputs(pending, x)
+      out, multi = self._runner.dispatch_multistep(bucket, k, x, m), [ms]
+      self.stats.multisteps += 1
+    else:
+      out = self._runner.dispatch(bucket, [x for x, _ in built])
     self._count(bucket)
     for p in self._pools:
       p.end_step()
     previous, self._pending = self._pending, InFlight(
         out, [pending for _, pending in built],
         any(pending.beam for _, pending in built),
-        any(pending.beam or pending.top for _, pending in built), bucket)
+        any(pending.beam or pending.top for _, pending in built), bucket, multi)
     if previous is not None:
       waited += self._resolve(previous)
     if not self.config.async_scheduling or self._pending.has_beam:
@@ -419,18 +448,9 @@ class Engine:
                bucket: Bucket | None):
     """Adds a step's host work, waiting and device share to the stats
     (compiling on first use excluded, counted apart)."""
-    st = self.stats
     compiled = self._compile_seconds() - compile0
-    st.compile_seconds += compiled
-    wall = time.perf_counter() - t0 - compiled
-    host = max(wall - waited, 0.0)
-    st.host_seconds += host
-    st.wait_seconds += waited
-    st.exposed_host_seconds += host * exposed
-    device = wall - host * exposed
-    st.device_seconds += device
-    if bucket is not None and bucket.decode_only:
-      st.decode_device_seconds += device
+    self.stats.add_step_time(time.perf_counter() - t0 - compiled, waited, compiled,
+                             exposed, bucket is not None and bucket.decode_only)
 
   def _resolve_pending(self) -> float:
     pending, self._pending = self._pending, None
@@ -442,23 +462,16 @@ class Engine:
     t = time.perf_counter()
     outs = self._runner.fetch(flight.out, len(self._pools), top=flight.wants_top)
     now = time.perf_counter()
+    if flight.multi is not None:
+      (p,), (rec,), (o,), (ms,) = self._pools, flight.pending, outs, flight.multi
+      p.resolve_multistep(rec, ms, o, now)
+      return now - t
     for p, rec, o in zip(self._pools, flight.pending, outs):
       p.resolve(rec, o, now)
     return now - t
 
   def _count(self, bucket: Bucket):
-    st = self.stats
-    st.steps += 1
-    st.decode_steps += bucket.decode_only
-    st.mixed_steps += not bucket.decode_only
-    st.padded_rows += bucket.num_tokens * len(self._pools)
-    key = (bucket.num_tokens, bucket.num_seqs, bucket.decode_only)
-    st.buckets[key] = st.buckets.get(key, 0) + 1
-    usage = self.usage()
-    st.blocks_used.add(usage["blocks_used"])
-    st.blocks_cached.add(usage["blocks_cached"])
-    st.running.add(usage["running"])
-    st.waiting.add(usage["waiting"])
+    self.stats.add_step(bucket, len(self._pools), self.usage())
 
   def warmup(self, buckets: tuple[Bucket, ...] | None = None) -> float:
     """Compiles the step of every bucket (default: all of `self.buckets`),
@@ -466,9 +479,13 @@ class Engine:
     compiling (0 when this process had compiled them all already, e.g. for
     an engine of equal sizes)."""
     before = self._runner.compile_seconds
+    buckets = buckets or self.buckets
     self._runner.compile(
         {b: [p._build([], b)[0] for p in self._pools]  # pylint: disable=protected-access
-         for b in buckets or self.buckets})
+         for b in buckets})
+    k = self.config.num_scheduler_steps
+    if k > 1 and self.mesh is None:  # the K-step decode programs too
+      self._runner.compile_multistep(self._pools[0].multistep_padding(buckets), k)
     # Warm-up is not "compiling on first use": keep it out of the stats.
     seconds = self._runner.compile_seconds - before
     self._runner.compile_seconds = before

@@ -135,31 +135,9 @@ class Results:
         continue
       tok = tokens[r]
       t.tokens[idx] = tok
-      t.token_logprobs.append(logprobs[r])
-      top = None
-      if t.top_logprobs is not None:
-        k = t.group.params.logprobs
-        top = list(zip(top_ids[r][:k], top_lp[r][:k]))
-        t.top_logprobs.append(top)
-      g = t.group
-      if g.output.first_token_step is None:
-        self._first_token(g)
-      # Latency, the stream, finishing (a sampled, non-beam token).
-      if t.last_token_time is not None:
-        itls.append(now - t.last_token_time)
-      t.last_token_time = now
-      reason = None
-      if tok in g.eos:
-        reason = "stop"
-      elif t.final and idx == len(t.tokens) - 1:
-        reason = "length"
-      if deltas is not None:
-        deltas.append(RequestDelta(g.request.request_id, t.index, [tok], reason,
-                                   logprobs=[logprobs[r]],
-                                   top_logprobs=None if top is None else [top]))
-      if reason is not None:
-        del t.tokens[idx + 1:]  # a token sampled after the EOS is void
-        self._finish_seq(t, reason)
+      self._take_token(t, idx, tok, logprobs[r],
+                       None if top_lp is None else (top_ids[r], top_lp[r]),
+                       now, deltas, itls)
     self.stats.itl.add_many(itls)
     rows: dict[int, list] = {}
     for r, s in pending.beam:
@@ -169,6 +147,37 @@ class Results:
           out.top_logprobs[r], out.top_ids[r])
     for g, by_seq in rows.values():
       self._beam_update(g, by_seq)
+
+  def _take_token(self, t: Seq, idx: int, tok: int, logprob: float, top_row,
+                  now: float, deltas: list | None, itls: list):
+    """Applies a sampled (non-beam) token `tok`, already at `t.tokens[idx]`:
+    its log-probs (`top_row`: the row's `(top ids, top log-probs)` when
+    fetched), the first-token time, the inter-token latency (arrival times:
+    `now`), the stream's delta, and finishing on a stop id or the budget."""
+    t.token_logprobs.append(logprob)
+    top = None
+    if t.top_logprobs is not None:
+      k = t.group.params.logprobs
+      top = list(zip(top_row[0][:k], top_row[1][:k]))
+      t.top_logprobs.append(top)
+    g = t.group
+    if g.output.first_token_step is None:
+      self._first_token(g)
+    if t.last_token_time is not None:
+      itls.append(now - t.last_token_time)
+    t.last_token_time = now
+    reason = None
+    if tok in g.eos:
+      reason = "stop"
+    elif t.final and idx == len(t.tokens) - 1:
+      reason = "length"
+    if deltas is not None:
+      deltas.append(RequestDelta(g.request.request_id, t.index, [tok], reason,
+                                 logprobs=[logprob],
+                                 top_logprobs=None if top is None else [top]))
+    if reason is not None:
+      del t.tokens[idx + 1:]  # a token sampled after the EOS is void
+      self._finish_seq(t, reason)
 
   def _first_token(self, g: Group):
     out = g.output

@@ -28,6 +28,7 @@ from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import sharding
 from paged_jax.serving import compiler
 from paged_jax.serving.buckets import Bucket
+from paged_jax.serving.multistep import MultiStepInputs, multistep_device_step
 from paged_jax.serving.step import (ModelDef, StepInputs, StepOutputs,
                                     device_step, mesh_device_step)
 
@@ -35,7 +36,9 @@ _STATIC = ("decode_only", "num_logprobs")
 _DONATE = (2, 3, 4)  # cache, block state, last tokens
 _step_jit = jax.jit(device_step, static_argnums=(0,), donate_argnums=_DONATE,
                     static_argnames=_STATIC)
-
+_MULTI_STATIC = ("num_steps", "num_logprobs")
+_multistep_jit = jax.jit(multistep_device_step, static_argnums=(0,),
+                         donate_argnums=_DONATE, static_argnames=_MULTI_STATIC)
 
 
 class Runner:
@@ -92,6 +95,8 @@ class Runner:
                  and id(self), compiler.signature(self._params, self.cache,
                                                   self.state, self.last_tokens))
     self._steps: dict[Bucket, jax.stages.Compiled] = {}
+    # K-step decode programs (`multistep.py`, one device only), by (bucket, K).
+    self._multi: dict[tuple[Bucket, int], jax.stages.Compiled] = {}
     self.compile_seconds = 0.0  # spent compiling in this runner
 
   def _jit_for(self, bucket: Bucket):
@@ -184,3 +189,51 @@ class Runner:
     if self.mesh is None:
       return [out]
     return [jax.tree.map(lambda a, i=i: a[i], out) for i in range(num_pools)]
+
+  # ------------------------------------------------------- multi-step decode
+
+  def _multistep_jit_for(self, bucket: Bucket, num_steps: int):
+    if not self.config.check_traces:
+      return _multistep_jit
+
+    def traced(model_def, params, cache, state, last_tokens, x, m, *, num_steps,
+               num_logprobs):
+      return multistep_device_step(model_def, params, cache, state, last_tokens,
+                                   x, m, num_steps=num_steps,
+                                   num_logprobs=num_logprobs)
+    traced.__name__ = f"decode_{num_steps}_steps_{bucket.num_tokens}"
+    return jax.jit(chex.assert_max_traces(traced, n=1), static_argnums=(0,),
+                   donate_argnums=_DONATE, static_argnames=_MULTI_STATIC)
+
+  def compile_multistep(self, inputs: dict[Bucket, tuple[StepInputs, MultiStepInputs]],
+                        num_steps: int) -> float:
+    """Compiles the `num_steps`-step decode program of every (decode) bucket
+    in `inputs` (`{bucket: (step inputs, loop inputs)}`, e.g. padding) not
+    compiled yet, in parallel; runs nothing. Returns the seconds spent."""
+    if self.mesh is not None:
+      raise ValueError("multi-step decode runs on one device, not on a mesh")
+
+    def lowerer(b, x, m):
+      specs = jax.tree.map(compiler.spec, (x, m))
+      return lambda: self._multistep_jit_for(b, num_steps).lower(
+          self._model_def, self._params, self.cache, self.state, self.last_tokens,
+          *specs, num_steps=num_steps, num_logprobs=self.num_logprobs)
+    jobs = {(self._key, "multistep", num_steps, b): lowerer(b, x, m)
+            for b, (x, m) in inputs.items() if (b, num_steps) not in self._multi}
+    done, seconds = compiler.compile_all(jobs)
+    for (_, _, k, b), exe in done.items():
+      self._multi[b, k] = exe
+    self.compile_seconds += seconds
+    return seconds
+
+  def dispatch_multistep(self, bucket: Bucket, num_steps: int, x: StepInputs,
+                         m: MultiStepInputs):
+    """Launches up to `num_steps` decode steps in one program (compiling it
+    first if needed); returns its `MultiStepOutputs`, still on the device."""
+    exe = self._multi.get((bucket, num_steps))
+    if exe is None:
+      self.compile_multistep({bucket: (x, m)}, num_steps)
+      exe = self._multi[bucket, num_steps]
+    self.cache, self.state, self.last_tokens, out = exe(
+        self._params, self.cache, self.state, self.last_tokens, x, m)
+    return out

@@ -33,7 +33,8 @@ device arrays live in the `Runner`.
 This file holds the queues, admission, preemption and fitting a step to the
 pool; the other concerns are mixins in their own files: input packing
 (`packing.py`), the prefix cache's host side (`prefix.py`) and applying
-results (`results.py`); the pool model is `host_pool.py`.
+results (`results.py`), multi-step decode (`multistep_host.py`); the pool
+model is `host_pool.py`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from paged_jax import prefix_cache
 from paged_jax.serving import sampling as sampling_lib
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.host_pool import HostPool
+from paged_jax.serving.multistep_host import MultiStep
 from paged_jax.serving.packing import Bookkeeping, InputPacking
 from paged_jax.serving.prefix import PrefixCaching, register_rows
 from paged_jax.serving.requests import (Group, Request, RequestDelta,
@@ -62,7 +64,7 @@ def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
-class Scheduler(InputPacking, PrefixCaching, Results):
+class Scheduler(InputPacking, PrefixCaching, Results, MultiStep):
   """The host side of one block pool: queues, admission, preemption, the
   step's inputs and applying its results. `Engine` drives one per pool (one
   per data shard on a mesh); the device arrays live in the `Engine`."""

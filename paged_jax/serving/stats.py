@@ -95,6 +95,12 @@ class EngineStats:
     recomputed_tokens: tokens whose K/V a preemption dropped (the victims'
       computed tokens at that moment), to be computed again at re-admission
       (less any prefix-cache hits then).
+    multisteps: dispatches that ran several decode steps on the device
+      (`EngineConfig.num_scheduler_steps`; each counts once in `steps`).
+    multistep_tokens: tokens those dispatches sampled after their first
+      iteration (decode tokens with no host work of their own).
+    multistep_refused: rows those dispatches stopped on a refused
+      reservation (the pool full inside the loop).
     deferred_admissions: steps in which block-aware admission left a
       waiting request queued because its prompt's blocks would not leave
       the running sequences room to grow (`Scheduler._schedule`).
@@ -134,6 +140,9 @@ class EngineStats:
   preemptions: int = 0
   recomputed_tokens: int = 0
   deferred_admissions: int = 0
+  multisteps: int = 0
+  multistep_tokens: int = 0
+  multistep_refused: int = 0
   refused_reservations: int = 0
   finished: int = 0
   rejected: int = 0
@@ -158,6 +167,37 @@ class EngineStats:
   itl: Latency = dataclasses.field(default_factory=Latency)
   e2e: Latency = dataclasses.field(default_factory=Latency)
   buckets: dict = dataclasses.field(default_factory=dict)
+
+  def add_step(self, bucket, num_pools: int, usage: dict):
+    """Counts one dispatched step of `bucket` (`buckets.Bucket`) over
+    `num_pools` pools, and samples the gauges from `usage`
+    (`Engine.usage()`)."""
+    self.steps += 1
+    self.decode_steps += bucket.decode_only
+    self.mixed_steps += not bucket.decode_only
+    self.padded_rows += bucket.num_tokens * num_pools
+    key = (bucket.num_tokens, bucket.num_seqs, bucket.decode_only)
+    self.buckets[key] = self.buckets.get(key, 0) + 1
+    self.blocks_used.add(usage["blocks_used"])
+    self.blocks_cached.add(usage["blocks_cached"])
+    self.running.add(usage["running"])
+    self.waiting.add(usage["waiting"])
+
+  def add_step_time(self, wall: float, waited: float, compiled: float,
+                    exposed: bool, decode: bool):
+    """Adds one `Engine.step`'s seconds: `wall` (compiling excluded) of
+    which `waited` waiting for results, `compiled` compiling on first use;
+    `exposed`: the device had finished everything before the host's work
+    ended; `decode`: a decode step."""
+    self.compile_seconds += compiled
+    host = max(wall - waited, 0.0)
+    self.host_seconds += host
+    self.wait_seconds += waited
+    self.exposed_host_seconds += host * exposed
+    device = wall - host * exposed
+    self.device_seconds += device
+    if decode:
+      self.decode_device_seconds += device
 
   @property
   def host_share(self) -> float:

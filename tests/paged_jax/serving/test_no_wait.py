@@ -69,8 +69,9 @@ def test_planning_modules_do_not_touch_the_device():
   """The scheduler's modules plan with NumPy only: no jax import, so no
   dispatch or transfer that could queue behind the running step."""
   import sys  # pylint: disable=import-outside-toplevel
-  from paged_jax.serving import (host_pool, packing, prefix, results,  # pylint: disable=import-outside-toplevel,unused-import
-                                 scheduler)
-  for name in ("host_pool", "packing", "prefix", "results", "scheduler"):
+  from paged_jax.serving import (host_pool, multistep_host, packing, prefix,  # pylint: disable=import-outside-toplevel,unused-import
+                                 results, scheduler)
+  for name in ("host_pool", "multistep_host", "packing", "prefix", "results",
+               "scheduler"):
     module = sys.modules[f"paged_jax.serving.{name}"]
     assert "jax" not in vars(module) and "jnp" not in vars(module), name
