@@ -207,7 +207,6 @@ def run(args) -> dict:
       engine.step()
       walls.append(time.perf_counter() - t)
     jax.block_until_ready(engine.block_state.num_free)
-    walls[-1] += 0.0
   decode_steps = engine.stats.decode_steps - decode0
   engine.run_until_done()
   files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
