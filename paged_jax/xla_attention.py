@@ -4,8 +4,10 @@ Scores, softmax and the weighted sum are computed in float32 (the gathered
 pages are upcast; CPU XLA has no bf16 x bf16 -> f32 dot). It never materialises a gathered copy of the whole cache: it walks the block
 tables a few pages at a time (`pages_per_step`), gathers only those pages,
 and folds them into a float32 online softmax. The loop stops after the
-longest sequence's last block (a `fori_loop` with a traced trip count), and
-starts at the first block inside the sliding window when there is one.
+longest sequence's last block (a `fori_loop` with a traced trip count). With
+a sliding window, decode walks each sequence from its own first block inside
+the window (a per-row gather of table columns), so its work is O(window)
+whatever the context; blocks wholly before the window are never read.
 
 Masking uses `where` throughout, so stale or NaN contents past `kv_len`
 never reach the output. Malformed traced inputs follow the contract of
@@ -107,17 +109,34 @@ def paged_decode_xla(
   kv_lens = contract.clamp_kv_lens(kv_lens.astype(jnp.int32), width, block_size)
   offs = jnp.arange(tokens, dtype=jnp.int32)
 
+  if sliding_window is not None:
+    # Each sequence starts at its own first block inside the window: the
+    # loop walks `ceil(window / tokens) + 1` steps at most, whatever kv_len.
+    first_col = jnp.maximum(kv_lens - sliding_window, 0) // block_size  # [b]
+    tables = jnp.pad(tables, ((0, 0), (0, pps)))  # a walk may pass the end
+    tables_ok = jnp.pad(tables_ok, ((0, 0), (0, pps)))
+    cols = jnp.arange(pps, dtype=jnp.int32)
+
   def body(i, carry):
-    ids = jax.lax.dynamic_slice_in_dim(tables, i * pps, pps, axis=1)  # [b, pps]
-    ids_ok = jax.lax.dynamic_slice_in_dim(tables_ok, i * pps, pps, axis=1)
+    if sliding_window is None:
+      ids = jax.lax.dynamic_slice_in_dim(tables, i * pps, pps, axis=1)  # [b, pps]
+      ids_ok = jax.lax.dynamic_slice_in_dim(tables_ok, i * pps, pps, axis=1)
+      pos = (i * tokens + offs)[None, :]  # [1, tokens]
+    else:
+      col = first_col[:, None] + i * pps + cols[None, :]  # [b, pps]
+      # A shorter walk than the longest may pass its table's end: those
+      # columns' positions are past kv_len (masked), any block id will do.
+      col = jnp.minimum(col, tables.shape[1] - 1)
+      ids = jnp.take_along_axis(tables, col, axis=1)
+      ids_ok = jnp.take_along_axis(tables_ok, col, axis=1)
+      pos = (first_col * block_size)[:, None] + i * tokens + offs[None, :]  # [b, t]
     k = k_pages[:, ids].reshape(num_kv_heads, batch, tokens, head_dim)
     v = v_pages[:, ids].reshape(num_kv_heads, batch, tokens, head_dim)
     k, v = k.astype(jnp.float32), v.astype(jnp.float32)
-    pos = i * tokens + offs  # [tokens]
-    valid = pos[None, :] < kv_lens[:, None]  # [b, tokens]
+    valid = pos < kv_lens[:, None]  # [b, tokens]
     valid &= jnp.repeat(ids_ok, block_size, axis=1)
     if sliding_window is not None:
-      valid &= pos[None, :] >= kv_lens[:, None] - sliding_window
+      valid &= pos >= kv_lens[:, None] - sliding_window
     ks = vs = None
     if k_scales is not None:
       ks = k_scales[:, ids].reshape(num_kv_heads, batch, 1, tokens)
@@ -137,13 +156,11 @@ def paged_decode_xla(
   init = (jnp.full((num_kv_heads, batch, group), -jnp.inf, jnp.float32),
           jnp.zeros((num_kv_heads, batch, group), jnp.float32),
           jnp.zeros((num_kv_heads, batch, group, head_dim), jnp.float32))
-  hi = _cdiv(jnp.max(kv_lens, initial=0), tokens)
-  lo = 0
-  if sliding_window is not None:
-    live = kv_lens > 0
-    first = jnp.where(live, jnp.maximum(kv_lens - sliding_window, 0), 2**30)
-    lo = jnp.minimum(jnp.min(first, initial=2**30) // tokens, hi)
-  _, l, acc = jax.lax.fori_loop(lo, hi, body, init)
+  if sliding_window is None:
+    hi = _cdiv(jnp.max(kv_lens, initial=0), tokens)
+  else:  # tokens from each sequence's first window block to its end
+    hi = _cdiv(jnp.max(kv_lens - first_col * block_size, initial=0), tokens)
+  _, l, acc = jax.lax.fori_loop(0, hi, body, init)
   out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None],
                   0.0)
   out = jnp.swapaxes(out, 0, 1)  # [batch, kv_heads, group, head_dim]

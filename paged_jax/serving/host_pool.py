@@ -115,6 +115,7 @@ class HostPool:
     self._saved: tuple | None = None
     self._arange = np.arange(self.max_seqs)  # scratch for `_leading_unique`
     self._mark = np.zeros(self.max_seqs, np.int64)
+    self._null_evicted: dict[int, np.ndarray] = {}  # `_no_evictions`
 
   # ------------------------------------------------------------ transactions
 
@@ -346,7 +347,7 @@ class HostPool:
     res = HostReservation(
         ok=np.zeros(n, bool), copy_src=np.full(n, NULL, np.int32),
         copy_dst=np.full(n, NULL, np.int32),
-        evicted=np.full((n, self.width), NULL, np.int32) if self.caching else None)
+        evicted=self._no_evictions(n) if self.caching else None)
     k = self._leading_unique(seq_ids, num_new)
     if k is not None:  # the scheduler's layout: k valid entries, then padding
       real = self._arange[:k]
@@ -432,6 +433,7 @@ class HostPool:
         self._set(self.cacheable, new_ids, False)
         if evicted.size:
           self._set(self.lru_pos, evicted, -1)
+          res.evicted = res.evicted.copy()  # the shared all-NULL one: a copy
           res.evicted[real[owner[from_stack:]], cols[from_stack:]] = evicted
         self.num_cached -= int(evicted.size)
       self.num_free -= from_stack
@@ -445,6 +447,18 @@ class HostPool:
     if grown.size:
       self._set(self.lens, s[grown], new_len[grown].astype(np.int32))
     res.ok[real] = ok
+
+  def _no_evictions(self, n: int) -> np.ndarray:
+    """A read-only all-`NULL` `i32[n, width]`, made once per `n`: the
+    `evicted` of a reservation that evicts nothing (most of them), so such a
+    call allocates and fills no `[n, width]` array."""
+    cache = self._null_evicted
+    out = cache.get(n)
+    if out is None:
+      out = np.full((n, self.width), NULL, np.int32)
+      out.flags.writeable = False
+      cache[n] = out
+    return out
 
   def _evict(self, count: int) -> np.ndarray:
     """Pops the `count` least recently released cached blocks (`_evict`)."""

@@ -59,17 +59,19 @@ class InputPacking:
     rows. Padding entries (-1, 0 tokens) change nothing, so every row count
     gives the same state."""
     c = self.config
-    register_seqs = np.full(self._register_rows, -1, np.int32)
-    register_cols = np.zeros(self._register_rows, np.int32)
-    for i, (slot, col, _, _) in enumerate(self._registering):
-      register_seqs[i], register_cols[i] = slot, col
-    width = self._pool.width
-    share_seqs = np.full(self._share_rows, -1, np.int32)
-    share_blocks = np.full((self._share_rows, width), -1, np.int32)
-    share_counts = np.zeros(self._share_rows, np.int32)
-    for i, (seq, blocks) in enumerate(self._shares.items()):
-      share_seqs[i], share_counts[i] = seq.slot, len(blocks)
-      share_blocks[i, :len(blocks)] = blocks
+    register_seqs, register_cols, share_seqs, share_blocks, share_counts = (
+        self._no_cache_rows())
+    if self._registering:
+      register_seqs = register_seqs.copy()
+      register_cols = register_cols.copy()
+      for i, (slot, col, _, _) in enumerate(self._registering):
+        register_seqs[i], register_cols[i] = slot, col
+    if self._shares:
+      share_seqs, share_blocks, share_counts = (
+          share_seqs.copy(), share_blocks.copy(), share_counts.copy())
+      for i, (seq, blocks) in enumerate(self._shares.items()):
+        share_seqs[i], share_counts[i] = seq.slot, len(blocks)
+        share_blocks[i, :len(blocks)] = blocks
     release_early = np.full(self.max_seqs, -1, np.int32)
     release_late = np.full(self.max_seqs, -1, np.int32)
     release_early[:len(self._release_next)] = self._release_next
@@ -87,6 +89,23 @@ class InputPacking:
     return Bookkeeping(register_seqs, register_cols, release_early, fork_parents,
                        fork_children, release_late, share_seqs, share_blocks,
                        share_counts, seq_ids, q_lens)
+
+  def _no_cache_rows(self) -> tuple[np.ndarray, ...]:
+    """The register and share rows of a step that registers and shares
+    nothing, built once and read-only (a step without prefix-cache work --
+    most of them -- then allocates and fills none of the `[H,
+    max_blocks_per_seq]` share table; the arrays are copied before any
+    row is written)."""
+    rows = getattr(self, "_empty_cache_rows", None)
+    if rows is None:
+      R, H, width = self._register_rows, self._share_rows, self._pool.width
+      rows = (np.full(R, -1, np.int32), np.zeros(R, np.int32),
+              np.full(H, -1, np.int32), np.full((H, width), -1, np.int32),
+              np.zeros(H, np.int32))
+      for a in rows:
+        a.flags.writeable = False
+      self._empty_cache_rows = rows
+    return rows
 
   def _build(self, plan, bucket: Bucket, book: Bookkeeping | None = None):
     """`(StepInputs, samples)` of `plan` in shape `bucket`; `samples` are the

@@ -307,6 +307,12 @@ def sample_tokens(
 
 
 def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-  """`(f32[rows, k] log-probabilities, i32[rows, k] ids)`, best first."""
-  lp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
-  return lp, ids.astype(jnp.int32)
+  """`(f32[rows, k] log-probabilities, i32[rows, k] ids)`, best first.
+
+  The top `k` of the logits themselves (a row's log-softmax is the logits
+  shifted by one constant, so the order is the same) minus the row's
+  logsumexp: no `[rows, vocab]` log-softmax is materialised, and the
+  logsumexp is the one `token_logprobs` computes (XLA computes it once)."""
+  top, ids = jax.lax.top_k(logits, k)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  return top - lse[:, None], ids.astype(jnp.int32)
