@@ -33,6 +33,6 @@ class TestGpuWindowContract(window_contract.WindowContract):
   loops start at the window's first compute block."""
   decode = staticmethod(functools.partial(
       pd.paged_decode, interpret=True,
-      config=pd.PagedDecodeConfig(pages_per_compute_block=1)))
+      config=pd.PagedDecodeConfig(pages_per_compute_block=2)))
   ragged = staticmethod(functools.partial(ra.ragged_paged_attention,
                                           interpret=True))
