@@ -16,8 +16,10 @@ When is a block invisible? A query at position `p` of a local layer sees keys
 later, so column `j` (tokens `j * bs .. (j + 1) * bs - 1`) is invisible to
 every future query once `(j + 1) * bs <= L - w + 1`: `reclaimable(L)` =
 `max(L - w + 1, 0) // bs` leading columns. After `reclaim` a sequence holds
-the columns covering `L - w + 1 .. L - 1`: at most `ceil(w / bs) + 1`
-blocks per local group, whatever its length.
+the columns covering `L - w + 1 .. L - 1`, and within a decode step (after
+`reserve` reclaimed and added token `L`) those covering `L - w + 1 .. L`: at
+most `ceil((w - 1) / bs) + 1 <= ceil(w / bs) + 1` blocks per local group,
+whatever its length (`hybrid_capacity` plans with this).
 
 * `reserve` first reclaims, in local groups, the blocks that the step's
   first new token (at the old length) cannot see, then grows every group by
@@ -39,6 +41,13 @@ O(batch x max_blocks_per_seq x groups), and the per-group work runs
 the pool's arrays. Prefix caching with groups is not implemented (a hit
 would need the full prefix in global groups and the last window in local
 ones); `init` has no `prefix_caching` flag, and the views are plain states.
+
+Memory: the pool's block ids are shared by the groups, so reclamation saves
+memory only if a block of group `g` stores group `g`'s layers alone (the
+cache laid out per group, as vLLM's hybrid allocator does); with one
+`KVCache` holding every layer's pages at every block id, a block given back
+by a local group is just another block id for any group. Laying the cache
+out per group is the engine's part (not here).
 
 Example:
   >>> state = init(num_blocks=16, block_size=4, max_seqs=2,

@@ -166,7 +166,7 @@ class GroupsMachine(RuleBasedStateMachine):
     for s, w in zip(ids, want):
       for g, win in enumerate(WINDOWS):
         if w and win is not None:  # O(window) blocks, however long
-          assert held[g, s] <= math.ceil(win / BLOCK_SIZE) + 1, (g, s, held)
+          assert held[g, s] <= math.ceil((win - 1) / BLOCK_SIZE) + 1, (g, s, held)
 
   @invariant()
   def agrees_with_model(self):
