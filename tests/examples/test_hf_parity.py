@@ -116,8 +116,8 @@ def test_greedy_generation_matches_transformers_generate(tmp_path, family):
                                       max_tokens_per_step=32, max_model_len=64,
                                       min_bucket=4, bucket_midpoints=False))
   rng = np.random.default_rng(1)
-  # Prompts shorter and longer than Mistral's 8-token window, and blocks.
-  prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 17, 30)]
+  # Prompts shorter and longer than the windows (4-8 tokens) and blocks.
+  prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 23, 40)]
   for i, p in enumerate(prompts):
     engine.add_request(Request(i, p, SamplingParams(max_new_tokens=12)))
   outputs = {o.request_id: o for o in engine.run_until_done()}

@@ -109,3 +109,17 @@ def test_tiny_is_seeded():
   np.testing.assert_array_equal(dense_logits(a, TOKENS), dense_logits(b, TOKENS))
   assert not np.array_equal(dense_logits(models.tiny(2, num_layers=3), TOKENS),
                             dense_logits(a, TOKENS))
+
+
+@pytest.mark.parametrize("arch", GEMMA)
+def test_gemma_checkpoint_round_trip(tmp_path, arch):
+  # config_to_hf writes the layer pattern, caps, scalar and local RoPE back.
+  cfg = hf_config(arch, num_hidden_layers=3, attn_logit_softcapping=7.0)
+  model = models.from_hf(cfg, random_tensors(cfg, seed=2))
+  checkpoint.save_checkpoint(model, tmp_path)
+  again = models.load_hf(tmp_path)
+  assert again.config == model.config
+  assert again.config.layer_types == (
+      "sliding_attention", "full_attention", "sliding_attention")
+  np.testing.assert_array_equal(np.asarray(dense_logits(again, TOKENS)),
+                                np.asarray(dense_logits(model, TOKENS)))
