@@ -284,3 +284,22 @@ def test_siblings_growing_together_copy_once_per_group():
   assert (np.asarray(res.copy_src[1]) == NULL_BLOCK).all()
   assert int(state.num_free) == 0
   bg.check_invariants(state)
+
+
+def test_each_op_traces_once_per_shape():
+  traces = []
+
+  def step(state, ids, n):
+    traces.append(1)  # runs at trace time only
+    state, res = bg.reserve(state, ids, n)
+    state, _ = bg.reclaim(state, ids)
+    return state, res.ok
+
+  step = jax.jit(step, donate_argnums=0)
+  state = bg.init(num_blocks=32, block_size=4, max_seqs=3, max_blocks_per_seq=8,
+                  windows=(None, 5, None))
+  for n in ([7, 1, 0], [1, 1, 9], [1, 3, 1], [2, 2, 2]):
+    state, ok = step(state, _ids([0, 1, 2]), _ids(n))
+    assert np.asarray(ok).all()
+  assert len(traces) == 1
+  bg.check_invariants(state)
