@@ -26,6 +26,7 @@ _reserve = jax.jit(bg.reserve)
 _release = jax.jit(bg.release)
 _fork = jax.jit(bg.fork)
 _reclaim = jax.jit(bg.reclaim)
+_slot_mapping = jax.jit(bg.slot_mapping, static_argnums=1)
 
 
 def _ids(xs):
@@ -167,6 +168,23 @@ class GroupsMachine(RuleBasedStateMachine):
       for g, win in enumerate(WINDOWS):
         if w and win is not None:  # O(window) blocks, however long
           assert held[g, s] <= math.ceil((win - 1) / BLOCK_SIZE) + 1, (g, s, held)
+
+  @rule(g=st.integers(0, len(WINDOWS) - 1),
+        tokens=st.lists(st.tuples(st.integers(-1, MAX_SEQS),
+                                  st.integers(-1, WIDTH * BLOCK_SIZE)),
+                        max_size=4))
+  def slot_mapping(self, g, tokens):
+    # Writes go only to a block the sequence holds alone in that group:
+    # never to a reclaimed column, a shared block or past seq_lens.
+    slots = _slot_mapping(self.state, g, _ids([t[0] for t in tokens]),
+                          _ids([t[1] for t in tokens]))
+    m, refs = self.model, self.model.refs()
+    for (sid, pos), got in zip(tokens, np.asarray(slots).tolist()):
+      block = (m.rows[g][sid][pos // BLOCK_SIZE]
+               if _valid(sid) and 0 <= pos < m.lens[sid] else None)
+      want = (block * BLOCK_SIZE + pos % BLOCK_SIZE
+              if block is not None and refs[block] == 1 else -1)
+      assert got == want, (g, tokens, slots)
 
   @invariant()
   def agrees_with_model(self):
