@@ -29,7 +29,8 @@ whatever its length (`hybrid_capacity` plans with this).
   for all groups. A prefill chunk still gets a block for every new token
   (the step writes them, and its own queries read them); `reclaim` after the
   step gives back what the chunk's end can no longer see.
-* `release`, `fork` (copy-on-write per group: a group copies its shared
+* `release`, `truncate` (refused below what a local group already gave
+  back), `fork` (copy-on-write per group: a group copies its shared
   partial last block the first time either holder grows, as
   `block_manager.reserve` does) and `reclaim`; `slot_mapping` and
   `gather_tables` per group (`view`).
@@ -345,6 +346,46 @@ def fork(state: GroupedBlockState, parent_ids, child_ids
   tables = state.block_tables.at[:, write].set(rows, mode="drop")
   lens = state.seq_lens.at[write].set(length, mode="drop")
   return state.replace(block_tables=tables, seq_lens=lens, refcounts=refs), ok
+
+
+def truncate(state: GroupedBlockState, seq_ids, new_lens
+             ) -> tuple[GroupedBlockState, jax.Array]:
+  """Rolls sequences back to `new_lens` tokens in every group
+  (`block_manager.truncate`: speculative decoding's undo; blocks past the
+  new end lose this sequence's reference, shared ones stay).
+
+  Refused where a local group has already given back a block that the
+  shorter sequence's next query (at `new_lens`) would see: its reclaimed
+  prefix must be at most `reclaimable(new_lens)` columns. A verification
+  step is safe: `reserve(1 + k)` reclaims by the old length `L`, and the
+  rollback keeps `L + 1 + a >= L` tokens.
+
+  Returns:
+    `(new_state, ok bool[n])`: False for out-of-range ids, empty slots,
+    repeats, `new_lens` outside `[0, seq_lens]`, and the case above; a
+    refused sequence is left as it was in every group.
+  """
+  seq_ids = bm._as_ids("seq_ids", seq_ids)  # pylint: disable=protected-access
+  new_lens = bm._as_ids("new_lens", new_lens)  # pylint: disable=protected-access
+  bm._same_length("seq_ids", seq_ids, "new_lens", new_lens)  # pylint: disable=protected-access
+  sid = jnp.clip(seq_ids, 0, state.max_seqs - 1)
+  length = state.seq_lens[sid]
+  ok = ((seq_ids >= 0) & (seq_ids < state.max_seqs) & (length > 0)
+        & (new_lens >= 0) & (new_lens <= length)
+        & bm._first_occurrence(seq_ids))  # pylint: disable=protected-access
+  cols = jnp.arange(state.max_blocks_per_seq, dtype=jnp.int32)[None, :]
+  need = bm._cdiv(length, state.block_size)[:, None]  # pylint: disable=protected-access
+  for g, w in enumerate(state.windows):
+    if w is not None:  # NULL_BLOCK inside the length: the reclaimed prefix
+      prefix = jnp.sum((cols < need) & (state.block_tables[g, sid] < 0), axis=1,
+                       dtype=jnp.int32)
+      ok &= prefix <= reclaimable(w, jnp.maximum(new_lens, 0), state.block_size)
+  lens = state.seq_lens
+  keep = jnp.where(ok, new_lens, length)  # a refused one truncates nothing
+  for g in range(state.num_groups):
+    v, _ = bm.truncate(view(state, g).replace(seq_lens=lens), seq_ids, keep)
+    state = _with_view(state, g, v)
+  return state, ok
 
 
 def slot_mapping(state: GroupedBlockState, group: int, seq_ids, positions):

@@ -26,6 +26,7 @@ _reserve = jax.jit(bg.reserve)
 _release = jax.jit(bg.release)
 _fork = jax.jit(bg.fork)
 _reclaim = jax.jit(bg.reclaim)
+_truncate = jax.jit(bg.truncate)
 _slot_mapping = jax.jit(bg.slot_mapping, static_argnums=1)
 
 
@@ -168,6 +169,27 @@ class GroupsMachine(RuleBasedStateMachine):
       for g, win in enumerate(WINDOWS):
         if w and win is not None:  # O(window) blocks, however long
           assert held[g, s] <= math.ceil((win - 1) / BLOCK_SIZE) + 1, (g, s, held)
+
+  @rule(reqs=st.lists(st.tuples(st.integers(-1, MAX_SEQS),
+                                st.integers(-1, WIDTH * BLOCK_SIZE)), max_size=3))
+  def truncate(self, reqs):
+    self.state, ok = _truncate(self.state, _ids([r[0] for r in reqs]),
+                               _ids([r[1] for r in reqs]))
+    m, seen, want = self.model, set(), []
+    for s, n in reqs:
+      w = (_valid(s) and m.lens[s] > 0 and 0 <= n <= m.lens[s]
+           and s not in seen)
+      seen.add(s)
+      if w:  # no reclaimed block that a query at n would see
+        for g, win in enumerate(WINDOWS):
+          prefix = sum(b is None for b in m.rows[g][s])
+          w &= prefix <= _cut(win, n)
+      want.append(w)
+      if w:
+        m.lens[s] = n
+        for g in m.rows:
+          g[s] = g[s][:-(-n // BLOCK_SIZE)]
+    assert np.asarray(ok).tolist() == want, (reqs, ok)
 
   @rule(g=st.integers(0, len(WINDOWS) - 1),
         tokens=st.lists(st.tuples(st.integers(-1, MAX_SEQS),
