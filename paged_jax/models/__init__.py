@@ -37,7 +37,11 @@ The API (every function returns a `ServingModel`, today always a
     ARCHITECTURES: tuple[str, ...]
         The supported `architectures`: LlamaForCausalLM (Llama 2 / 3.x with
         llama3 RoPE scaling, SmolLM2), Qwen2ForCausalLM, Qwen3ForCausalLM,
-        MistralForCausalLM.
+        MistralForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (text;
+        local and global layers from `layer_types` or
+        `sliding_window_pattern`). The engine serves Gemma with every block
+        kept (local layers masked and skipped by the kernels);
+        `paged_jax.block_groups` reclaims, not wired in yet.
 
 Errors: `ValueError` (or `FileNotFoundError` for a missing path or file) with
 one line naming what was expected and what was given, raised before any

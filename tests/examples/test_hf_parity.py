@@ -38,6 +38,18 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    # Hybrid: local layers of a short window that slides within the prompts,
+    # global layers; a layer count that leaves a partial period at the end.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        sliding_window=6, num_hidden_layers=3, query_pre_attn_scalar=24,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        sliding_window=4, num_hidden_layers=5, sliding_window_pattern=3,
+        query_pre_attn_scalar=16, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0,
+                               "rope_theta": 100000.0}})),
 }
 
 
@@ -61,7 +73,8 @@ def _max_rel_err(ours, ref):
 
 @pytest.mark.parametrize("family,torch_dtype", [
     ("llama3", "float32"), ("smollm2", "bfloat16"), ("qwen2", "float32"),
-    ("qwen3", "float16"), ("mistral", "float32")])
+    ("qwen3", "float16"), ("mistral", "float32"), ("gemma2", "float32"),
+    ("gemma3", "bfloat16")])
 def test_logits_match_transformers(tmp_path, family, torch_dtype):
   hf = _hf_model(tmp_path, family, getattr(torch, torch_dtype))
   # Float32 compute on the checkpoint's (possibly half-precision) weights.
@@ -103,8 +116,8 @@ def test_greedy_generation_matches_transformers_generate(tmp_path, family):
                                       max_tokens_per_step=32, max_model_len=64,
                                       min_bucket=4, bucket_midpoints=False))
   rng = np.random.default_rng(1)
-  # Prompts shorter and longer than Mistral's 8-token window, and blocks.
-  prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 17, 30)]
+  # Prompts shorter and longer than the windows (4-8 tokens) and blocks.
+  prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 23, 40)]
   for i, p in enumerate(prompts):
     engine.add_request(Request(i, p, SamplingParams(max_new_tokens=12)))
   outputs = {o.request_id: o for o in engine.run_until_done()}

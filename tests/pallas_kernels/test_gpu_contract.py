@@ -10,6 +10,7 @@ import pytest
 from pallas_kernels.gpu import paged_decode as pd
 from pallas_kernels.gpu import ragged_attention as ra
 from tests import contract
+from tests import window_contract
 
 
 class TestGpuContract(contract.MalformedInputContract,
@@ -25,3 +26,13 @@ class TestGpuSplitDecodeContract(contract.MalformedDecodeContract):
   decode = staticmethod(functools.partial(
       pd.paged_decode, interpret=True,
       config=pd.PagedDecodeConfig(k_splits=2, pages_per_compute_block=2)))
+
+
+class TestGpuWindowContract(window_contract.WindowContract):
+  """Blocks outside the window: never read (NULL_BLOCK / NaN there), the
+  loops start at the window's first compute block."""
+  decode = staticmethod(functools.partial(
+      pd.paged_decode, interpret=True,
+      config=pd.PagedDecodeConfig(pages_per_compute_block=2)))
+  ragged = staticmethod(functools.partial(ra.ragged_paged_attention,
+                                          interpret=True))

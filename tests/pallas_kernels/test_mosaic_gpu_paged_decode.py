@@ -22,6 +22,7 @@ from paged_jax.reference import paged_attention_reference
 from pallas_kernels.mosaic_gpu import paged_decode as md
 from pallas_kernels.mosaic_gpu.paged_decode import MosaicDecodeConfig
 from tests import contract
+from tests import window_contract
 from tests.cases import assert_rows_close, make_decode_case
 
 INTERPRET_ERROR = md.interpret_unsupported_reason()
@@ -291,3 +292,25 @@ class TestMosaicGpuStaticErrors(contract.StaticErrorContract,
              r"the Mosaic GPU kernel")
   decode = staticmethod(md.paged_decode)
   ragged = staticmethod(_no_ragged)
+
+
+@needs_interpreter
+class TestMosaicWindowContract(window_contract.WindowDecodeContract):
+  """Blocks outside the window are neither copied nor read: the shared
+  NaN / NULL_BLOCK case, and the global-to-shared copies counted."""
+  dtype = jnp.bfloat16
+  decode = staticmethod(functools.partial(md.paged_decode, interpret=True))
+
+  def test_only_visible_pages_are_copied(self):
+    full, _, hidden = window_contract.decode_case(dtype=self.dtype)
+    args = (full.q, full.k_pages, full.v_pages, full.block_tables, full.kv_lens)
+    with window_contract.page_copies(full.k_pages.shape) as copied:
+      if copied is None:
+        pytest.skip("this JAX's Mosaic GPU interpreter exposes no copy hook")
+      jax.block_until_ready(self.decode(
+          *args, sliding_window=window_contract.WINDOW))
+    window_contract.check_page_copies(copied, full, hidden, decode=True)
+    with window_contract.page_copies(full.k_pages.shape) as all_copied:
+      jax.block_until_ready(self.decode(*args))
+    assert len(all_copied) >= len(copied) + 2 * hidden.sum(), (
+        len(all_copied), len(copied))

@@ -51,7 +51,7 @@ def _get(d: dict, key: str, kind, default=...):
   return value
 
 
-def _rope_from_hf(d: dict) -> tuple[float, object]:
+def rope_from_hf(d: dict) -> tuple[float, object]:
   """(theta, scaling) from either the old (`rope_theta`, `rope_scaling`) or the
   new (`rope_parameters`) Hugging Face config form."""
   params = d.get("rope_parameters")
@@ -114,12 +114,13 @@ def config_from_hf(d: dict, *, dtype: str | None = None) -> model_lib.LlamaConfi
     raise ValueError(f"config.json must hold a JSON object, got {type(d).__name__}")
   fam = registry.family(d)
   get = lambda key, kind, default=...: _get(d, key, kind, default)  # noqa: E731
+  switches = fam.switches(d, get)
   act = get("hidden_act", str, "silu")
-  if act not in ("silu", "swish"):
+  if "hidden_act" not in switches and act not in ("silu", "swish"):
     raise ValueError(f"config.json: hidden_act {act!r} is not supported (silu)")
   num_heads = get("num_attention_heads", int)
   hidden = get("hidden_size", int)
-  theta, scaling = _rope_from_hf(d)
+  theta, scaling = rope_from_hf(d)
   eos = d.get("eos_token_id")
   eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
   if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos_ids):
@@ -133,7 +134,7 @@ def config_from_hf(d: dict, *, dtype: str | None = None) -> model_lib.LlamaConfi
     raise ValueError(f"config.json: hidden_size={hidden} is not divisible by "
                      f"num_attention_heads={num_heads} and head_dim is not given")
   try:
-    return model_lib.LlamaConfig(
+    fields = dict(
         vocab_size=get("vocab_size", int),
         hidden_size=hidden,
         intermediate_size=get("intermediate_size", int),
@@ -148,9 +149,8 @@ def config_from_hf(d: dict, *, dtype: str | None = None) -> model_lib.LlamaConfi
         max_position_embeddings=get("max_position_embeddings", int, 2048),
         eos_token_ids=eos_ids,
         dtype=dtype,
-        architecture=fam.architecture,
-        **fam.switches(d, get),
-    )
+        architecture=fam.architecture)
+    return model_lib.LlamaConfig(**{**fields, **switches})
   except ValueError as e:
     msg = str(e)
     raise ValueError(msg if msg.startswith("config.json") else
@@ -178,6 +178,17 @@ def config_to_hf(config: model_lib.LlamaConfig) -> dict:
     d.update(attention_bias=config.attention_bias)
   elif config.architecture == "MistralForCausalLM":
     d.update(sliding_window=config.sliding_window)
+  elif config.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+    d.update(hidden_activation=config.hidden_act,
+             attention_bias=config.attention_bias,
+             sliding_window=config.sliding_window,
+             layer_types=list(config.layer_types or ()),
+             query_pre_attn_scalar=config.query_pre_attn_scalar,
+             attn_logit_softcapping=config.attn_logit_softcapping,
+             final_logit_softcapping=config.final_logit_softcapping)
+    del d["hidden_act"]
+    if config.architecture == "Gemma3ForCausalLM":
+      d["rope_local_base_freq"] = config.rope_local_theta
   if config.eos_token_ids:
     d["eos_token_id"] = list(config.eos_token_ids)
   s = config.rope_scaling

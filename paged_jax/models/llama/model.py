@@ -9,6 +9,11 @@ differ only in `LlamaConfig` switches:
 | `Qwen2ForCausalLM` | `qkv_bias` (bias on q/k/v, none on o) |
 | `Qwen3ForCausalLM` | `qk_norm` (RMSNorm over each head of q and k, before RoPE) |
 | `MistralForCausalLM` | `sliding_window` (every layer) |
+| `Gemma2ForCausalLM` | `gemma_style`, `hidden_act="gelu_pytorch_tanh"`, `layer_types` (local, global alternating), `query_pre_attn_scalar`, `attn_logit_softcapping`, `final_logit_softcapping` |
+| `Gemma3ForCausalLM` | as Gemma 2 plus `qk_norm`, `layer_types` (5 local : 1 global), `rope_local_theta` |
+
+Layers may differ in their attention (`layers.LayerSpec`: window and RoPE);
+`layers.run_layers` scans over whole periods of the pattern (see there why).
 
 RMSNorm, RoPE, grouped-query attention, SwiGLU MLP. Parameter names follow
 Hugging Face (`embed_tokens`, `layers.self_attn.q_proj`, ...) so that
@@ -50,130 +55,35 @@ from paged_jax import flax_attention
 from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import rope as rope_lib
 from paged_jax import step_metadata
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-_MAX_SIZE = 2**31 - 1  # every size indexes with int32
-MAX_PARAMETERS = 10**13  # "absurd": 10x beyond the largest open models
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-  """Static model configuration (hashable).
-
-  Attributes mirror Hugging Face's config names where they exist; `dtype` is
-  the parameter and compute dtype ("float32", "bfloat16" or "float16").
-  `attention_bias` puts a bias on q, k, v and o (Llama's meaning);
-  `qkv_bias` on q, k and v only (Qwen2); `qk_norm` adds per-head RMSNorms
-  `q_norm`, `k_norm` (Qwen3); `sliding_window` limits every layer's
-  attention to the last `sliding_window` positions (Mistral); `architecture`
-  is the Hugging Face `architectures` entry the config was made for.
-  """
-
-  vocab_size: int
-  hidden_size: int
-  intermediate_size: int
-  num_layers: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  rms_norm_eps: float = 1e-5
-  rope_theta: float = 10000.0
-  rope_scaling: rope_lib.Llama3Scaling | rope_lib.LinearScaling | None = None
-  tie_word_embeddings: bool = False
-  attention_bias: bool = False
-  mlp_bias: bool = False
-  max_position_embeddings: int = 2048
-  eos_token_ids: tuple[int, ...] = ()
-  dtype: str = "float32"
-  qkv_bias: bool = False
-  qk_norm: bool = False
-  sliding_window: int | None = None
-  architecture: str = "LlamaForCausalLM"
-
-  def __post_init__(self):
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                 "num_heads", "num_kv_heads", "head_dim",
-                 "max_position_embeddings"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-      if value > _MAX_SIZE:
-        raise ValueError(f"{name}={value} is absurd (more than 2**31 - 1)")
-    if self.num_heads % self.num_kv_heads:
-      raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
-                       f"num_kv_heads={self.num_kv_heads}")
-    if self.head_dim % 2:
-      raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-    if self.dtype not in _DTYPES:
-      raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-    for t in self.eos_token_ids:
-      if not 0 <= t < self.vocab_size:
-        raise ValueError(f"eos token id {t} is outside the vocabulary "
-                         f"[0, {self.vocab_size})")
-    w = self.sliding_window
-    if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w <= 0):
-      raise ValueError(f"sliding_window must be a positive int or None, got {w!r}")
-    if self.num_parameters > MAX_PARAMETERS:
-      raise ValueError(f"the config describes {self.num_parameters:.3g} "
-                       f"parameters, which is absurd (more than "
-                       f"{MAX_PARAMETERS:.0e}); check its sizes")
-
-  @classmethod
-  def tiny(cls, **overrides) -> "LlamaConfig":
-    """A ~0.4M-parameter model with Llama 3 RoPE scaling, for CPU examples."""
-    kw = dict(vocab_size=512, hidden_size=64, intermediate_size=192,
-              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-              rope_theta=500000.0, rope_scaling=rope_lib.Llama3Scaling(),
-              max_position_embeddings=1024, eos_token_ids=(2,))
-    kw.update(overrides)
-    return cls(**kw)
-
-  @property
-  def jnp_dtype(self):
-    return _DTYPES[self.dtype]
-
-  @property
-  def rope(self) -> rope_lib.RopeConfig:
-    return rope_lib.RopeConfig(self.head_dim, self.rope_theta, self.rope_scaling)
-
-  @property
-  def num_parameters(self) -> int:
-    """Parameters of the model (biases and norms included), from the sizes."""
-    h, d = self.hidden_size, self.head_dim
-    q, kv = self.num_heads * d, self.num_kv_heads * d
-    attn = h * (q + 2 * kv) + q * h
-    if self.attention_bias or self.qkv_bias:
-      attn += q + 2 * kv
-    if self.attention_bias:
-      attn += h
-    mlp = 3 * h * self.intermediate_size
-    if self.mlp_bias:
-      mlp += 2 * self.intermediate_size + h
-    norms = 2 * h + (2 * d if self.qk_norm else 0)
-    embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-    return self.num_layers * (attn + mlp + norms) + embed + h
-
-  def kv_bytes_per_token(self, cache_dtype=None) -> int:
-    """Bytes of K and V one token takes in the cache, all layers: the pages,
-    plus a float32 scale per KV head for int8 / fp8 (`cache_dtype` as
-    `kv_cache.cache_dtype`: a name, "auto" or None for the model's dtype)."""
-    dtype = kv_cache_lib.cache_dtype(cache_dtype, self.jnp_dtype)
-    return (2 * self.num_layers * self.num_kv_heads
-            * kv_cache_lib.token_bytes(dtype, self.head_dim))
+from paged_jax.models.llama import layers as layers_lib
+from paged_jax.models.llama.config import (  # noqa: F401  (the model's API)
+    MAX_PARAMETERS, LlamaConfig)
 
 
 class RMSNorm(nnx.Module):
   """Root-mean-square norm over the last axis, computed in float32 as Hugging
-  Face's Llama, Qwen and Mistral do."""
+  Face's Llama, Qwen and Mistral do (`w * norm(x).astype(x.dtype)`), or with
+  `unit_offset` as Gemma does (`(norm(x) * (1 + w)).astype(x.dtype)`, `w`
+  initialised to zeros)."""
 
-  def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
-    self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+  def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32,
+               unit_offset: bool = False):
+    init = jnp.zeros if unit_offset else jnp.ones
+    self.weight = nnx.Param(init((dim,), param_dtype))
     self.eps = eps
+    self.unit_offset = unit_offset
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    if self.unit_offset:
+      return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
     return self.weight[...] * x32.astype(x.dtype)
+
+
+def _norm(config: LlamaConfig, dim: int) -> RMSNorm:
+  return RMSNorm(dim, config.rms_norm_eps, param_dtype=config.jnp_dtype,
+                 unit_offset=config.gemma_style)
 
 
 def _linear(config: LlamaConfig, i: int, o: int, bias: bool, rngs: nnx.Rngs):
@@ -182,23 +92,28 @@ def _linear(config: LlamaConfig, i: int, o: int, bias: bool, rngs: nnx.Rngs):
 
 
 class MLP(nnx.Module):
-  """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+  """SwiGLU `down(silu(gate(x)) * up(x))`, or GeGLU with
+  `hidden_act="gelu_pytorch_tanh"` (gelu, tanh approximation)."""
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     h, m, b = config.hidden_size, config.intermediate_size, config.mlp_bias
     self.gate_proj = _linear(config, h, m, b, rngs)
     self.up_proj = _linear(config, h, m, b, rngs)
     self.down_proj = _linear(config, m, h, b, rngs)
+    self.gelu = config.hidden_act == "gelu_pytorch_tanh"
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    g = self.gate_proj(x)
+    g = jax.nn.gelu(g, approximate=True) if self.gelu else jax.nn.silu(g)
+    return self.down_proj(g * self.up_proj(x))
 
 
 class Attention(nnx.Module):
   """Grouped-query attention with RoPE, over the paged cache or dense.
 
   `q_proj`, `k_proj`, `v_proj`, `o_proj` as Hugging Face names them, with the
-  config's bias, q/k norm and sliding-window switches.
+  config's bias, q/k norm, score scale and soft-cap switches; the window and
+  RoPE come per call as a `layers.LayerSpec` (default: the first layer's).
   """
 
   def __init__(self, config: LlamaConfig, *, implementation: str | None,
@@ -207,33 +122,36 @@ class Attention(nnx.Module):
     qkv_bias = config.attention_bias or config.qkv_bias
     self.num_heads, self.num_kv_heads, self.head_dim = (
         config.num_heads, config.num_kv_heads, d)
-    self.rope = config.rope
-    self.sliding_window = config.sliding_window
+    self.spec = config.layer_specs[0]
+    self.sm_scale = config.sm_scale
+    self.soft_cap = config.attn_logit_softcapping
     self.implementation = implementation
     self.q_proj = _linear(config, h, config.num_heads * d, qkv_bias, rngs)
     self.k_proj = _linear(config, h, config.num_kv_heads * d, qkv_bias, rngs)
     self.v_proj = _linear(config, h, config.num_kv_heads * d, qkv_bias, rngs)
     self.o_proj = _linear(config, config.num_heads * d, h, config.attention_bias, rngs)
     if config.qk_norm:
-      dt = config.jnp_dtype
-      self.q_norm = RMSNorm(d, config.rms_norm_eps, param_dtype=dt)
-      self.k_norm = RMSNorm(d, config.rms_norm_eps, param_dtype=dt)
+      self.q_norm = _norm(config, d)
+      self.k_norm = _norm(config, d)
     self.qk_norm = config.qk_norm
 
-  def qkv(self, x: jax.Array, positions: jax.Array):
+  def qkv(self, x: jax.Array, positions: jax.Array, rope=None):
     """`x [num_tokens, hidden]`, `positions i32[num_tokens]` -> roped
-    `q [T, num_heads, head_dim]`, `k, v [T, num_kv_heads, head_dim]`."""
+    `q [T, num_heads, head_dim]`, `k, v [T, num_kv_heads, head_dim]`
+    (`rope`: a `rope.RopeConfig`, default this layer's spec's)."""
+    rope = self.spec.rope if rope is None else rope
     t = x.shape[0]
     q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
     k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
     if self.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    return (rope_lib.apply_rope(q, positions, self.rope),
-            rope_lib.apply_rope(k, positions, self.rope), v)
+    return (rope_lib.apply_rope(q, positions, rope),
+            rope_lib.apply_rope(k, positions, rope), v)
 
   def __call__(self, x: jax.Array, meta: step_metadata.StepMetadata,
-               pages: dict, layer=None) -> tuple[jax.Array, dict]:
+               pages: dict, layer=None,
+               spec: layers_lib.LayerSpec | None = None) -> tuple[jax.Array, dict]:
     """Paged step on one layer of the cache.
 
     Args:
@@ -248,53 +166,76 @@ class Attention(nnx.Module):
       layer: None, or the layer index into the whole cache (an int or a
         traced int32 scalar): the K/V are then written in place at it
         (`flax_attention.write_and_attend(..., layer=...)`).
+      spec: the layer's window and RoPE (`layers.LayerSpec`, static);
+        default the module's `spec`.
 
     Returns:
       `(out [num_tokens, hidden], pages)` with this step's K/V written, the
       arrays in the shapes given.
     """
-    q, k, v = self.qkv(x, meta.positions)
+    spec = self.spec if spec is None else spec
+    q, k, v = self.qkv(x, meta.positions, spec.rope)
     names = [n for n in ("k_pages", "v_pages", "k_scales", "v_scales")
              if pages.get(n) is not None]
     out, *arrays = flax_attention.write_and_attend(
         q, k, v, pages["k_pages"], pages["v_pages"], meta, layer=layer,
-        sliding_window=self.sliding_window, implementation=self.implementation,
+        sm_scale=self.sm_scale, soft_cap=self.soft_cap,
+        sliding_window=spec.sliding_window, implementation=self.implementation,
         **{n: pages[n] for n in names[2:]})
     return self.o_proj(out.reshape(x.shape[0], -1)), dict(zip(names, arrays))
 
-  def dense(self, x: jax.Array) -> jax.Array:
+  def dense(self, x: jax.Array, spec: layers_lib.LayerSpec | None = None) -> jax.Array:
     """Causal attention over whole sequences `[batch, seq_len, hidden]`, token
-    `j` of each row at position `j` (the test oracle)."""
+    `j` of each row at position `j` (the test oracle); `spec` as in
+    `__call__`."""
+    spec = self.spec if spec is None else spec
     batch, seq_len, hidden = x.shape
     positions = jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), batch)
-    q, k, v = self.qkv(x.reshape(batch * seq_len, hidden), positions)
+    q, k, v = self.qkv(x.reshape(batch * seq_len, hidden), positions, spec.rope)
     split = lambda a: a.reshape(batch, seq_len, *a.shape[1:])  # noqa: E731
     o = flax_attention.dense_causal_attention(
-        split(q), split(k), split(v), sliding_window=self.sliding_window)
+        split(q), split(k), split(v), sm_scale=self.sm_scale,
+        soft_cap=self.soft_cap, sliding_window=spec.sliding_window)
     return self.o_proj(o.astype(x.dtype).reshape(batch, seq_len, -1))
 
 
 class DecoderLayer(nnx.Module):
-  """Pre-norm attention block and pre-norm MLP block, each residual."""
+  """Pre-norm attention block and pre-norm MLP block, each residual.
+
+  With `gemma_style` (Gemma 2/3) the sandwich: `x + post_attention_layernorm(
+  attn(input_layernorm(x)))`, then `x + post_feedforward_layernorm(mlp(
+  pre_feedforward_layernorm(x)))`; otherwise `post_attention_layernorm` is
+  the MLP's pre-norm, as Llama names it.
+  """
 
   def __init__(self, config: LlamaConfig, *, implementation: str | None,
                rngs: nnx.Rngs):
-    dt = config.jnp_dtype
-    self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=dt)
+    h = config.hidden_size
+    self.input_layernorm = _norm(config, h)
     self.self_attn = Attention(config, implementation=implementation, rngs=rngs)
-    self.post_attention_layernorm = RMSNorm(
-        config.hidden_size, config.rms_norm_eps, param_dtype=dt)
+    self.post_attention_layernorm = _norm(config, h)
+    self.sandwich = config.gemma_style
+    if self.sandwich:
+      self.pre_feedforward_layernorm = _norm(config, h)
+      self.post_feedforward_layernorm = _norm(config, h)
     self.mlp = MLP(config, rngs=rngs)
 
-  def __call__(self, x, meta, pages: dict, layer=None):
-    """As `Attention.__call__` (`pages` and `layer` alike)."""
-    h, pages = self.self_attn(self.input_layernorm(x), meta, pages, layer)
-    x = x + h
-    return x + self.mlp(self.post_attention_layernorm(x)), pages
+  def _residuals(self, x, h):
+    """The attention output `h` added to `x`, then the MLP block."""
+    if not self.sandwich:
+      x = x + h
+      return x + self.mlp(self.post_attention_layernorm(x))
+    x = x + self.post_attention_layernorm(h)
+    return x + self.post_feedforward_layernorm(
+        self.mlp(self.pre_feedforward_layernorm(x)))
 
-  def dense(self, x):
-    x = x + self.self_attn.dense(self.input_layernorm(x))
-    return x + self.mlp(self.post_attention_layernorm(x))
+  def __call__(self, x, meta, pages: dict, layer=None, spec=None):
+    """As `Attention.__call__` (`pages`, `layer` and `spec` alike)."""
+    h, pages = self.self_attn(self.input_layernorm(x), meta, pages, layer, spec)
+    return self._residuals(x, h), pages
+
+  def dense(self, x, spec=None):
+    return self._residuals(x, self.self_attn.dense(self.input_layernorm(x), spec))
 
 
 _CACHE_FIELDS = ("k_pages", "v_pages", "k_scales", "v_scales")
@@ -330,7 +271,7 @@ class Llama(nnx.Module):
              for _ in range(config.num_layers)]
     self.layers = nnx.merge(parts[0][0], jax.tree.map(
         lambda *xs: jnp.stack(xs), *[state for _, state in parts]))
-    self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=dt)
+    self.norm = _norm(config, config.hidden_size)
     if not config.tie_word_embeddings:
       self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size,
                                 use_bias=False, dtype=dt, param_dtype=dt,
@@ -345,7 +286,8 @@ class Llama(nnx.Module):
     init: 11 s for 30 SmolLM2 layers on a loaded 2-core CPU). Fill it with
     `nnx.update`."""
     one = nnx.eval_shape(lambda: cls(
-        dataclasses.replace(config, num_layers=1),
+        dataclasses.replace(config, num_layers=1, layer_types=(
+            None if config.layer_types is None else config.layer_types[:1])),
         implementation=implementation, rngs=nnx.Rngs(0)))
     one.config = config
     for _, var in nnx.to_flat_state(nnx.state(one.layers)):
@@ -393,19 +335,26 @@ class Llama(nnx.Module):
     graphdef, params = nnx.split(self.layers)
     names = [n for n in _CACHE_FIELDS if getattr(cache, n) is not None]
 
-    def body(carry, layer_params):
-      x, arrays, i = carry
+    def body(carry, layer_params, spec, i):
+      x, arrays = carry
       layer = nnx.merge(graphdef, layer_params)
       # The whole cache goes in with the traced layer index: the K/V are
       # scattered into the carry at layer i (in place) and attention reads
       # layer i's pages from it, no per-layer copy out and back.
-      x, pages = layer(x, meta, dict(zip(names, arrays)), i)
-      return (x, tuple(pages[n] for n in names), i + 1), None
+      x, pages = layer(x, meta, dict(zip(names, arrays)), i, spec)
+      return x, tuple(pages[n] for n in names)
 
-    carry = (self.embed_tokens(tokens),
-             tuple(getattr(cache, n) for n in names), jnp.int32(0))
-    (x, arrays, _), _ = jax.lax.scan(body, carry, params)
+    carry = (self.embed(tokens), tuple(getattr(cache, n) for n in names))
+    x, arrays = layers_lib.run_layers(body, params, self.config.layer_specs, carry)
     return x, cache.replace(**dict(zip(names, arrays)))
+
+  def embed(self, tokens: jax.Array) -> jax.Array:
+    """`i32[...] -> [..., hidden_size]`, scaled by sqrt(hidden_size) (in the
+    model's dtype, as Hugging Face's Gemma) with `gemma_style`."""
+    x = self.embed_tokens(tokens)
+    if self.config.gemma_style:
+      x = x * jnp.asarray(self.config.hidden_size**0.5, x.dtype)
+    return x
 
   def shard(self, mesh) -> "Llama":
     """This model laid out tensor-parallel on a `(data, model)` mesh
@@ -421,7 +370,11 @@ class Llama(nnx.Module):
       out = self.embed_tokens.attend(x)
     else:
       out = self.lm_head(x)
-    return out.astype(jnp.float32)
+    out = out.astype(jnp.float32)
+    cap = self.config.final_logit_softcapping
+    if cap is not None:
+      out = cap * jnp.tanh(out / cap)
+    return out
 
   def dense_logits(self, tokens: jax.Array) -> jax.Array:
     """Whole-sequence forward with causal attention and no cache (the oracle).
@@ -434,10 +387,12 @@ class Llama(nnx.Module):
     """
     graphdef, params = nnx.split(self.layers)
 
-    def body(x, layer_params):
-      return nnx.merge(graphdef, layer_params).dense(x), None
+    def body(x, layer_params, spec, i):
+      del i
+      return nnx.merge(graphdef, layer_params).dense(x, spec)
 
-    x, _ = jax.lax.scan(body, self.embed_tokens(tokens), params)
+    x = layers_lib.run_layers(body, params, self.config.layer_specs,
+                              self.embed(tokens))
     return self.logits(x)
 
 

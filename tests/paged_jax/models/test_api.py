@@ -26,7 +26,11 @@ FAMILIES = {
     "Qwen2ForCausalLM": dict(),
     "Qwen3ForCausalLM": dict(head_dim=32),
     "MistralForCausalLM": dict(sliding_window=5),
+    "Gemma2ForCausalLM": dict(sliding_window=5, query_pre_attn_scalar=16),
+    "Gemma3ForCausalLM": dict(sliding_window=5, sliding_window_pattern=2,
+                              rope_local_base_freq=100.0),
 }
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 def hf_config(arch: str, **kw) -> dict:
@@ -40,7 +44,7 @@ def random_tensors(cfg: dict, seed=0) -> dict[str, np.ndarray]:
   return checkpoint.to_tensors(model)
 
 
-def test_architectures_are_the_four_families():
+def test_architectures_are_the_registered_families():
   assert models.ARCHITECTURES == tuple(FAMILIES)
 
 
@@ -51,12 +55,17 @@ def test_from_hf_round_trip_per_family(arch):
   names = set(tensors)
   assert ("model.layers.1.self_attn.q_proj.bias" in names) == (arch == "Qwen2ForCausalLM")
   assert ("model.layers.0.self_attn.o_proj.bias" in names) is False
-  assert ("model.layers.1.self_attn.q_norm.weight" in names) == (arch == "Qwen3ForCausalLM")
-  assert ("lm_head.weight" in names) == (arch != "LlamaForCausalLM")
+  assert ("model.layers.1.self_attn.q_norm.weight" in names) == (
+      arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"))
+  assert ("model.layers.1.pre_feedforward_layernorm.weight" in names) == (arch in GEMMA)
+  assert ("lm_head.weight" in names) == (arch not in ("LlamaForCausalLM",) + GEMMA)
   model = models.from_hf(cfg, tensors)
   assert isinstance(model, ServingModel)
   assert model.config.architecture == arch
-  assert model.config.sliding_window == (5 if arch == "MistralForCausalLM" else None)
+  assert model.config.sliding_window == (
+      5 if arch in ("MistralForCausalLM",) + GEMMA else None)
+  if arch in GEMMA:  # every other layer local, from the default or the pattern
+    assert model.config.layer_types == ("sliding_attention", "full_attention")
   for name, t in checkpoint.to_tensors(model).items():
     np.testing.assert_array_equal(t, tensors[name], err_msg=name)
   half = models.from_hf(cfg, tensors, dtype="bfloat16")
@@ -100,3 +109,17 @@ def test_tiny_is_seeded():
   np.testing.assert_array_equal(dense_logits(a, TOKENS), dense_logits(b, TOKENS))
   assert not np.array_equal(dense_logits(models.tiny(2, num_layers=3), TOKENS),
                             dense_logits(a, TOKENS))
+
+
+@pytest.mark.parametrize("arch", GEMMA)
+def test_gemma_checkpoint_round_trip(tmp_path, arch):
+  # config_to_hf writes the layer pattern, caps, scalar and local RoPE back.
+  cfg = hf_config(arch, num_hidden_layers=3, attn_logit_softcapping=7.0)
+  model = models.from_hf(cfg, random_tensors(cfg, seed=2))
+  checkpoint.save_checkpoint(model, tmp_path)
+  again = models.load_hf(tmp_path)
+  assert again.config == model.config
+  assert again.config.layer_types == (
+      "sliding_attention", "full_attention", "sliding_attention")
+  np.testing.assert_array_equal(np.asarray(dense_logits(again, TOKENS)),
+                                np.asarray(dense_logits(model, TOKENS)))

@@ -22,7 +22,8 @@ def _one_line(excinfo):
 @pytest.mark.parametrize("change,match", [
     (dict(architectures=["GPT2LMHeadModel"]),
      r"architecture 'GPT2LMHeadModel' is not supported \(supported: "
-     r"LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM\)"),
+     r"LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, "
+     r"Gemma2ForCausalLM, Gemma3ForCausalLM\)"),
     (dict(architectures="LlamaForCausalLM"), "architectures must be a list of one name"),
     (dict(architectures=["LlamaForCausalLM", "Qwen2ForCausalLM"]),
      "architectures must be a list of one name"),
@@ -42,6 +43,27 @@ def test_config_errors(change, match):
   d = {k: v for k, v in {**base, **change, "architectures": arch}.items() if v is not None}
   with pytest.raises(ValueError, match=match) as e:
     models.config_from_hf(d)
+  _one_line(e)
+
+
+@pytest.mark.parametrize("arch,change,match", [
+    ("Gemma2ForCausalLM", dict(layer_types=["sliding_attention"]),
+     r"layer_types must be a tuple of num_layers=2 entries"),
+    ("Gemma2ForCausalLM", dict(layer_types=["sliding_attention", "chunked"]),
+     r"layer_types must be a tuple of num_layers=2 entries"),
+    ("Gemma2ForCausalLM", dict(hidden_activation="relu"),
+     "hidden_activation 'relu' is not supported"),
+    ("Gemma2ForCausalLM", dict(attn_logit_softcapping=-1.0),
+     "attn_logit_softcapping must be a positive number or None, got -1.0"),
+    ("Gemma3ForCausalLM", dict(use_bidirectional_attention=True),
+     "use_bidirectional_attention is not supported"),
+    ("Gemma3ForCausalLM", dict(rope_parameters={
+        "full_attention": {"rope_type": "yarn", "factor": 2.0}}),
+     "unsupported rope scaling type 'yarn'"),
+])
+def test_gemma_config_errors(arch, change, match):
+  with pytest.raises(ValueError, match=match) as e:
+    models.config_from_hf(hf_config(arch, **change))
   _one_line(e)
 
 

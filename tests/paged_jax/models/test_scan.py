@@ -57,6 +57,52 @@ def test_program_does_not_grow_with_depth_and_the_cache_is_aliased():
   assert len(texts[1].splitlines()) == len(texts[6].splitlines())
 
 
+def test_hybrid_program_holds_one_period_whatever_the_depth():
+  # Gemma 3-like 2 local : 1 global: the scan body holds one period (3
+  # layers, each with its static window), so 3 and 9 layers give the same
+  # program; a partial period (5 = 3 + 2) adds its 2 layers once, unrolled.
+  meta = _step()
+  lines = {}
+  for layers in (3, 9, 5):
+    cfg = hf_config("Gemma3ForCausalLM", num_hidden_layers=layers,
+                    sliding_window_pattern=3)
+    model = models.from_hf(cfg, random_tensors(cfg))
+    assert model.config.layer_types[:3] == (
+        "sliding_attention", "sliding_attention", "full_attention")
+    fwd, params = _jitted_forward(model)
+    lowered = fwd.lower(params, model.make_cache(BLOCKS, BS),
+                        jnp.zeros(26, jnp.int32), meta)
+    lines[layers] = len(lowered.as_text().splitlines())
+    if layers == 5:  # a scanned period and an unrolled tail: still in place
+      header = lowered.compile().as_text().splitlines()[0]
+      assert header.count("may-alias") >= 2, header[:400]
+  assert lines[3] == lines[9]
+  assert lines[3] < lines[5] < 2 * lines[3]
+
+
+def test_layers_run_with_their_own_spec_in_order():
+  from paged_jax.models.llama import layers  # pylint: disable=import-outside-toplevel
+  from paged_jax import rope  # pylint: disable=import-outside-toplevel
+  r = rope.RopeConfig(4, 10.0)
+  specs = [layers.LayerSpec(w, r) for w in (2, 2, None, 2, 2, None, 2)]
+  assert layers.period(specs) == 3
+  assert layers.period(specs[:2]) == 1 and layers.period(specs[:3]) == 3
+  params = {"w": jnp.arange(7, dtype=jnp.float32) + 1}
+
+  def body(carry, p, spec, i):
+    # carry: (running value, log of (index, window or 0, weight)).
+    acc, log = carry
+    entry = jnp.stack([jnp.asarray(i, jnp.float32),
+                       jnp.float32(spec.sliding_window or 0), p["w"]])
+    return acc * 10 + p["w"], log.at[i].set(entry)
+
+  acc, log = jax.jit(lambda p: layers.run_layers(
+      body, p, specs, (jnp.float32(0), jnp.zeros((7, 3)))))(params)
+  assert float(acc) == 1234567.0
+  np.testing.assert_array_equal(np.asarray(log), [
+      [i, s.sliding_window or 0, i + 1] for i, s in enumerate(specs)])
+
+
 def _hlo_shape(x) -> str:
   """How compiled HLO spells an array's type: `f32[3,2,24,4,16]`."""
   name = {"float32": "f32", "int8": "s8", "bfloat16": "bf16",
