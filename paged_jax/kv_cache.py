@@ -426,7 +426,7 @@ def write_kv_layer(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array,
   if idx.shape[0] == 1:
     # One token (a 1-row decode step): XLA CPU rewrites a one-index scatter
     # as a dynamic-update-slice under a bounds select, and in the layer scan
-    # that form copies the whole carried cache array three times per layer
+    # that form copies the whole carried cache array four times per layer
     # (SmolLM2-135M, 30 layers: 1.4 s CPU per decode step against 0.11 s at 2
     # rows, benchmarks/RESULTS.md 12b). A second, dropped slot keeps it a
     # scatter, written in place as at T >= 2.
