@@ -314,6 +314,39 @@ class Llama(nnx.Module):
                              for _ in range(config.num_layers)])
     return one
 
+  def with_scan_layers(self, scan_layers: bool) -> "Llama":
+    """This model with its layers stacked (`scan_layers=True`) or separate
+    (False), the same weights (copied; `self` is unchanged, or returned if
+    already in that form)."""
+    if scan_layers == self.config.scan_layers:
+      return self
+    config = dataclasses.replace(self.config, scan_layers=scan_layers)
+    new = type(self).abstract(config, implementation=self.implementation)
+    _, state = nnx.split(self, nnx.Param)
+    updates, layers = {}, {}
+    for path, var in nnx.to_flat_state(state):
+      value = var.get_value()
+      node = updates
+      if path[0] != "layers":
+        for p in path[:-1]:
+          node = node.setdefault(p, {})
+        node[path[-1]] = value
+      elif scan_layers:  # separate -> stacked: path ("layers", i, ...)
+        layers.setdefault(path[2:], [None] * config.num_layers)[path[1]] = value
+      else:  # stacked -> separate
+        for i in range(config.num_layers):
+          node = updates.setdefault("layers", {}).setdefault(i, {})
+          for p in path[1:-1]:
+            node = node.setdefault(p, {})
+          node[path[-1]] = value[i]
+    for rest, values in layers.items():
+      node = updates.setdefault("layers", {})
+      for p in rest[:-1]:
+        node = node.setdefault(p, {})
+      node[rest[-1]] = jnp.stack(values)
+    nnx.update(new, updates)
+    return new
+
   def make_cache(self, num_blocks: int, block_size: int,
                  dtype=None) -> kv_cache_lib.KVCache:
     """A zeroed `KVCache` for this model: `dtype` a dtype or a name as

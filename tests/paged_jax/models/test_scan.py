@@ -254,3 +254,24 @@ def test_separate_layers_compute_what_stacked_ones_do(arch):
       scale = np.abs(want_dense).max(-1, keepdims=True)
       np.testing.assert_array_less(np.abs(dense - want_dense) / scale, 1e-5)
       np.testing.assert_array_less(np.abs(paged - want_paged) / scale, 1e-5)
+
+
+def test_with_scan_layers_converts_both_ways_and_the_loader_uses_it():
+  from paged_jax.models import loader  # pylint: disable=import-outside-toplevel
+  from paged_jax.models.llama import checkpoint  # pylint: disable=import-outside-toplevel
+  stacked = models.tiny(2)  # loader.load("tiny", seed=2)'s weights
+  separate = stacked.with_scan_layers(False)
+  back = separate.with_scan_layers(True)
+  assert stacked.with_scan_layers(True) is stacked
+  assert len(separate.layers) == 2 and not separate.config.scan_layers
+  assert back.layers.mlp.up_proj.kernel[...].shape[0] == 2
+  want = checkpoint.to_tensors(stacked)
+  for model in (separate, back):
+    got = checkpoint.to_tensors(model)
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+      np.testing.assert_array_equal(got[name], t, err_msg=name)
+  loaded = loader.load("tiny", seed=2, scan_layers=False)
+  assert isinstance(loaded.model.layers, nnx.List)
+  np.testing.assert_array_equal(loaded.model.layers[1].mlp.up_proj.kernel[...],
+                                stacked.layers.mlp.up_proj.kernel[...][1])
