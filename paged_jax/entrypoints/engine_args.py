@@ -111,6 +111,9 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_model: str = "tiny")
   src.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="parameter/compute dtype (default: the checkpoint's; "
                    "float32 for GGUF, dequantised at load)")
+  src.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+                   help="layers stacked under lax.scan (default), or separate and "
+                   "unrolled: no per-step weight copies on CPU, a larger program")
   eng = p.add_argument_group("engine")
   eng.add_argument("--block-size", type=count(1, MAX_BLOCK_SIZE), default=16,
                    help="tokens per KV block; the KV memory stays the same "
@@ -320,7 +323,7 @@ def load_model(args) -> loader.LoadedModel:
   against the flags, and the model-dependent defaults of `--min-bucket` and
   `--bucket-midpoints` filled in (raises ValueError, FileNotFoundError)."""
   loaded = loader.load(args.model, dtype=args.dtype, implementation=args.implementation,
-                       seed=args.model_seed)
+                       seed=args.model_seed, scan_layers=args.scan_layers)
   kind = model_kind(loaded.model)
   if args.min_bucket is None:
     args.min_bucket = STEP_SHAPE_DEFAULTS[kind][0]

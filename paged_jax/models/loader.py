@@ -133,8 +133,10 @@ def load_gguf(path, *, dtype=None, implementation=None) -> LoadedModel:
 
 
 def load(model: str = DEFAULT_MODEL, *, dtype: str | None = None,
-         implementation: str | None = None, seed: int = 0) -> LoadedModel:
-  """The model `model` names (see the module doc).
+         implementation: str | None = None, seed: int = 0,
+         scan_layers: bool = True) -> LoadedModel:
+  """The model `model` names (see the module doc), its layers stacked
+  (`scan_layers`, default) or separate (`Llama.with_scan_layers`).
 
   Args:
     model: "tiny", "smollm2", a Hugging Face directory or a `.gguf` file.
@@ -142,12 +144,20 @@ def load(model: str = DEFAULT_MODEL, *, dtype: str | None = None,
       checkpoint's (float32 for GGUF, dequantised).
     implementation: attention backend.
     seed: the tiny model's weight seed.
+    scan_layers: `LlamaConfig.scan_layers` (False: separate layers, unrolled;
+      on CPU no per-step weight copies, a larger program).
 
   Raises:
     ModelNotAvailable: "smollm2" is neither installed nor fetchable.
     FileNotFoundError: no such file or directory.
     ValueError: a malformed checkpoint (one line naming the file).
   """
+  loaded = _load(model, dtype=dtype, implementation=implementation, seed=seed)
+  return dataclasses.replace(
+      loaded, model=loaded.model.with_scan_layers(scan_layers))
+
+
+def _load(model, *, dtype, implementation, seed) -> LoadedModel:
   from paged_jax.serving.tokenizer import ByteTokenizer, HFTokenizer  # pylint: disable=import-outside-toplevel
   from paged_jax import models  # pylint: disable=import-outside-toplevel
   if model == "tiny":

@@ -212,7 +212,9 @@ class _Slot:
   def __init__(self, path: tuple, shape: tuple[int, ...]):
     *mods, leaf = [str(p) for p in path]
     self.path = path
-    self.stacked = mods[:1] == ["layers"]
+    # `layers.<i>...` (an int in the path): one of separate layers
+    # (`scan_layers=False`), already named per layer.
+    self.stacked = mods[:1] == ["layers"] and not isinstance(path[1], int)
     self.shape = shape[1:] if self.stacked else shape
     self.transpose = leaf == "kernel"
     if mods == ["embed_tokens"]:

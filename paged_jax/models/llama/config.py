@@ -41,6 +41,14 @@ class LlamaConfig:
   as `c * tanh(x / c)`; `rope_local_theta` is the RoPE theta of sliding
   layers (default RoPE, no scaling; global layers keep `rope_theta` and
   `rope_scaling`), None for the same RoPE on every layer.
+
+  `scan_layers` (MaxText's name): True stacks the layers' parameters
+  `[num_layers, ...]` and runs them under `lax.scan` (one layer compiled
+  whatever the depth); False keeps one `DecoderLayer` per layer, separate
+  arrays run by an unrolled Python loop (the program grows with the depth,
+  but no layer's weights are sliced out of a stack: XLA CPU materialises
+  that slice, a copy of every weight per step; `benchmarks/RESULTS.md`
+  section 12 measures both).
   """
 
   vocab_size: int
@@ -70,6 +78,7 @@ class LlamaConfig:
   query_pre_attn_scalar: float | None = None
   attn_logit_softcapping: float | None = None
   final_logit_softcapping: float | None = None
+  scan_layers: bool = True
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -104,6 +113,9 @@ class LlamaConfig:
       if w is None and layers_lib.SLIDING in types:
         raise ValueError("layer_types has sliding_attention layers but "
                          "sliding_window is None")
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"scan_layers must be True or False, got "
+                       f"{self.scan_layers!r}")
     if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
       raise ValueError(f"hidden_act must be 'silu' or 'gelu_pytorch_tanh', "
                        f"got {self.hidden_act!r}")

@@ -32,6 +32,14 @@ alias the outputs). Slicing the layer's pages out, writing them and putting
 them back copied one layer's pages twice per layer per step
 (`benchmarks/RESULTS.md`, section 12).
 
+With `LlamaConfig(scan_layers=False)` `Llama.layers` is instead an
+`nnx.List` of `num_layers` separate `DecoderLayer`s (parameters named
+`layers.<i>. ...`, drawn from the seed as the stacked ones) run by an unrolled
+Python loop with static layer indices: the program grows with the depth, but
+no weight is sliced out of a stack, which XLA CPU materialises (a copy of
+every layer's weights per step; section 12 measures both). Checkpoints and
+tensor parallelism take both forms.
+
 `Llama` implements `paged_jax.serving.ServingModel`:
 
 * `Llama.paged_forward` runs one serving step over a ragged token batch and
@@ -247,7 +255,10 @@ class Llama(nnx.Module):
   Attributes:
     layers: one `DecoderLayer` whose parameters have a leading
       `[num_layers]` axis (e.g. `layers.self_attn.q_proj.kernel` is
-      `[num_layers, hidden, num_heads * head_dim]`).
+      `[num_layers, hidden, num_heads * head_dim]`); with
+      `config.scan_layers=False` an `nnx.List` of `num_layers` separate
+      `DecoderLayer`s (`layers[i].self_attn.q_proj.kernel` `[hidden,
+      num_heads * head_dim]`).
 
   Example:
     >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
@@ -266,11 +277,14 @@ class Llama(nnx.Module):
     # The layers drawn one after another from `rngs`, as separate modules
     # would be (a seed gives the weights it gave before stacking), then
     # stacked on a leading axis.
-    parts = [nnx.split(DecoderLayer(config, implementation=implementation,
-                                    rngs=rngs))
+    parts = [DecoderLayer(config, implementation=implementation, rngs=rngs)
              for _ in range(config.num_layers)]
-    self.layers = nnx.merge(parts[0][0], jax.tree.map(
-        lambda *xs: jnp.stack(xs), *[state for _, state in parts]))
+    if config.scan_layers:
+      parts = [nnx.split(layer) for layer in parts]
+      self.layers = nnx.merge(parts[0][0], jax.tree.map(
+          lambda *xs: jnp.stack(xs), *[state for _, state in parts]))
+    else:
+      self.layers = nnx.List(parts)
     self.norm = _norm(config, config.hidden_size)
     if not config.tie_word_embeddings:
       self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size,
@@ -286,14 +300,52 @@ class Llama(nnx.Module):
     init: 11 s for 30 SmolLM2 layers on a loaded 2-core CPU). Fill it with
     `nnx.update`."""
     one = nnx.eval_shape(lambda: cls(
-        dataclasses.replace(config, num_layers=1, layer_types=(
+        dataclasses.replace(config, num_layers=1, scan_layers=True, layer_types=(
             None if config.layer_types is None else config.layer_types[:1])),
         implementation=implementation, rngs=nnx.Rngs(0)))
     one.config = config
+    stacked = config.scan_layers
     for _, var in nnx.to_flat_state(nnx.state(one.layers)):
       x = var.get_value()
-      var.set_value(jax.ShapeDtypeStruct((config.num_layers,) + x.shape[1:], x.dtype))
+      lead = (config.num_layers,) if stacked else ()
+      var.set_value(jax.ShapeDtypeStruct(lead + x.shape[1:], x.dtype))
+    if not stacked:
+      one.layers = nnx.List([nnx.clone(one.layers)
+                             for _ in range(config.num_layers)])
     return one
+
+  def with_scan_layers(self, scan_layers: bool) -> "Llama":
+    """This model with its layers stacked (`scan_layers=True`) or separate
+    (False), the same weights (copied; `self` is unchanged, or returned if
+    already in that form)."""
+    if scan_layers == self.config.scan_layers:
+      return self
+    config = dataclasses.replace(self.config, scan_layers=scan_layers)
+    new = type(self).abstract(config, implementation=self.implementation)
+    _, state = nnx.split(self, nnx.Param)
+    updates, layers = {}, {}
+    for path, var in nnx.to_flat_state(state):
+      value = var.get_value()
+      node = updates
+      if path[0] != "layers":
+        for p in path[:-1]:
+          node = node.setdefault(p, {})
+        node[path[-1]] = value
+      elif scan_layers:  # separate -> stacked: path ("layers", i, ...)
+        layers.setdefault(path[2:], [None] * config.num_layers)[path[1]] = value
+      else:  # stacked -> separate
+        for i in range(config.num_layers):
+          node = updates.setdefault("layers", {}).setdefault(i, {})
+          for p in path[1:-1]:
+            node = node.setdefault(p, {})
+          node[path[-1]] = value[i]
+    for rest, values in layers.items():
+      node = updates.setdefault("layers", {})
+      for p in rest[:-1]:
+        node = node.setdefault(p, {})
+      node[rest[-1]] = jnp.stack(values)
+    nnx.update(new, updates)
+    return new
 
   def make_cache(self, num_blocks: int, block_size: int,
                  dtype=None) -> kv_cache_lib.KVCache:
@@ -312,7 +364,8 @@ class Llama(nnx.Module):
       meta: step_metadata.StepMetadata,
       cache: kv_cache_lib.KVCache,
   ) -> tuple[jax.Array, kv_cache_lib.KVCache]:
-    """One serving step over the paged cache, the layers under `lax.scan`.
+    """One serving step over the paged cache, the layers under `lax.scan`
+    (or unrolled, `scan_layers=False`).
 
     Args:
       tokens: `i32[num_tokens]` in the step's ragged layout (see
@@ -332,12 +385,10 @@ class Llama(nnx.Module):
       raise ValueError(f"the KV cache has {cache.num_layers} layers, the model "
                        f"num_layers={self.config.num_layers}")
     kv_cache_lib.check_compatible(cache, meta)
-    graphdef, params = nnx.split(self.layers)
     names = [n for n in _CACHE_FIELDS if getattr(cache, n) is not None]
 
-    def body(carry, layer_params, spec, i):
+    def body(carry, layer, spec, i):
       x, arrays = carry
-      layer = nnx.merge(graphdef, layer_params)
       # The whole cache goes in with the traced layer index: the K/V are
       # scattered into the carry at layer i (in place) and attention reads
       # layer i's pages from it, no per-layer copy out and back.
@@ -345,8 +396,22 @@ class Llama(nnx.Module):
       return x, tuple(pages[n] for n in names)
 
     carry = (self.embed(tokens), tuple(getattr(cache, n) for n in names))
-    x, arrays = layers_lib.run_layers(body, params, self.config.layer_specs, carry)
+    x, arrays = self._run_layers(body, carry)
     return x, cache.replace(**dict(zip(names, arrays)))
+
+  def _run_layers(self, body, carry):
+    """`carry = body(carry, layer: DecoderLayer, spec, index)` over the
+    layers: under `layers.run_layers`'s scan when stacked, else a Python
+    loop over the separate layers (static index and spec)."""
+    specs = self.config.layer_specs
+    if isinstance(self.layers, nnx.List):
+      for i, (layer, spec) in enumerate(zip(self.layers, specs)):
+        carry = body(carry, layer, spec, i)
+      return carry
+    graphdef, params = nnx.split(self.layers)
+    return layers_lib.run_layers(
+        lambda c, p, spec, i: body(c, nnx.merge(graphdef, p), spec, i),
+        params, specs, carry)
 
   def embed(self, tokens: jax.Array) -> jax.Array:
     """`i32[...] -> [..., hidden_size]`, scaled by sqrt(hidden_size) (in the
@@ -385,15 +450,11 @@ class Llama(nnx.Module):
     Returns:
       `f32[batch, seq_len, vocab_size]`.
     """
-    graphdef, params = nnx.split(self.layers)
-
-    def body(x, layer_params, spec, i):
+    def body(x, layer, spec, i):
       del i
-      return nnx.merge(graphdef, layer_params).dense(x, spec)
+      return layer.dense(x, spec)
 
-    x = layers_lib.run_layers(body, params, self.config.layer_specs,
-                              self.embed(tokens))
-    return self.logits(x)
+    return self.logits(self._run_layers(body, self.embed(tokens)))
 
 
 def init_model(config: LlamaConfig, seed: int = 0, *,

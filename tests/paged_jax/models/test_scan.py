@@ -112,10 +112,10 @@ def _hlo_shape(x) -> str:
 
 @pytest.mark.parametrize("num_seqs, decode_only",
                          [(2, True), (2, False), (1, True)])
-@pytest.mark.parametrize("cache_dtype", [None, "int8"])
-def test_the_step_writes_into_the_cache_without_copying_it(cache_dtype,
-                                                           num_seqs,
-                                                           decode_only):
+@pytest.mark.parametrize("cache_dtype,scan_layers", [
+    (None, True), ("int8", True), (None, False)])
+def test_the_step_writes_into_the_cache_without_copying_it(
+    cache_dtype, scan_layers, num_seqs, decode_only):
   # The K/V are scattered into the carried 5-D cache at the traced layer
   # index: the compiled step has no copy and no dynamic-update-slice of a
   # whole cache array (writing a layer's pages back into the carry, as the
@@ -132,7 +132,7 @@ def test_the_step_writes_into_the_cache_without_copying_it(cache_dtype,
   meta = step_metadata.step_metadata(state, seq_ids, q_lens,
                                      num_tokens=num_seqs * q_len,
                                      decode_only=decode_only)
-  model = models.tiny(0, num_layers=3)
+  model = models.tiny(0, num_layers=3, scan_layers=scan_layers)
   fwd, params = _jitted_forward(model)
   cache = model.make_cache(BLOCKS, BS, cache_dtype)
   compiled = fwd.lower(params, cache, jnp.zeros(num_seqs * q_len, jnp.int32),
@@ -197,3 +197,91 @@ def test_a_seed_gives_the_weights_separate_layers_would():
                                   layer.mlp.up_proj.kernel[...])
     np.testing.assert_array_equal(stacked.layers.self_attn.q_proj.kernel[...][i],
                                   layer.self_attn.q_proj.kernel[...])
+
+
+def _weight_copies(model, num_seqs=2):
+  """The compiled decode step's ops that produce an MLP kernel-sized array
+  (`f32[64,192]`, `f32[192,64]`, or with a leading 1): slices or copies of
+  a layer's weights, which the step should read in place."""
+  state = bm.init(num_blocks=BLOCKS, block_size=BS, max_seqs=num_seqs,
+                  max_blocks_per_seq=8)
+  seq_ids = jnp.arange(num_seqs, dtype=jnp.int32)
+  ones = jnp.ones(num_seqs, jnp.int32)
+  state, _ = bm.reserve(state, seq_ids, ones)
+  meta = step_metadata.step_metadata(state, seq_ids, ones, num_tokens=num_seqs,
+                                     decode_only=True)
+  fwd, params = _jitted_forward(model)
+  compiled = fwd.lower(params, model.make_cache(BLOCKS, BS),
+                       jnp.zeros(num_seqs, jnp.int32), meta).compile().as_text()
+  pattern = (r"= f32\[(1,)?(64,192|192,64)\]\{[^}]*\} "
+             r"(dynamic-slice|slice|copy|gather|fusion)\(")
+  return [line.strip()[:160] for line in compiled.splitlines()
+          if re.search(pattern, line)]
+
+
+def test_separate_layers_read_their_weights_in_place():
+  # scan_layers=False: each layer's weights are their own arrays and the
+  # unrolled step reads them in place. The stacked form, on XLA CPU, slices
+  # every layer's kernels out of the [num_layers, ...] stacks (a copy per
+  # weight per layer per step, benchmarks/RESULTS.md section 12): the same
+  # search finds those, so it is not vacuous.
+  config = dict(num_layers=3, hidden_size=64, intermediate_size=192)
+  separate = models.tiny(0, scan_layers=False, **config)
+  assert len(separate.layers) == 3
+  assert separate.layers[0].mlp.up_proj.kernel[...].shape == (64, 192)
+  assert not _weight_copies(separate), _weight_copies(separate)
+  if jax.default_backend() == "cpu":
+    assert _weight_copies(models.tiny(0, scan_layers=True, **config))
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Gemma3ForCausalLM"])
+def test_separate_layers_compute_what_stacked_ones_do(arch):
+  # Same seed and checkpoint tensors, separate or stacked layers: the same
+  # Hugging Face tensors out, the same logits (dense and paged) in float32.
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from paged_jax.models.llama import checkpoint  # pylint: disable=import-outside-toplevel
+  cfg = hf_config(arch, num_hidden_layers=4, **(
+      {"sliding_window_pattern": 3} if arch == "Gemma3ForCausalLM" else {}))
+  stacked = models.from_hf(cfg, random_tensors(cfg, seed=3))
+  config = dataclasses.replace(stacked.config, scan_layers=False)
+  tensors = checkpoint.to_tensors(stacked)
+  separate = checkpoint.from_tensors(config, tensors)
+  assert len(separate.layers) == 4
+  out = checkpoint.to_tensors(separate)
+  assert sorted(out) == sorted(tensors)
+  for name, t in tensors.items():
+    np.testing.assert_array_equal(out[name], t, err_msg=name)
+  tokens = np.random.default_rng(1).integers(0, 256, (2, 13)).astype(np.int32)
+  for model in (stacked, separate):
+    dense = np.asarray(model.dense_logits(jnp.asarray(tokens)))
+    fwd, params = _jitted_forward(model)
+    paged, _ = fwd(params, model.make_cache(BLOCKS, BS),
+                   jnp.asarray(tokens.reshape(-1)), _step())
+    paged = np.asarray(paged).reshape(dense.shape)
+    if model is stacked:
+      want_dense, want_paged = dense, paged
+    else:
+      scale = np.abs(want_dense).max(-1, keepdims=True)
+      np.testing.assert_array_less(np.abs(dense - want_dense) / scale, 1e-5)
+      np.testing.assert_array_less(np.abs(paged - want_paged) / scale, 1e-5)
+
+
+def test_with_scan_layers_converts_both_ways_and_the_loader_uses_it():
+  from paged_jax.models import loader  # pylint: disable=import-outside-toplevel
+  from paged_jax.models.llama import checkpoint  # pylint: disable=import-outside-toplevel
+  stacked = models.tiny(2)  # loader.load("tiny", seed=2)'s weights
+  separate = stacked.with_scan_layers(False)
+  back = separate.with_scan_layers(True)
+  assert stacked.with_scan_layers(True) is stacked
+  assert len(separate.layers) == 2 and not separate.config.scan_layers
+  assert back.layers.mlp.up_proj.kernel[...].shape[0] == 2
+  want = checkpoint.to_tensors(stacked)
+  for model in (separate, back):
+    got = checkpoint.to_tensors(model)
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+      np.testing.assert_array_equal(got[name], t, err_msg=name)
+  loaded = loader.load("tiny", seed=2, scan_layers=False)
+  assert isinstance(loaded.model.layers, nnx.List)
+  np.testing.assert_array_equal(loaded.model.layers[1].mlp.up_proj.kernel[...],
+                                stacked.layers.mlp.up_proj.kernel[...][1])
