@@ -1,0 +1,76 @@
+"""Speculative decoding in the engine (`EngineConfig.speculative_config`,
+method "ngram", greedy): verification steps give exactly the outputs of
+plain decoding, alone, batched and under preemption; the host's pool model
+replays every rollback; every block returns; each shape traces once."""
+
+from __future__ import annotations
+
+import chex
+import pytest
+
+from paged_jax import block_manager as bm
+from paged_jax.serving import compiler
+from paged_jax.serving.engine import Engine, EngineConfig
+from paged_jax.serving.requests import Request
+from paged_jax.serving.sampling import SamplingParams
+from paged_jax.speculative import SpeculativeConfig
+from tests.examples.conftest import (BIG_POOL, SIZES, SMALL_POOL,
+                                     assert_mirror_is_the_device_state,
+                                     make_engine, random_requests)
+from tests.examples.test_prefix_engine import _poison_unowned_blocks
+
+SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
+                         prompt_lookup_max=3)
+
+
+def _run(engine: Engine, requests, *, checked: bool = True) -> dict:
+  """`{id: [(tokens, finish reason), ...]}`; with `checked`, after every
+  step the host's pool model equals the device's state and every block
+  nobody owns is NaN-poisoned (a stray read of a rolled-back block shows)."""
+  for r in requests:
+    assert engine.add_request(r) is None, r
+  outs = {}
+  while engine.has_unfinished():
+    for o in engine.step():
+      outs[o.request_id] = o
+    if checked and engine._pending is not None:  # pylint: disable=protected-access
+      engine._resolve_pending()  # pylint: disable=protected-access
+      for o in engine._take_outputs():  # pylint: disable=protected-access
+        outs[o.request_id] = o
+      assert_mirror_is_the_device_state(engine)
+      _poison_unowned_blocks(engine)
+  engine.flush()
+  for o in engine._take_outputs():  # pylint: disable=protected-access
+    outs[o.request_id] = o
+  return {k: [(c.token_ids, c.finish_reason) for c in o.completions]
+          for k, o in outs.items()}
+
+
+def _assert_pool_empty(engine: Engine):
+  bm.check_invariants(engine.block_state)
+  assert_mirror_is_the_device_state(engine)
+  assert int(engine.block_state.num_free) == engine.config.num_blocks
+  assert not engine.has_unfinished()
+
+
+def _copying(i: int) -> Request:
+  """A prompt that repeats a passage: prompt lookup proposes, and the tiny
+  model's greedy continuation of a loop often follows it."""
+  passage = [30 + 7 * i, 41, 52 + i, 63, 74]
+  return Request(f"c{i}", passage * 4, SamplingParams(max_new_tokens=16 + i))
+
+
+def test_greedy_outputs_are_identical_with_spec_on_and_off(model):
+  requests = [_copying(i) for i in range(3)] + random_requests(
+      4, 3, prompt=(3, 20), new=(6, 24))
+  want = _run(make_engine(model), requests, checked=False)
+  engine = make_engine(model, speculative_config=SPEC)
+  assert _run(engine, requests) == want
+  st = engine.stats
+  assert st.spec_steps > 0 and st.spec_proposed > 0
+  assert 0 < st.acceptance_rate <= 1 and st.mean_accepted_length > 0
+  _assert_pool_empty(engine)
+  for r in requests[:1] + requests[3:4]:  # alone
+    alone = make_engine(model, speculative_config=SPEC)
+    assert _run(alone, [r]) == {r.request_id: want[r.request_id]}
+    _assert_pool_empty(alone)
