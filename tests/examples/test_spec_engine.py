@@ -74,3 +74,71 @@ def test_greedy_outputs_are_identical_with_spec_on_and_off(model):
     alone = make_engine(model, speculative_config=SPEC)
     assert _run(alone, [r]) == {r.request_id: want[r.request_id]}
     _assert_pool_empty(alone)
+
+
+def test_a_small_pool_that_preempts_gives_the_same_outputs(model):
+  requests = [_copying(i) for i in range(4)] + random_requests(
+      1, 4, prompt=(8, 24), new=(8, 16))
+  want = _run(make_engine(model), requests, checked=False)
+  engine = make_engine(model, num_blocks=SMALL_POOL + 4, admission_headroom_steps=0,
+                       speculative_config=SPEC)
+  assert _run(engine, requests) == want
+  assert engine.stats.preemptions > 0 and engine.stats.spec_accepted > 0
+  _assert_pool_empty(engine)
+
+
+def test_every_verification_shape_traces_once(model):
+  chex.clear_trace_counter()
+  engine = Engine(model, EngineConfig(num_blocks=BIG_POOL, check_traces=True,
+                                      speculative_config=SPEC, **SIZES))
+  requests = [_copying(i) for i in range(4)]
+  _run(engine, requests[:2], checked=False)
+  compiles = compiler.compiled_count()
+  _run(engine, requests[2:], checked=False)  # a second round: same shapes
+  assert engine.stats.spec_steps > 0
+  assert compiler.compiled_count() == compiles
+  steps = engine._runner._spec_steps  # pylint: disable=protected-access
+  assert steps and all(k == SPEC.num_speculative_tokens for _, k in steps)
+
+
+def test_a_request_that_stops_on_an_accepted_draft_stops_there(model):
+  base = _run(make_engine(model), [_copying(0)], checked=False)["c0"][0][0]
+  req = _copying(0)
+  stop = base[6]
+  want = _run(make_engine(model), [Request("s", req.prompt, SamplingParams(
+      max_new_tokens=16, stop_token_ids=(stop,)))], checked=False)
+  engine = make_engine(model, speculative_config=SPEC)
+  engine.stream_deltas()
+  got = _run(engine, [Request("s", req.prompt, SamplingParams(
+      max_new_tokens=16, stop_token_ids=(stop,)))])
+  assert got == want and got["s"][0][1] == "stop"
+  streamed = [t for d in engine.take_deltas() if d.index >= 0 for t in d.token_ids]
+  assert streamed == got["s"][0][0]
+  _assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("kw,name", [
+    (dict(max_beam_width=2), "max_beam_width=2 (beam search)"),
+    (dict(enable_prefix_caching=True), "enable_prefix_caching"),
+    (dict(num_scheduler_steps=4), "num_scheduler_steps=4"),
+])
+def test_unsupported_configs_are_refused_by_name(kw, name):
+  with pytest.raises(ValueError) as e:
+    EngineConfig(num_blocks=8, speculative_config=SPEC, **kw)
+  assert str(e.value).startswith(
+      f"speculative_config cannot be combined with {name}; ")
+
+
+def test_a_config_that_is_not_a_speculative_config_is_refused():
+  with pytest.raises(ValueError, match="must be a SpeculativeConfig"):
+    EngineConfig(num_blocks=8, speculative_config={"method": "ngram"})
+
+
+@pytest.mark.parametrize("params,why", [
+    (dict(temperature=0.7), "temperature=0.7 is not supported"),
+    (dict(n=2), "n=2 is not supported"),
+])
+def test_unsupported_requests_are_rejected_by_name(model, params, why):
+  engine = make_engine(model, speculative_config=SPEC)
+  out = engine.add_request(Request("x", [1, 2, 3], SamplingParams(**params)))
+  assert out is not None and out.rejected.startswith(why)
