@@ -9,6 +9,7 @@ import chex
 import pytest
 
 from paged_jax import block_manager as bm
+from paged_jax.entrypoints import generate
 from paged_jax.serving import compiler
 from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.requests import Request
@@ -142,3 +143,19 @@ def test_unsupported_requests_are_rejected_by_name(model, params, why):
   engine = make_engine(model, speculative_config=SPEC)
   out = engine.add_request(Request("x", [1, 2, 3], SamplingParams(**params)))
   assert out is not None and out.rejected.startswith(why)
+
+
+def test_speculative_config_flag(capsys):
+  flag = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4}'
+  args = generate.parse_args(["--speculative-config", flag])
+  assert args.speculative_config == SpeculativeConfig(
+      num_speculative_tokens=2, prompt_lookup_min=4, prompt_lookup_max=4)
+  assert generate.parse_args([]).speculative_config is None
+  code = generate.main(["--speculative-config", flag, "--enable-prefix-caching",
+                        "--num-requests", "1", "--no-progress"])
+  assert code == 2
+  assert ("--speculative-config cannot be combined with --enable-prefix-caching"
+          in capsys.readouterr().err)
+  with pytest.raises(SystemExit):
+    generate.parse_args(["--speculative-config", '{"method": "eagle"}'])
+  assert "num_speculative_tokens" in capsys.readouterr().err
