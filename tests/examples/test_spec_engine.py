@@ -159,3 +159,10 @@ def test_speculative_config_flag(capsys):
   with pytest.raises(SystemExit):
     generate.parse_args(["--speculative-config", '{"method": "eagle"}'])
   assert "num_speculative_tokens" in capsys.readouterr().err
+
+
+def test_a_mesh_is_refused_by_name(model):
+  from paged_jax import sharding  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match="cannot be combined with a device mesh"):
+    Engine(model, EngineConfig(num_blocks=8, speculative_config=SPEC, **SIZES),
+           mesh=sharding.make_mesh(1, 1))
