@@ -499,6 +499,7 @@ class Engine:
     k = self.config.num_scheduler_steps
     if k > 1 and self.mesh is None:  # the K-step decode programs too
       self._runner.compile_multistep(self._pools[0].multistep_padding(buckets), k)
+    spec_host.warmup(self, buckets)  # the verification steps too
     # Warm-up is not "compiling on first use": keep it out of the stats.
     seconds = self._runner.compile_seconds - before
     self._runner.compile_seconds = before

@@ -34,8 +34,8 @@ import time
 import numpy as np
 
 from paged_jax.serving.requests import PENDING
-from paged_jax.serving.spec_step import (SpecInputs, SpecOutputs, dispatch_spec,
-                                         fetch_spec)
+from paged_jax.serving.spec_step import (SpecInputs, SpecOutputs, compile_spec,
+                                         dispatch_spec, fetch_spec)
 from paged_jax.serving.step import StepOutputs
 
 
@@ -155,6 +155,25 @@ def propose(engine, plans, bucket) -> list | None:
   return drafts if any(d.size for d in drafts) else None
 
 
+def warmup(engine, buckets) -> None:
+  """Compiles the verification step of every decode bucket of `buckets`
+  (all-padding inputs; runs nothing). Nothing without speculation."""
+  spec = engine.config.speculative_config
+  if spec is None:
+    return
+  k = spec.num_speculative_tokens
+  inputs = {}
+  for b in buckets:
+    if b.decode_only:
+      x = engine._pools[0]._build([], b)[0]  # pylint: disable=protected-access
+      S = x.seq_ids.shape[0]
+      inputs[b] = (x, SpecInputs(
+          drafts=np.full((S, k), -1, np.int32), num_draft=np.zeros(S, np.int32),
+          tokens=np.zeros(S * (1 + k), np.int32),
+          query_rows=np.zeros((S, 1 + k), np.int32)))
+  compile_spec(engine._runner, inputs, k)  # pylint: disable=protected-access
+
+
 # ------------------------------------------------------------------ the pool
 
 
@@ -271,6 +290,7 @@ def dispatch(engine, built, bucket, drafts):
   st = engine.stats
   st.spec_steps += 1
   st.spec_proposed += int(d.sum())
+  st.padded_rows += S * k  # the layout's rows past the decode bucket's
   return out, [SpecPending(x.seq_ids.copy(), d)]
 
 

@@ -88,18 +88,20 @@ def test_a_small_pool_that_preempts_gives_the_same_outputs(model):
   _assert_pool_empty(engine)
 
 
-def test_every_verification_shape_traces_once(model):
+def test_every_verification_shape_traces_once_and_compiles_at_warmup(model):
   chex.clear_trace_counter()
   engine = Engine(model, EngineConfig(num_blocks=BIG_POOL, check_traces=True,
                                       speculative_config=SPEC, **SIZES))
+  engine.warmup()
+  compiles = compiler.compiled_count()
+  decode = [b for b in engine.buckets if b.decode_only]
+  steps = engine._runner._spec_steps  # pylint: disable=protected-access
+  assert sorted(steps) == [(b, SPEC.num_speculative_tokens) for b in decode]
   requests = [_copying(i) for i in range(4)]
   _run(engine, requests[:2], checked=False)
-  compiles = compiler.compiled_count()
   _run(engine, requests[2:], checked=False)  # a second round: same shapes
   assert engine.stats.spec_steps > 0
-  assert compiler.compiled_count() == compiles
-  steps = engine._runner._spec_steps  # pylint: disable=protected-access
-  assert steps and all(k == SPEC.num_speculative_tokens for _, k in steps)
+  assert compiler.compiled_count() == compiles and engine.stats.compile_seconds == 0
 
 
 def test_a_request_that_stops_on_an_accepted_draft_stops_there(model):
