@@ -168,3 +168,17 @@ def test_a_mesh_is_refused_by_name(model):
   with pytest.raises(ValueError, match="cannot be combined with a device mesh"):
     Engine(model, EngineConfig(num_blocks=8, speculative_config=SPEC, **SIZES),
            mesh=sharding.make_mesh(1, 1))
+
+
+def test_rows_that_need_more_of_a_step_fall_back_to_plain_steps(model):
+  """Top log-probs, `logit_bias`, an active `min_tokens` mask: steps with
+  such a row are ordinary ones; the outputs stay those of plain decoding."""
+  prompt = _copying(1).prompt
+  requests = [_copying(0),
+              Request("lp", prompt, SamplingParams(max_new_tokens=8, logprobs=2)),
+              Request("min", prompt, SamplingParams(max_new_tokens=10, min_tokens=6))]
+  want = _run(make_engine(model, max_logit_bias=2), requests, checked=False)
+  engine = make_engine(model, max_logit_bias=2, speculative_config=SPEC)
+  assert _run(engine, requests) == want
+  assert engine.stats.spec_steps > 0  # once the others finished
+  _assert_pool_empty(engine)
