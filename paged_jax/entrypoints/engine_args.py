@@ -174,6 +174,12 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_model: str = "tiny")
                    "waits for admission, run up to K decode steps in one device "
                    "dispatch, blocks reserved on the device (1-64; 1 = off; "
                    "EngineConfig.num_scheduler_steps)")
+  eng.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   metavar="JSON",
+                   help="speculative decoding (vLLM's flag), e.g. '{\"method\": "
+                   "\"ngram\", \"num_speculative_tokens\": 3}': greedy "
+                   "requests, one device, no prefix caching or beams "
+                   "(EngineConfig.speculative_config)")
   eng.add_argument("--max-model-len", type=count(2, MAX_MODEL_LEN), default=256,
                    help="longest prompt + output (at least 2: one prompt and "
                    "one generated token)")
@@ -203,6 +209,8 @@ FIELD_FLAGS = {
     "num_blocks": "num_blocks", "block_size": "block_size", "max_batch": "max_batch",
     "max_tokens_per_step": "max_tokens_per_step", "max_model_len": "max_model_len",
     "max_beam_width": "beam_width", "min_bucket": "min_bucket",
+    "speculative_config": "speculative_config",
+    "enable_prefix_caching": "enable_prefix_caching",
     "admission_headroom_steps": "admission_headroom_steps",
     "max_logprobs": "max_logprobs", "max_logit_bias": "max_logit_bias",
     "max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_k": "top_k",
@@ -224,6 +232,15 @@ def as_flags(error: ValueError, args) -> ValueError:
   return ValueError(text)
 
 
+def _speculative_config(text: str):
+  """`--speculative-config`: vLLM's JSON, as a `SpeculativeConfig`."""
+  from paged_jax.speculative import SpeculativeConfig  # pylint: disable=import-outside-toplevel
+  try:
+    return SpeculativeConfig.from_json(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def check_engine_config(args) -> None:
   """The engine flags through `EngineConfig`'s own checks (the one place its
   rules live), before any work: its ValueError as flag names (`as_flags`).
@@ -236,6 +253,10 @@ def check_engine_config(args) -> None:
             max_beam_width=getattr(args, "beam_width", 1))
   if args.min_bucket is not None:
     kw["min_bucket"] = args.min_bucket
+  if getattr(args, "speculative_config", None) is not None:  # and what it refuses
+    kw.update(speculative_config=args.speculative_config,
+              enable_prefix_caching=args.enable_prefix_caching,
+              num_scheduler_steps=args.num_scheduler_steps)
   for name in ("max_logprobs", "max_logit_bias"):  # the server's flags
     if getattr(args, name, None) is not None:
       kw[name] = getattr(args, name)

@@ -54,7 +54,18 @@ def fmt_stats(stats: dict) -> list[str]:
       f" tokens ({stats['padding_ratio']:.2f}x) in {stats['buckets_compiled']}"
       f" step shapes",
       *fmt_prefix(stats),
+      *fmt_spec(stats),
   ]
+
+
+def fmt_spec(stats: dict) -> list[str]:
+  if not stats.get("speculative"):
+    return []
+  return [
+      f"  speculative         acceptance rate {100 * stats['acceptance_rate']:.1f}%"
+      f" ({stats['spec_accepted_tokens']} of {stats['spec_proposed_tokens']} draft"
+      f" tokens) in {stats['spec_steps']} verification steps; mean accepted"
+      f" length {stats['mean_accepted_length']:.2f}"]
 
 
 def fmt_prefix(stats: dict) -> list[str]:

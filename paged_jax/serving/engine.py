@@ -76,8 +76,9 @@ from jax.sharding import Mesh
 
 from paged_jax import block_manager as bm
 from paged_jax import sharding
+from paged_jax.speculative import SpeculativeConfig
 from paged_jax.serving import buckets as buckets_lib
-from paged_jax.serving import compiler
+from paged_jax.serving import compiler, spec_host
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.multistep import MAX_STEPS
 from paged_jax.serving.protocol import ServingModel
@@ -175,6 +176,9 @@ class EngineConfig:
       measurement (RESULTS.md section 13: on the loaded 2-core CPU, CPU time
       per token 0.81-0.87x at K = 8, throughput within the noise at batch 32;
       K > 1 makes the next step's planning wait and streams in bursts).
+    speculative_config: a `speculative.SpeculativeConfig` (vLLM's
+      `--speculative-config`; method "ngram", greedy): decode steps verify
+      drafts (`spec_host.py`, `spec_step.py`). None: off.
   """
 
   num_blocks: int
@@ -194,6 +198,7 @@ class EngineConfig:
   enable_prefix_caching: bool = False
   admission_headroom_steps: int = 16
   num_scheduler_steps: int = 1
+  speculative_config: SpeculativeConfig | None = None
 
   def __post_init__(self):
     for name in ("num_blocks", "block_size", "max_batch", "max_tokens_per_step",
@@ -227,6 +232,7 @@ class EngineConfig:
     if self.max_beam_width > self.max_batch:
       raise ValueError(f"max_beam_width={self.max_beam_width} must be <= "
                        f"max_batch={self.max_batch}")
+    spec_host.check_config(self)
 
   @property
   def buckets(self) -> tuple[Bucket, ...]:
@@ -262,6 +268,7 @@ class Engine:
                mesh: Mesh | None = None):
     self.config = config
     self.mesh = mesh
+    spec_host.check_mesh(config, mesh)
     if mesh is not None:
       model = model.shard(mesh)
     self.model_config = model.config
@@ -402,7 +409,8 @@ class Engine:
     waited, bucket = 0.0, None
     if self._pending is not None and (self._pending.has_beam
                                       or self._pending.multi is not None
-                                      or not self.config.async_scheduling):
+                                      or not self.config.async_scheduling
+                                      or self.config.speculative_config):
       # Beam search: its next step needs them; K steps: their token counts.
       waited += self._resolve_pending()
     plans = [p.begin_step() for p in self._pools]
@@ -415,6 +423,7 @@ class Engine:
     bucket = self._bucket(plans)
     # Decode steps in this dispatch (`multistep_host.py`; one device only).
     k = 1 if self.mesh is not None else self._pools[0].num_steps(plans[0], bucket)
+    drafts = spec_host.propose(self, plans, bucket)  # (None: no speculation)
     built = [p.build_step(plan, bucket) for p, plan in zip(self._pools, plans)]
     # Did the device finish everything dispatched while the host worked?
     exposed = self._pending is None or self._pending.out.ok.is_ready()
@@ -424,6 +433,8 @@ class Engine:
       m, ms = self._pools[0].multistep_inputs(pending, x)
       out, multi = self._runner.dispatch_multistep(bucket, k, x, m), [ms]
       self.stats.multisteps += 1
+    elif drafts is not None:
+      out, multi = spec_host.dispatch(self, built, bucket, drafts)
     else:
       out = self._runner.dispatch(bucket, [x for x, _ in built])
     self._count(bucket)
@@ -459,6 +470,8 @@ class Engine:
   def _resolve(self, flight: InFlight) -> float:
     """Waits for a dispatched step's results and applies them; returns the
     seconds spent waiting."""
+    if spec_host.is_spec(flight):
+      return spec_host.resolve(self, flight)
     t = time.perf_counter()
     outs = self._runner.fetch(flight.out, len(self._pools), top=flight.wants_top)
     now = time.perf_counter()
@@ -486,6 +499,7 @@ class Engine:
     k = self.config.num_scheduler_steps
     if k > 1 and self.mesh is None:  # the K-step decode programs too
       self._runner.compile_multistep(self._pools[0].multistep_padding(buckets), k)
+    spec_host.warmup(self, buckets)  # the verification steps too
     # Warm-up is not "compiling on first use": keep it out of the stats.
     seconds = self._runner.compile_seconds - before
     self._runner.compile_seconds = before

@@ -47,6 +47,7 @@ import numpy as np
 from paged_jax import block_manager as bm
 from paged_jax import prefix_cache
 from paged_jax.serving import sampling as sampling_lib
+from paged_jax.serving import spec_host
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.host_pool import HostPool
 from paged_jax.serving.multistep_host import MultiStep
@@ -149,6 +150,8 @@ class Scheduler(InputPacking, PrefixCaching, Results, MultiStep):
 
   def _rejection(self, request: Request) -> str | None:
     p, c = request.params, self.config
+    if c.speculative_config is not None and spec_host.rejection(request):
+      return spec_host.rejection(request)
     prompt = request.prompt
     if not prompt:
       return "empty prompt"

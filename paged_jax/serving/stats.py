@@ -101,6 +101,10 @@ class EngineStats:
       iteration (decode tokens with no host work of their own).
     multistep_refused: rows those dispatches stopped on a refused
       reservation (the pool full inside the loop).
+    spec_steps, spec_rows: verification steps (`spec_step.py`), and rows
+      of them that verified at least one draft.
+    spec_proposed, spec_accepted: draft tokens verified, and accepted
+      (`acceptance_rate`, `mean_accepted_length`).
     deferred_admissions: steps in which block-aware admission left a
       waiting request queued because its prompt's blocks would not leave
       the running sequences room to grow (`Scheduler._schedule`).
@@ -143,6 +147,10 @@ class EngineStats:
   multisteps: int = 0
   multistep_tokens: int = 0
   multistep_refused: int = 0
+  spec_steps: int = 0
+  spec_rows: int = 0
+  spec_proposed: int = 0
+  spec_accepted: int = 0
   refused_reservations: int = 0
   finished: int = 0
   rejected: int = 0
@@ -212,6 +220,17 @@ class EngineStats:
     requests, first admissions; vLLM's definition)."""
     q = self.prefix_queried_tokens
     return self.prefix_hit_tokens / q if q else 0.0
+
+  @property
+  def acceptance_rate(self) -> float:
+    """Accepted / proposed draft tokens (speculative decoding; 0.0 if none)."""
+    return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
+
+  @property
+  def mean_accepted_length(self) -> float:
+    """Drafts accepted per row that verified some (each such row also emits
+    one token of the target's own: `1 + this` tokens per row and step)."""
+    return self.spec_accepted / self.spec_rows if self.spec_rows else 0.0
 
   @property
   def padding_ratio(self) -> float:

@@ -1,0 +1,349 @@
+"""The host side of speculative decoding (`spec_step.py`): when a step
+verifies drafts, the n-gram proposals, the draft reservations on the pool
+model, and replaying the device's rollback once the results arrive.
+
+With `EngineConfig.speculative_config` set (method "ngram", greedy only),
+every step waits for the previous step's results (the proposer needs every
+row's tokens, as `multistep_host` does for its budgets). A pool's step is a
+verification step when `spec_ok` accepts its plan (a steady decode of
+greedy rows that need nothing else of the step: no top log-probs, no
+`logit_bias`, no `min_tokens` mask still active, no stop strings) in a
+decode bucket and some row got a draft; otherwise it is an ordinary step.
+
+Each row of `L` cached tokens whose last token `t` is known gets up to `k`
+drafts by prompt lookup over its tokens (`ngram_drafts`, the NumPy twin of
+`speculative.ngram_propose`), capped so that the `1 + d` tokens it may emit
+stay within `max_new_tokens` and `max_model_len`. The host model applies the
+step's ordinary bookkeeping (`_fit`, one token per row) and then the draft
+reserve, dropping the drafts of any row it refuses (a full pool) and trying
+again, so the device grants every reservation. At resolve, `truncate` (the
+NumPy twin of `block_manager.truncate`) replays the device's rollback to
+`L + 1 + a` from the accepted counts, and the fingerprints are compared as
+for every step.
+
+Refused with speculation, by name: beam search (`max_beam_width > 1`,
+`beam_width > 1`), `n > 1`, temperature > 0, prefix caching, multi-step
+decode and a device mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from paged_jax.serving.requests import PENDING
+from paged_jax.serving.spec_step import (SpecInputs, SpecOutputs, compile_spec,
+                                         dispatch_spec, fetch_spec)
+from paged_jax.serving.step import StepOutputs
+
+
+# ------------------------------------------------------------ configuration
+
+
+def check_config(config):
+  """Raises ValueError naming the first `EngineConfig` setting that cannot
+  be combined with its `speculative_config` (None: nothing to check)."""
+  from paged_jax.speculative import SpeculativeConfig  # pylint: disable=import-outside-toplevel
+  spec = config.speculative_config
+  if spec is None:
+    return
+  if not isinstance(spec, SpeculativeConfig):
+    raise ValueError("speculative_config must be a SpeculativeConfig (e.g. "
+                     f"SpeculativeConfig.from_json(...)), got {spec!r}")
+  for bad, name in ((config.max_beam_width > 1, f"max_beam_width={config.max_beam_width} "
+                     "(beam search)"),
+                    (config.enable_prefix_caching, "enable_prefix_caching"),
+                    (config.num_scheduler_steps > 1,
+                     f"num_scheduler_steps={config.num_scheduler_steps}")):
+    if bad:
+      raise ValueError(f"speculative_config cannot be combined with {name}; "
+                       "speculative decoding supports greedy single-sample "
+                       "requests on one device without prefix caching")
+
+
+def check_mesh(config, mesh):
+  if config.speculative_config is not None and mesh is not None:
+    raise ValueError("speculative_config cannot be combined with a device mesh; "
+                     "speculative decoding runs on one device")
+
+
+def rejection(request) -> str | None:
+  """Why an engine with speculation cannot serve `request`, or None."""
+  p = request.params
+  if p.beam_width > 1:
+    return f"beam_width={p.beam_width} is not supported with speculative decoding"
+  if p.n > 1:
+    return f"n={p.n} is not supported with speculative decoding"
+  if p.temperature > 0:
+    return (f"temperature={p.temperature} is not supported with speculative "
+            "decoding (greedy only: temperature 0)")
+  return None
+
+
+# ----------------------------------------------------------------- proposing
+
+
+def ngram_drafts(tokens: np.ndarray, *, k: int, n_min: int, n_max: int
+                 ) -> np.ndarray:
+  """Prompt lookup on one sequence, as `speculative.ngram_propose`: the up to
+  `k` tokens after the earliest of the longest earlier occurrences (length in
+  `[n_min, n_max]`) of the sequence's last tokens.
+
+  Args:
+    tokens: i64[L], the sequence (its last token included).
+
+  Returns:
+    i64[d], `d <= k` drafts (empty when nothing matches).
+  """
+  L = tokens.shape[0]
+  if L < 2:
+    return tokens[:0]
+  ends = np.arange(L)
+  run = ends <= L - 2
+  length = np.zeros(L, np.int64)
+  for i in range(min(n_max, L)):
+    run &= (ends >= i) & (tokens[np.clip(ends - i, 0, L - 1)] == tokens[L - 1 - i])
+    if not run.any():
+      break
+    length += run
+  best = int(length.max())
+  if best < n_min:
+    return tokens[:0]
+  start = int(np.argmax(length == best)) + 1
+  return tokens[start:start + k]
+
+
+def spec_ok(sched, plan) -> bool:
+  """Whether `plan` (before `build_step`) may run as a verification step:
+  every entry decodes one known token of a greedy row that needs nothing
+  else of the step."""
+  if not plan or sched._fork_pending:  # pylint: disable=protected-access
+    return False
+  for s, n in plan:
+    g = s.group
+    p = g.params
+    if (n != 1 or g.is_beam or g.unborn or p.stop or s.fork_from >= 0
+        or p.temperature > 0 or p.logprobs or p.logit_bias
+        or s.num_cached < g.prompt_len or s.num_cached + 1 != len(s.tokens)
+        or s.tokens[-1] == PENDING
+        or len(s.tokens) < sched._slot_ban_until[s.slot]):  # pylint: disable=protected-access
+      return False
+  return True
+
+
+def propose(engine, plans, bucket) -> list | None:
+  """Each row's drafts for this step (`[np.ndarray]` in plan order), or None
+  when the step is an ordinary one (see the module docstring)."""
+  spec = engine.config.speculative_config
+  if (spec is None or len(plans) != 1 or not bucket.decode_only
+      or not spec_ok(engine._pools[0], plans[0])):  # pylint: disable=protected-access
+    return None
+  sched = engine._pools[0]  # pylint: disable=protected-access
+  drafts = []
+  for s, _ in plans[0]:
+    g = s.group
+    n = len(s.tokens)
+    room = min(spec.num_speculative_tokens,
+               g.params.max_new_tokens - (n - g.prompt_len) - 1,
+               sched.max_model_len - n - 1)
+    d = (ngram_drafts(np.asarray(s.tokens, np.int64), k=room,
+                      n_min=spec.prompt_lookup_min, n_max=spec.prompt_lookup_max)
+         if room > 0 else np.zeros(0, np.int64))
+    drafts.append(d)
+  return drafts if any(d.size for d in drafts) else None
+
+
+def warmup(engine, buckets) -> None:
+  """Compiles the verification step of every decode bucket of `buckets`
+  (all-padding inputs; runs nothing). Nothing without speculation."""
+  spec = engine.config.speculative_config
+  if spec is None:
+    return
+  k = spec.num_speculative_tokens
+  inputs = {}
+  for b in buckets:
+    if b.decode_only:
+      x = engine._pools[0]._build([], b)[0]  # pylint: disable=protected-access
+      S = x.seq_ids.shape[0]
+      inputs[b] = (x, SpecInputs(
+          drafts=np.full((S, k), -1, np.int32), num_draft=np.zeros(S, np.int32),
+          tokens=np.zeros(S * (1 + k), np.int32),
+          query_rows=np.zeros((S, 1 + k), np.int32)))
+  compile_spec(engine._runner, inputs, k)  # pylint: disable=protected-access
+
+
+# ------------------------------------------------------------------ the pool
+
+
+def truncate(pool, seq_ids, new_lens) -> np.ndarray:
+  """`block_manager.truncate` on a `HostPool` without prefix caching (the
+  engine refuses speculation with it): each sequence keeps its first
+  `new_lens[i]` slots and the blocks holding them; a block past them drops
+  this sequence's reference and, at zero, goes back on the free stack
+  (ascending block ids, as the device pushes them). Journaled like every
+  `HostPool` change (`begin` / `rollback`).
+
+  Args:
+    pool: the `HostPool`.
+    seq_ids: int[n] slots (-1: padding).
+    new_lens: int[n] lengths to keep.
+
+  Returns:
+    bool[n] `ok`, as `block_manager.truncate`'s.
+
+  Raises:
+    ValueError: if the pool has prefix caching.
+  """
+  if pool.caching:
+    raise ValueError("spec_host.truncate models pools without prefix caching")
+  seq_ids = np.asarray(seq_ids, np.int64)
+  new_lens = np.asarray(new_lens, np.int64)
+  ms, bs = pool.max_seqs, pool.block_size
+  sid = np.clip(seq_ids, 0, ms - 1)
+  length = pool.lens[sid].astype(np.int64)
+  first = np.zeros(seq_ids.shape, bool)
+  seen = set()
+  for i, s in enumerate(seq_ids.tolist()):
+    first[i] = s not in seen
+    seen.add(s)
+  ok = ((seq_ids >= 0) & (seq_ids < ms) & (length > 0) & (new_lens >= 0)
+        & (new_lens <= length) & first)
+  idx = np.flatnonzero(ok)
+  if not idx.size:
+    return ok
+  dropped = []
+  for i in idx.tolist():
+    s = int(seq_ids[i])
+    keep = -(-int(new_lens[i]) // bs)
+    have = -(-int(length[i]) // bs)
+    if have > keep:
+      cols = np.arange(keep, have)
+      dropped.append(pool.tables[s, cols].copy())
+      pool._set(pool.tables, (s, cols), -1)  # pylint: disable=protected-access
+    pool._set(pool.lens, s, int(new_lens[i]))  # pylint: disable=protected-access
+  if dropped:
+    blocks = np.concatenate(dropped)
+    pool._add_refs(blocks, -1)  # pylint: disable=protected-access
+    ids = np.unique(blocks)
+    freed = ids[pool.refs[ids] == 0]
+    if freed.size:
+      pool._set(pool.stack, np.arange(pool.num_free, pool.num_free + freed.size),  # pylint: disable=protected-access
+                freed)
+      pool.num_free += int(freed.size)
+  return ok
+
+
+# ---------------------------------------------------------------- the step
+
+
+@dataclasses.dataclass
+class SpecPending:
+  """What `resolve` needs of a verification step besides `Pending`.
+
+  Attributes:
+    seq_ids: i32[S], each row's slot (-1 padding).
+    num_draft: i32[S], the drafts each row verified.
+  """
+
+  seq_ids: np.ndarray
+  num_draft: np.ndarray
+
+
+def dispatch(engine, built, bucket, drafts):
+  """Reserves the drafts on the pool model, packs and launches the
+  verification step. Returns `(SpecOutputs on the device, SpecPending)`."""
+  ((x, _),) = built
+  sched = engine._pools[0]  # pylint: disable=protected-access
+  k = engine.config.speculative_config.num_speculative_tokens
+  S = x.seq_ids.shape[0]
+  d = np.zeros(S, np.int32)
+  d[:len(drafts)] = [a.size for a in drafts]
+  pool = sched._pool  # pylint: disable=protected-access
+  while True:  # a full pool refuses some rows' drafts: they verify none
+    pool.begin()
+    res = pool.reserve(x.seq_ids, d)
+    bad = (x.seq_ids >= 0) & ~res.ok
+    if not bad.any():
+      pool.commit()
+      break
+    pool.rollback()
+    if not (d[bad] > 0).any():
+      raise RuntimeError("a reservation of 0 drafts was refused (engine bug)")
+    d[bad] = 0
+  T = S * (1 + k)
+  tokens = np.zeros(T, np.int32)
+  query_rows = np.zeros((S, 1 + k), np.int32)
+  draft_arr = np.full((S, k), -1, np.int32)
+  row = 0
+  for r, dr in enumerate(drafts):
+    n = int(d[r])
+    tokens[row] = x.tokens[r]  # the row's last token (known: `spec_ok`)
+    tokens[row + 1:row + 1 + n] = dr[:n]
+    draft_arr[r, :n] = dr[:n]
+    query_rows[r, :1 + n] = np.arange(row, row + 1 + n)
+    row += 1 + n
+  si = SpecInputs(drafts=draft_arr, num_draft=d, tokens=tokens,
+                  query_rows=query_rows)
+  out = dispatch_spec(engine._runner, bucket, x, si)  # pylint: disable=protected-access
+  st = engine.stats
+  st.spec_steps += 1
+  st.spec_proposed += int(d.sum())
+  st.padded_rows += S * k  # the layout's rows past the decode bucket's
+  return out, [SpecPending(x.seq_ids.copy(), d)]
+
+
+def is_spec(flight) -> bool:
+  """Whether the dispatched step `flight` (`engine.InFlight`) verifies drafts."""
+  return flight.multi is not None and isinstance(flight.multi[0], SpecPending)
+
+
+def resolve(engine, flight) -> float:
+  """Waits for a verification step's results and applies them: replays the
+  rollback on the pool model, checks the device's refusals and fingerprint
+  against the model's (`Scheduler.resolve`), then appends each row's
+  accepted tokens. Returns the seconds spent waiting."""
+  t0 = time.perf_counter()
+  (sched,), (pending,), (sp,) = engine._pools, flight.pending, flight.multi  # pylint: disable=protected-access
+  out: SpecOutputs = fetch_spec(flight.out)
+  now = time.perf_counter()
+  real = sp.seq_ids >= 0
+  if not out.draft_ok[real].all():
+    raise RuntimeError("the device refused a draft reservation the host model "
+                       "granted (engine bug)")
+  accepted = np.asarray(out.accepted, np.int64)
+  if (accepted[real] < 0).any() or (accepted[real] > sp.num_draft[real]).any():
+    raise RuntimeError("a row accepted more drafts than it verified (engine bug)")
+  pool = sched._pool  # pylint: disable=protected-access
+  ids = np.where(real, sp.seq_ids, -1)
+  keep = pool.lens[np.clip(ids, 0, pool.max_seqs - 1)] - (sp.num_draft - accepted)
+  truncate(pool, ids, np.where(real, keep, 0))
+  sched._fingerprint = pool.fingerprint()  # pylint: disable=protected-access
+  pending.fingerprint = sched._fingerprint  # pylint: disable=protected-access
+  sched.resolve(pending, StepOutputs(out.tokens[:, 0], None, None, out.ok,
+                                     out.fork_ok, out.token_logprobs[:, 0],
+                                     out.fingerprint), now)
+  st = engine.stats
+  st.spec_accepted += int(accepted[real].sum())
+  st.spec_rows += int(np.count_nonzero(sp.num_draft))
+  extra = 0
+  tokens, logprobs = out.tokens.tolist(), out.token_logprobs.tolist()
+  deltas = sched._deltas if sched.collect_deltas else None  # pylint: disable=protected-access
+  itls = []
+  for r, t, _ in pending.records:
+    g = t.group
+    for j in range(1, int(accepted[r]) + 1):
+      if t.done:  # stopped (EOS, the budget, an abort): later tokens are void
+        break
+      tok = tokens[r][j]
+      t.num_cached += 1  # the draft before it was computed and kept
+      t.tokens.append(tok)
+      extra += 1
+      if len(t.tokens) - g.prompt_len >= g.params.max_new_tokens:
+        t.final = True
+      sched._take_token(t, len(t.tokens) - 1, tok, logprobs[r][j], None, now,  # pylint: disable=protected-access
+                        deltas, itls)
+  st.itl.add_many(itls)
+  st.computed_tokens += extra
+  return now - t0

@@ -1,0 +1,184 @@
+"""Speculative decoding in the engine (`EngineConfig.speculative_config`,
+method "ngram", greedy): verification steps give exactly the outputs of
+plain decoding, alone, batched and under preemption; the host's pool model
+replays every rollback; every block returns; each shape traces once."""
+
+from __future__ import annotations
+
+import chex
+import pytest
+
+from paged_jax import block_manager as bm
+from paged_jax.entrypoints import generate
+from paged_jax.serving import compiler
+from paged_jax.serving.engine import Engine, EngineConfig
+from paged_jax.serving.requests import Request
+from paged_jax.serving.sampling import SamplingParams
+from paged_jax.speculative import SpeculativeConfig
+from tests.examples.conftest import (BIG_POOL, SIZES, SMALL_POOL,
+                                     assert_mirror_is_the_device_state,
+                                     make_engine, random_requests)
+from tests.examples.test_prefix_engine import _poison_unowned_blocks
+
+SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
+                         prompt_lookup_max=3)
+
+
+def _run(engine: Engine, requests, *, checked: bool = True) -> dict:
+  """`{id: [(tokens, finish reason), ...]}`; with `checked`, after every
+  step the host's pool model equals the device's state and every block
+  nobody owns is NaN-poisoned (a stray read of a rolled-back block shows)."""
+  for r in requests:
+    assert engine.add_request(r) is None, r
+  outs = {}
+  while engine.has_unfinished():
+    for o in engine.step():
+      outs[o.request_id] = o
+    if checked and engine._pending is not None:  # pylint: disable=protected-access
+      engine._resolve_pending()  # pylint: disable=protected-access
+      for o in engine._take_outputs():  # pylint: disable=protected-access
+        outs[o.request_id] = o
+      assert_mirror_is_the_device_state(engine)
+      _poison_unowned_blocks(engine)
+  engine.flush()
+  for o in engine._take_outputs():  # pylint: disable=protected-access
+    outs[o.request_id] = o
+  return {k: [(c.token_ids, c.finish_reason) for c in o.completions]
+          for k, o in outs.items()}
+
+
+def _assert_pool_empty(engine: Engine):
+  bm.check_invariants(engine.block_state)
+  assert_mirror_is_the_device_state(engine)
+  assert int(engine.block_state.num_free) == engine.config.num_blocks
+  assert not engine.has_unfinished()
+
+
+def _copying(i: int) -> Request:
+  """A prompt that repeats a passage: prompt lookup proposes, and the tiny
+  model's greedy continuation of a loop often follows it."""
+  passage = [30 + 7 * i, 41, 52 + i, 63, 74]
+  return Request(f"c{i}", passage * 4, SamplingParams(max_new_tokens=16 + i))
+
+
+def test_greedy_outputs_are_identical_with_spec_on_and_off(model):
+  requests = [_copying(i) for i in range(3)] + random_requests(
+      4, 3, prompt=(3, 20), new=(6, 24))
+  want = _run(make_engine(model), requests, checked=False)
+  engine = make_engine(model, speculative_config=SPEC)
+  assert _run(engine, requests) == want
+  st = engine.stats
+  assert st.spec_steps > 0 and st.spec_proposed > 0
+  assert 0 < st.acceptance_rate <= 1 and st.mean_accepted_length > 0
+  _assert_pool_empty(engine)
+  for r in requests[:1] + requests[3:4]:  # alone
+    alone = make_engine(model, speculative_config=SPEC)
+    assert _run(alone, [r]) == {r.request_id: want[r.request_id]}
+    _assert_pool_empty(alone)
+
+
+def test_a_small_pool_that_preempts_gives_the_same_outputs(model):
+  requests = [_copying(i) for i in range(4)] + random_requests(
+      1, 4, prompt=(8, 24), new=(8, 16))
+  want = _run(make_engine(model), requests, checked=False)
+  engine = make_engine(model, num_blocks=SMALL_POOL + 4, admission_headroom_steps=0,
+                       speculative_config=SPEC)
+  assert _run(engine, requests) == want
+  assert engine.stats.preemptions > 0 and engine.stats.spec_accepted > 0
+  _assert_pool_empty(engine)
+
+
+def test_every_verification_shape_traces_once_and_compiles_at_warmup(model):
+  chex.clear_trace_counter()
+  engine = Engine(model, EngineConfig(num_blocks=BIG_POOL, check_traces=True,
+                                      speculative_config=SPEC, **SIZES))
+  engine.warmup()
+  compiles = compiler.compiled_count()
+  decode = [b for b in engine.buckets if b.decode_only]
+  steps = engine._runner._spec_steps  # pylint: disable=protected-access
+  assert sorted(steps) == [(b, SPEC.num_speculative_tokens) for b in decode]
+  requests = [_copying(i) for i in range(4)]
+  _run(engine, requests[:2], checked=False)
+  _run(engine, requests[2:], checked=False)  # a second round: same shapes
+  assert engine.stats.spec_steps > 0
+  assert compiler.compiled_count() == compiles and engine.stats.compile_seconds == 0
+
+
+def test_a_request_that_stops_on_an_accepted_draft_stops_there(model):
+  base = _run(make_engine(model), [_copying(0)], checked=False)["c0"][0][0]
+  req = _copying(0)
+  stop = base[6]
+  want = _run(make_engine(model), [Request("s", req.prompt, SamplingParams(
+      max_new_tokens=16, stop_token_ids=(stop,)))], checked=False)
+  engine = make_engine(model, speculative_config=SPEC)
+  engine.stream_deltas()
+  got = _run(engine, [Request("s", req.prompt, SamplingParams(
+      max_new_tokens=16, stop_token_ids=(stop,)))])
+  assert got == want and got["s"][0][1] == "stop"
+  streamed = [t for d in engine.take_deltas() if d.index >= 0 for t in d.token_ids]
+  assert streamed == got["s"][0][0]
+  _assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("kw,name", [
+    (dict(max_beam_width=2), "max_beam_width=2 (beam search)"),
+    (dict(enable_prefix_caching=True), "enable_prefix_caching"),
+    (dict(num_scheduler_steps=4), "num_scheduler_steps=4"),
+])
+def test_unsupported_configs_are_refused_by_name(kw, name):
+  with pytest.raises(ValueError) as e:
+    EngineConfig(num_blocks=8, speculative_config=SPEC, **kw)
+  assert str(e.value).startswith(
+      f"speculative_config cannot be combined with {name}; ")
+
+
+def test_a_config_that_is_not_a_speculative_config_is_refused():
+  with pytest.raises(ValueError, match="must be a SpeculativeConfig"):
+    EngineConfig(num_blocks=8, speculative_config={"method": "ngram"})
+
+
+@pytest.mark.parametrize("params,why", [
+    (dict(temperature=0.7), "temperature=0.7 is not supported"),
+    (dict(n=2), "n=2 is not supported"),
+])
+def test_unsupported_requests_are_rejected_by_name(model, params, why):
+  engine = make_engine(model, speculative_config=SPEC)
+  out = engine.add_request(Request("x", [1, 2, 3], SamplingParams(**params)))
+  assert out is not None and out.rejected.startswith(why)
+
+
+def test_speculative_config_flag(capsys):
+  flag = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4}'
+  args = generate.parse_args(["--speculative-config", flag])
+  assert args.speculative_config == SpeculativeConfig(
+      num_speculative_tokens=2, prompt_lookup_min=4, prompt_lookup_max=4)
+  assert generate.parse_args([]).speculative_config is None
+  code = generate.main(["--speculative-config", flag, "--enable-prefix-caching",
+                        "--num-requests", "1", "--no-progress"])
+  assert code == 2
+  assert ("--speculative-config cannot be combined with --enable-prefix-caching"
+          in capsys.readouterr().err)
+  with pytest.raises(SystemExit):
+    generate.parse_args(["--speculative-config", '{"method": "eagle"}'])
+  assert "num_speculative_tokens" in capsys.readouterr().err
+
+
+def test_a_mesh_is_refused_by_name(model):
+  from paged_jax import sharding  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match="cannot be combined with a device mesh"):
+    Engine(model, EngineConfig(num_blocks=8, speculative_config=SPEC, **SIZES),
+           mesh=sharding.make_mesh(1, 1))
+
+
+def test_rows_that_need_more_of_a_step_fall_back_to_plain_steps(model):
+  """Top log-probs, `logit_bias`, an active `min_tokens` mask: steps with
+  such a row are ordinary ones; the outputs stay those of plain decoding."""
+  prompt = _copying(1).prompt
+  requests = [_copying(0),
+              Request("lp", prompt, SamplingParams(max_new_tokens=8, logprobs=2)),
+              Request("min", prompt, SamplingParams(max_new_tokens=10, min_tokens=6))]
+  want = _run(make_engine(model, max_logit_bias=2), requests, checked=False)
+  engine = make_engine(model, max_logit_bias=2, speculative_config=SPEC)
+  assert _run(engine, requests) == want
+  assert engine.stats.spec_steps > 0  # once the others finished
+  _assert_pool_empty(engine)
