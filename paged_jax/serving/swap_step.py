@@ -1,0 +1,102 @@
+"""The device side of preemption by swap: the step's block bookkeeping with
+the host tier's two operations in it, and the tier's fingerprint.
+
+`bookkeeping` is `step.bookkeeping` with `host_tier.swap_out` after the early
+release and `host_tier.swap_in` after the late one:
+
+  register -> release -> swap_out -> fork -> release (late) -> swap_in ->
+  share -> reserve
+
+Swapping out before the forks and reservations frees its device blocks for
+them in the same step (so the copies to the host must be dispatched before
+this step's K/V writes); swapping in before `share` and `reserve` gives the
+returning sequences their blocks first, in request order, as admission
+planned them. Both take padded `i32[max_swaps]` slot arrays (-1 = none) and
+are skipped by a `lax.cond` when all padding, so a step that swaps nothing
+pays two scalar tests. `host_tier_pool.HostTierPool.bookkeeping` is the
+host's exact model of the same order.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from paged_jax import block_manager as bm
+from paged_jax import host_tier
+from paged_jax.serving import step as step_lib
+
+_unless_empty = step_lib._unless_empty  # pylint: disable=protected-access
+
+
+def _swap_unless_empty(op, state, tier, ids):
+  """`op(state, tier, ids)` (a `host_tier` swap), skipped when every id is
+  -1: `(state, tier, Swap)` with all-False `ok`, all-`NULL_BLOCK` pairs."""
+  n, width = ids.shape[0], state.max_blocks_per_seq
+  if n == 0:
+    return op(state, tier, ids)
+  shape = jax.eval_shape(op, state, tier, ids)[2]
+
+  def skip(st, tr):
+    none = host_tier.Swap(
+        ok=jnp.zeros((n,), bool),
+        src=jnp.full((n, width), bm.NULL_BLOCK, jnp.int32),
+        dst=jnp.full((n, width), bm.NULL_BLOCK, jnp.int32),
+        evicted=(None if shape.evicted is None else
+                 jnp.full((n, width), bm.NULL_BLOCK, jnp.int32)))
+    return st, tr, none
+
+  return jax.lax.cond(jnp.any(ids >= 0), lambda st, tr: op(st, tr, ids),
+                      skip, state, tier)
+
+
+def bookkeeping(state: bm.BlockState, tier: host_tier.HostTier, register_seqs,
+                register_cols, release_early, fork_parents, fork_children,
+                release_late, share_seqs, share_blocks, share_counts, seq_ids,
+                q_lens, swap_out_ids, swap_in_ids):
+  """A step's bookkeeping with swaps (module docstring), on one pool.
+
+  Args:
+    state: the device pool's `BlockState`.
+    tier: its `host_tier.HostTier`.
+    register_seqs ... q_lens: as `step.bookkeeping` (`step.StepInputs`).
+    swap_out_ids: `i32[S]` live slots to move to the host, -1 padding.
+    swap_in_ids: `i32[S]` swapped-out slots to move back, -1 padding.
+
+  Returns:
+    `(state, tier, fork_ok bool[max_batch], Reservation, cache_ok bool[R+H],
+    out Swap, back Swap)`: copy `out.src -> out.dst` (device to host) before
+    this step's K/V writes, `back.src -> back.dst` (host to device) before
+    its attention; `back.evicted` joins the prefix index's evictions.
+  """
+  cache_ok = jnp.ones((0,), bool)
+  if state.prefix_caching:
+    state, reg_ok = _unless_empty(bm.register, state, register_seqs, register_cols)
+    cache_ok = reg_ok | (register_seqs < 0)
+  state, _ = _unless_empty(bm.release, state, release_early)
+  state, tier, out = _swap_unless_empty(host_tier.swap_out, state, tier,
+                                        swap_out_ids)
+  state, fork_ok = _unless_empty(bm.fork, state, fork_parents, fork_children)
+  state, _ = _unless_empty(bm.release, state, release_late)
+  state, tier, back = _swap_unless_empty(host_tier.swap_in, state, tier,
+                                         swap_in_ids)
+  if state.prefix_caching:
+    state, share_ok = _unless_empty(bm.share, state, share_seqs, share_blocks,
+                                    jnp.maximum(share_counts, 1))
+    cache_ok = jnp.concatenate([cache_ok, share_ok | (share_seqs < 0)])
+  state, res = bm.reserve(state, seq_ids, q_lens)
+  return state, tier, fork_ok, res, cache_ok, out, back
+
+
+def tier_fingerprint(tier: host_tier.HostTier) -> jax.Array:
+  """u32[3], a cheap checksum of the tier: `(num_free, sum w*seq_lens,
+  sum w*(tables + 1))` mod 2**32, odd weights `w = 2 * index + 1`
+  (`HostTierPool.fingerprint` computes the same on the host)."""
+  u32 = jnp.uint32
+
+  def weighted(a):
+    a = a.reshape(-1).astype(u32)
+    return jnp.sum(a * (2 * jnp.arange(a.shape[0], dtype=u32) + 1), dtype=u32)
+
+  return jnp.stack([tier.num_free.astype(u32), weighted(tier.seq_lens),
+                    weighted(tier.tables + 1)])
