@@ -208,7 +208,7 @@ class HostTierPool:
                   share_seqs, share_blocks, share_counts, seq_ids, q_lens,
                   swap_out_ids, swap_in_ids):
     """`swap_step.bookkeeping` on the models, in place (register -> release
-    -> swap_out -> fork -> release -> swap_in -> share -> reserve).
+    -> swap_out -> fork -> release -> share -> swap_in -> reserve).
 
     Returns:
       `(fork_ok, HostReservation, cache_ok, out HostSwap, back HostSwap)`.
@@ -220,10 +220,10 @@ class HostTierPool:
     out = self._unless_empty(self.swap_out, pool, swap_out_ids)
     fork_ok = pool.fork(fork_parents, fork_children)
     pool.release(release_late)
-    back = self._unless_empty(self.swap_in, pool, swap_in_ids)
     if pool.caching:
       share_ok = pool.share(share_seqs, share_blocks, np.maximum(share_counts, 1))
       cache_ok = np.concatenate([cache_ok, share_ok | (share_seqs < 0)])
+    back = self._unless_empty(self.swap_in, pool, swap_in_ids)
     return fork_ok, pool.reserve(seq_ids, q_lens), cache_ok, out, back
 
   def _unless_empty(self, op, pool: HostPool, ids) -> HostSwap:

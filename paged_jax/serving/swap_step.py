@@ -2,18 +2,23 @@
 the host tier's two operations in it, and the tier's fingerprint.
 
 `bookkeeping` is `step.bookkeeping` with `host_tier.swap_out` after the early
-release and `host_tier.swap_in` after the late one:
+release and `host_tier.swap_in` just before the reservations:
 
-  register -> release -> swap_out -> fork -> release (late) -> swap_in ->
-  share -> reserve
+  register -> release -> swap_out -> fork -> release (late) -> share ->
+  swap_in -> reserve
 
 Swapping out before the forks and reservations frees its device blocks for
 them in the same step (so the copies to the host must be dispatched before
-this step's K/V writes); swapping in before `share` and `reserve` gives the
-returning sequences their blocks first, in request order, as admission
-planned them. Both take padded `i32[max_swaps]` slot arrays (-1 = none) and
-are skipped by a `lax.cond` when all padding, so a step that swaps nothing
-pays two scalar tests. `host_tier_pool.HostTierPool.bookkeeping` is the
+this step's writes to those blocks). Swapping in after `share` (not before,
+as first proposed in #24): `swap_in` reserves with `block_manager.reserve`,
+which may evict cached blocks, and the scheduler picks this step's
+prefix-cache hits before it knows what a swap-in evicts; after `share` the
+hits hold their blocks (refcount > 0, out of the ring), so a swap-in can
+never evict a block a hit names, exactly as `reserve` never evicts them.
+Before `reserve`, so returning sequences get their blocks first and their
+own next tokens reserve on top. Both take padded `i32[max_swaps]` slot
+arrays (-1 = none) and are skipped by a `lax.cond` when all padding, so a
+step that swaps nothing pays two scalar tests. `host_tier_pool.HostTierPool.bookkeeping` is the
 host's exact model of the same order.
 """
 
@@ -21,9 +26,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from paged_jax import block_manager as bm
 from paged_jax import host_tier
+from paged_jax import kv_offload
+from paged_jax.kv_cache import KVCache
 from paged_jax.serving import step as step_lib
 
 _unless_empty = step_lib._unless_empty  # pylint: disable=protected-access
@@ -67,7 +75,7 @@ def bookkeeping(state: bm.BlockState, tier: host_tier.HostTier, register_seqs,
     `(state, tier, fork_ok bool[max_batch], Reservation, cache_ok bool[R+H],
     out Swap, back Swap)`: copy `out.src -> out.dst` (device to host) before
     this step's K/V writes, `back.src -> back.dst` (host to device) before
-    its attention; `back.evicted` joins the prefix index's evictions.
+    its attention (`dispatch_copies` does both); `back.evicted` joins the prefix index's evictions.
   """
   cache_ok = jnp.ones((0,), bool)
   if state.prefix_caching:
@@ -78,12 +86,12 @@ def bookkeeping(state: bm.BlockState, tier: host_tier.HostTier, register_seqs,
                                         swap_out_ids)
   state, fork_ok = _unless_empty(bm.fork, state, fork_parents, fork_children)
   state, _ = _unless_empty(bm.release, state, release_late)
-  state, tier, back = _swap_unless_empty(host_tier.swap_in, state, tier,
-                                         swap_in_ids)
   if state.prefix_caching:
     state, share_ok = _unless_empty(bm.share, state, share_seqs, share_blocks,
                                     jnp.maximum(share_counts, 1))
     cache_ok = jnp.concatenate([cache_ok, share_ok | (share_seqs < 0)])
+  state, tier, back = _swap_unless_empty(host_tier.swap_in, state, tier,
+                                         swap_in_ids)
   state, res = bm.reserve(state, seq_ids, q_lens)
   return state, tier, fork_ok, res, cache_ok, out, back
 
@@ -100,3 +108,50 @@ def tier_fingerprint(tier: host_tier.HostTier) -> jax.Array:
 
   return jnp.stack([tier.num_free.astype(u32), weighted(tier.seq_lens),
                     weighted(tier.tables + 1)])
+
+
+def copy_pairs(src, dst) -> tuple[np.ndarray, np.ndarray, int]:
+  """The real `(src, dst)` block pairs of a swap (`HostSwap` / `Swap`
+  `src`, `dst`, any shape), first in row-major order, padded with
+  `NULL_BLOCK` to a power of two (so the copy programs compile once per
+  size class). Returns `(src i32[m], dst i32[m], count)`, `m = 0` if none."""
+  src = np.asarray(src, np.int32).reshape(-1)
+  dst = np.asarray(dst, np.int32).reshape(-1)
+  real = (src >= 0) & (dst >= 0)
+  count = int(np.count_nonzero(real))
+  m = 0 if count == 0 else 1 << (count - 1).bit_length()
+  out_src = np.full(m, bm.NULL_BLOCK, np.int32)
+  out_dst = np.full(m, bm.NULL_BLOCK, np.int32)
+  out_src[:count], out_dst[:count] = src[real], dst[real]
+  return out_src, out_dst, count
+
+
+def dispatch_copies(cache: KVCache, host: KVCache, out, back
+                    ) -> tuple[KVCache, KVCache]:
+  """Dispatches (does not await) a step's swap copies, with the pairs the
+  host model computed (`HostTierPool.bookkeeping`'s `out`, `back`): device
+  to host first, then host to device. Call it before dispatching the step
+  whose bookkeeping runs these swaps: the swapped-out blocks still hold
+  their K/V then (the step may reuse them), and the swapped-in blocks are
+  free then (the step attends to them). A block freed by a swap-out and
+  taken by a swap-in of the same step is read by the first copy before the
+  second writes it (JAX orders them by data dependence).
+
+  Args:
+    cache: the device cache (donated when a swap-in copies).
+    host: the host cache (`kv_offload.host_cache`; donated when a swap-out
+      copies).
+    out: the swap-out's `src` (device) / `dst` (host) blocks, any object
+      with those attributes.
+    back: the swap-in's `src` (host) / `dst` (device) blocks.
+
+  Returns:
+    `(cache, host)`, the updated caches (the inputs when nothing moves).
+  """
+  src, dst, n = copy_pairs(out.src, out.dst)
+  if n:
+    host = kv_offload.copy_to_host(cache, host, src, dst)
+  src, dst, n = copy_pairs(back.src, back.dst)
+  if n:
+    cache = kv_offload.copy_to_device(cache, host, src, dst)
+  return cache, host

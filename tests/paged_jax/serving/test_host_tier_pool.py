@@ -13,12 +13,15 @@ from __future__ import annotations
 import hypothesis
 import hypothesis.strategies as st
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from paged_jax import block_manager as bm
 from paged_jax import host_tier
+from paged_jax import kv_offload
+from paged_jax.kv_cache import KVCache
 from paged_jax.serving import swap_step
 from paged_jax.serving.host_pool import HostPool
 from paged_jax.serving.host_tier_pool import HostTierPool
@@ -179,7 +182,7 @@ TestCachingHostTierPool.settings = _SETTINGS
 @pytest.mark.parametrize("caching", [False, True])
 def test_bookkeeping_with_swaps_matches_the_device(caching):
   """`swap_step.bookkeeping` (register -> release -> swap_out -> fork ->
-  release -> swap_in -> share -> reserve) and the models' `bookkeeping` give
+  release -> share -> swap_in -> reserve) and the models' `bookkeeping` give
   the same states and results, steps without swaps included."""
   rng = np.random.default_rng(0)
   state = bm.init(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_seqs=MAX_SEQS,
@@ -215,3 +218,55 @@ def test_bookkeeping_with_swaps_matches_the_device(caching):
     assert_same(pool, tiers, state, tier)
     host_tier.check_invariants(tier, state)
   assert moved >= 4  # the run did swap both ways
+
+
+def test_copies_round_trip_through_a_step_that_reuses_the_blocks():
+  """A sequence swapped out in one step and back in a later one gets its
+  K/V back exactly, although a second sequence swapped out and another
+  swapped in by the same step took its freed device blocks (copies
+  dispatched with the host model's pairs before the step; the blocks left
+  free are NaN-poisoned, as a reused block would be)."""
+  layers, heads, dim = 2, 2, 4
+  rng = np.random.default_rng(1)
+  state = bm.init(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_seqs=MAX_SEQS,
+                  max_blocks_per_seq=WIDTH)
+  tier = host_tier.init(state, num_host_blocks=NUM_HOST)
+  pool, tiers = HostPool(state), HostTierPool(tier)
+  shape = (layers, heads, NUM_BLOCKS, BLOCK_SIZE, dim)
+  cache = KVCache(jnp.asarray(rng.standard_normal(shape), jnp.float32),
+                  jnp.asarray(rng.standard_normal(shape), jnp.float32))
+  host = kv_offload.host_cache(cache, NUM_HOST)
+
+  def bookkeeping(out_ids=(), in_ids=(), seqs=(), q=()):
+    args = (_pad([], n=0), _pad([], n=0), _pad([], n=MAX_SEQS), _pad([]),
+            _pad([]), _pad([], n=MAX_SEQS), _pad([], n=0),
+            np.zeros((0, WIDTH), np.int32), np.ones(0, np.int32), _pad(seqs),
+            _pad(q, 0), _pad(out_ids), _pad(in_ids))
+    nonlocal state, tier, cache, host
+    *_, out, back = tiers.bookkeeping(pool, *args)
+    cache, host = swap_step.dispatch_copies(cache, host, out, back)
+    state, tier, *_ = _bookkeeping(state, tier, *args)
+    assert_same(pool, tiers, state, tier)
+    return out, back
+
+  def k_of(s, n):
+    return np.asarray(cache.k_pages)[:, :, np.asarray(state.block_tables[s, :n])]
+
+  bookkeeping(seqs=[0, 1], q=[5, 3])  # 3 + 2 of the 8 blocks
+  keep = {0: k_of(0, 3), 1: k_of(1, 2)}
+  out, _ = bookkeeping(out_ids=[0])
+  assert out.ok[0]
+  # Every free device block is NaN from here: what comes back is the host's.
+  free = np.asarray(pool.stack[:pool.num_free])
+  poisoned = np.asarray(cache.k_pages).copy()
+  poisoned[:, :, free] = np.nan
+  cache = cache.replace(k_pages=jnp.asarray(poisoned))
+  # 1 swaps out, 0 swaps in, 2 grows: one step, the freed blocks reused.
+  out, back = bookkeeping(out_ids=[1], in_ids=[0], seqs=[2], q=[6])
+  assert out.ok[0] and back.ok[0]
+  assert set(back.dst[0, :3].tolist()) & set(out.src[0, :2].tolist())
+  np.testing.assert_array_equal(k_of(0, 3), keep[0])
+  _, back = bookkeeping(in_ids=[1])
+  assert back.ok[0]
+  np.testing.assert_array_equal(k_of(1, 2), keep[1])
+  host_tier.check_invariants(tier, state)
