@@ -24,13 +24,16 @@ host's exact model of the same order.
 
 from __future__ import annotations
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import block_manager as bm
 from paged_jax import host_tier
+from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import kv_offload
+from paged_jax import step_metadata as step_metadata_lib
 from paged_jax.kv_cache import KVCache
 from paged_jax.serving import step as step_lib
 
@@ -94,6 +97,54 @@ def bookkeeping(state: bm.BlockState, tier: host_tier.HostTier, register_seqs,
                                          swap_in_ids)
   state, res = bm.reserve(state, seq_ids, q_lens)
   return state, tier, fork_ok, res, cache_ok, out, back
+
+
+@flax.struct.dataclass
+class SwapInputs:
+  """A step's swaps (`S`: the engine's `max_swaps`)."""
+
+  swap_out: jax.Array  # i32[S]  live slots to move to the host; -1 = none
+  swap_in: jax.Array  # i32[S]  swapped-out slots to move back; -1 = none
+
+
+@flax.struct.dataclass
+class SwapOutputs:
+  out_ok: jax.Array  # bool[S]  (the host knew it)
+  in_ok: jax.Array  # bool[S]  (the host knew it)
+  tier_fingerprint: jax.Array  # u32[3]  `tier_fingerprint` after the bookkeeping
+
+
+def device_step(model_def: step_lib.ModelDef, params, cache: KVCache,
+                state: bm.BlockState, tier: host_tier.HostTier,
+                last_tokens: jax.Array, x: step_lib.StepInputs, s: SwapInputs,
+                *, decode_only: bool, num_logprobs: int):
+  """`step.device_step` with the swaps of `s` in its bookkeeping (one pool,
+  one device; jit it with the cache, state, tier and last tokens donated).
+
+  The K/V copies are not in this program: `dispatch_copies` dispatches them,
+  with the host model's pairs, before this step (see there). Only the
+  bookkeeping differs from `step.device_step`: with `s` all padding the
+  result is the same, and the tier comes back unchanged.
+
+  Returns:
+    `(cache, state, tier, last_tokens, step.StepOutputs, SwapOutputs)`.
+  """
+  model = model_def.merge(params)
+  state, tier, fork_ok, res, _, out, back = bookkeeping(
+      state, tier, *step_lib.bookkeeping_args(x), s.swap_out, s.swap_in)
+  cache = kv_cache_lib.copy_blocks(cache, res.copy_src, res.copy_dst)
+  meta = step_metadata_lib.step_metadata(
+      state, x.seq_ids, x.q_lens, num_tokens=x.tokens.shape[0], active=res.ok,
+      decode_only=decode_only)
+  hidden, cache = model.paged_forward(step_lib.input_tokens(last_tokens, x),
+                                      meta, cache)
+  tokens, top_lp, top_ids, token_lp = step_lib._sample(  # pylint: disable=protected-access
+      model.logits(hidden[x.sample_rows]), x, num_logprobs)
+  last_tokens = step_lib.store_tokens(last_tokens, x.sample_slots, tokens)
+  outputs = step_lib.StepOutputs(tokens, top_lp, top_ids, res.ok, fork_ok,
+                                 token_lp, step_lib.state_fingerprint(state))
+  return cache, state, tier, last_tokens, outputs, SwapOutputs(
+      out.ok, back.ok, tier_fingerprint(tier))
 
 
 def tier_fingerprint(tier: host_tier.HostTier) -> jax.Array:
