@@ -5,7 +5,7 @@
 
 A pool of 4,096 blocks of 16 (64 slots, 128 blocks wide), 32 live sequences
 of 100-1,000 tokens, one decode step's bookkeeping (every sequence reserves
-one token; no release, fork or prefix caching), `S = 8` swap rows:
+one token; no release, fork or prefix caching), `S = 8` rows for each of swap-out, swap-in and drop:
 
 * device: `step.bookkeeping` against `swap_step.bookkeeping` with all-padding
   swaps, and with one sequence swapped out (jitted, not donated: each call
@@ -64,9 +64,9 @@ def main():
   device = {
       "plain": lambda: jax.block_until_ready(plain(state, *bk)),
       "swap_aware_no_swap": lambda: jax.block_until_ready(
-          swapping(state, tier, *bk, none, none)),
+          swapping(state, tier, *bk, none, none, none)),
       "swap_aware_one_swap_out": lambda: jax.block_until_ready(
-          swapping(state, tier, *bk, one, none)),
+          swapping(state, tier, *bk, one, none, none)),
   }
   pool, tiers = HostPool(state), HostTierPool(tier)
 
@@ -81,8 +81,8 @@ def main():
 
   hosted = {
       "plain": host(lambda: pool.bookkeeping(*bk)),
-      "swap_aware_no_swap": host(lambda: tiers.bookkeeping(pool, *bk, none, none)),
-      "swap_aware_one_swap_out": host(lambda: tiers.bookkeeping(pool, *bk, one, none)),
+      "swap_aware_no_swap": host(lambda: tiers.bookkeeping(pool, *bk, none, none, none)),
+      "swap_aware_one_swap_out": host(lambda: tiers.bookkeeping(pool, *bk, one, none, none)),
   }
   out = {}
   for name, fns in (("device", device), ("host", hosted)):

@@ -206,9 +206,9 @@ class HostTierPool:
   def bookkeeping(self, pool: HostPool, register_seqs, register_cols,
                   release_early, fork_parents, fork_children, release_late,
                   share_seqs, share_blocks, share_counts, seq_ids, q_lens,
-                  swap_out_ids, swap_in_ids):
+                  swap_out_ids, swap_in_ids, drop_ids=None):
     """`swap_step.bookkeeping` on the models, in place (register -> release
-    -> swap_out -> fork -> release -> share -> swap_in -> reserve).
+    -> drop -> swap_out -> fork -> release -> share -> swap_in -> reserve).
 
     Returns:
       `(fork_ok, HostReservation, cache_ok, out HostSwap, back HostSwap)`.
@@ -217,6 +217,8 @@ class HostTierPool:
     if pool.caching:
       cache_ok = pool.register(register_seqs, register_cols) | (register_seqs < 0)
     pool.release(release_early)
+    if drop_ids is not None and np.any(np.asarray(drop_ids) >= 0):
+      self.drop(drop_ids)
     out = self._unless_empty(self.swap_out, pool, swap_out_ids)
     fork_ok = pool.fork(fork_parents, fork_children)
     pool.release(release_late)

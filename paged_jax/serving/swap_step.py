@@ -1,11 +1,16 @@
 """The device side of preemption by swap: the step's block bookkeeping with
 the host tier's two operations in it, and the tier's fingerprint.
 
-`bookkeeping` is `step.bookkeeping` with `host_tier.swap_out` after the early
-release and `host_tier.swap_in` just before the reservations:
+`bookkeeping` is `step.bookkeeping` with `host_tier.drop` and
+`host_tier.swap_out` after the early release and `host_tier.swap_in` just
+before the reservations:
 
-  register -> release -> swap_out -> fork -> release (late) -> share ->
-  swap_in -> reserve
+  register -> release -> drop -> swap_out -> fork -> release (late) ->
+  share -> swap_in -> reserve
+
+`drop` forgets swapped-out sequences whose request finished or was aborted
+while out (it touches only the tier; first, so that this step's swap-outs
+can use the host blocks it frees).
 
 Swapping out before the forks and reservations frees its device blocks for
 them in the same step (so the copies to the host must be dispatched before
@@ -16,7 +21,7 @@ prefix-cache hits before it knows what a swap-in evicts; after `share` the
 hits hold their blocks (refcount > 0, out of the ring), so a swap-in can
 never evict a block a hit names, exactly as `reserve` never evicts them.
 Before `reserve`, so returning sequences get their blocks first and their
-own next tokens reserve on top. Both take padded `i32[max_swaps]` slot
+own next tokens reserve on top. All three take padded `i32[max_swaps]` slot
 arrays (-1 = none) and are skipped by a `lax.cond` when all padding, so a
 step that swaps nothing pays two scalar tests. `host_tier_pool.HostTierPool.bookkeeping` is the
 host's exact model of the same order.
@@ -64,7 +69,7 @@ def _swap_unless_empty(op, state, tier, ids):
 def bookkeeping(state: bm.BlockState, tier: host_tier.HostTier, register_seqs,
                 register_cols, release_early, fork_parents, fork_children,
                 release_late, share_seqs, share_blocks, share_counts, seq_ids,
-                q_lens, swap_out_ids, swap_in_ids):
+                q_lens, swap_out_ids, swap_in_ids, drop_ids=None):
   """A step's bookkeeping with swaps (module docstring), on one pool.
 
   Args:
@@ -73,6 +78,7 @@ def bookkeeping(state: bm.BlockState, tier: host_tier.HostTier, register_seqs,
     register_seqs ... q_lens: as `step.bookkeeping` (`step.StepInputs`).
     swap_out_ids: `i32[S]` live slots to move to the host, -1 padding.
     swap_in_ids: `i32[S]` swapped-out slots to move back, -1 padding.
+    drop_ids: `i32[S]` swapped-out slots to forget, -1 padding (None: none).
 
   Returns:
     `(state, tier, fork_ok bool[max_batch], Reservation, cache_ok bool[R+H],
@@ -85,6 +91,9 @@ def bookkeeping(state: bm.BlockState, tier: host_tier.HostTier, register_seqs,
     state, reg_ok = _unless_empty(bm.register, state, register_seqs, register_cols)
     cache_ok = reg_ok | (register_seqs < 0)
   state, _ = _unless_empty(bm.release, state, release_early)
+  if drop_ids is not None and drop_ids.shape[0]:
+    tier = jax.lax.cond(jnp.any(drop_ids >= 0),
+                        lambda t: host_tier.drop(t, drop_ids)[0], lambda t: t, tier)
   state, tier, out = _swap_unless_empty(host_tier.swap_out, state, tier,
                                         swap_out_ids)
   state, fork_ok = _unless_empty(bm.fork, state, fork_parents, fork_children)
@@ -105,6 +114,7 @@ class SwapInputs:
 
   swap_out: jax.Array  # i32[S]  live slots to move to the host; -1 = none
   swap_in: jax.Array  # i32[S]  swapped-out slots to move back; -1 = none
+  drop: jax.Array  # i32[S]  swapped-out slots to forget (finished); -1 = none
 
 
 @flax.struct.dataclass
@@ -131,7 +141,7 @@ def device_step(model_def: step_lib.ModelDef, params, cache: KVCache,
   """
   model = model_def.merge(params)
   state, tier, fork_ok, res, _, out, back = bookkeeping(
-      state, tier, *step_lib.bookkeeping_args(x), s.swap_out, s.swap_in)
+      state, tier, *step_lib.bookkeeping_args(x), s.swap_out, s.swap_in, s.drop)
   cache = kv_cache_lib.copy_blocks(cache, res.copy_src, res.copy_dst)
   meta = step_metadata_lib.step_metadata(
       state, x.seq_ids, x.q_lens, num_tokens=x.tokens.shape[0], active=res.ok,

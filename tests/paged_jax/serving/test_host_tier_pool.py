@@ -181,22 +181,25 @@ TestCachingHostTierPool.settings = _SETTINGS
 
 @pytest.mark.parametrize("caching", [False, True])
 def test_bookkeeping_with_swaps_matches_the_device(caching):
-  """`swap_step.bookkeeping` (register -> release -> swap_out -> fork ->
-  release -> share -> swap_in -> reserve) and the models' `bookkeeping` give
-  the same states and results, steps without swaps included."""
+  """`swap_step.bookkeeping` (register -> release -> drop -> swap_out ->
+  fork -> release -> share -> swap_in -> reserve) and the models'
+  `bookkeeping` give the same states and results, steps without swaps
+  included."""
   rng = np.random.default_rng(0)
   state = bm.init(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_seqs=MAX_SEQS,
                   max_blocks_per_seq=WIDTH, prefix_caching=caching)
   tier = host_tier.init(state, num_host_blocks=NUM_HOST)
   pool, tiers = HostPool(state), HostTierPool(tier)
   r = N if caching else 0
-  moved = 0
-  for _ in range(30):
+  moved = dropped = 0
+  for _ in range(40):
     live = np.flatnonzero(pool.lens > 0)
     out_ids = _pad(rng.choice(live, min(len(live), 1)) if len(live)
                    and rng.random() < 0.4 else [])
     back = tiers.swapped
     in_ids = _pad(rng.choice(back, 1) if len(back) and rng.random() < 0.5 else [])
+    gone = [s for s in back if s not in in_ids]
+    drop_ids = _pad(rng.choice(gone, 1) if gone and rng.random() < 0.3 else [])
     empty = [s for s in range(MAX_SEQS) if pool.lens[s] == 0
              and tiers.lens[s] == 0 and s not in in_ids]
     seqs = _pad(rng.choice(empty, min(len(empty), 1)).tolist()
@@ -205,7 +208,7 @@ def test_bookkeeping_with_swaps_matches_the_device(caching):
             _pad([], n=MAX_SEQS), _pad([]), _pad([]), _pad([], n=MAX_SEQS),
             _pad([], n=r), np.full((r, WIDTH), -1, np.int32),
             np.ones(r, np.int32), seqs,
-            rng.integers(1, 4, size=N).astype(np.int32), out_ids, in_ids)
+            rng.integers(1, 4, size=N).astype(np.int32), out_ids, in_ids, drop_ids)
     fork_ok, res, cache_ok, got_out, got_back = tiers.bookkeeping(pool, *args)
     state, tier, want_fork, want_res, want_cache, want_out, want_back = (
         _bookkeeping(state, tier, *args))
@@ -215,9 +218,10 @@ def test_bookkeeping_with_swaps_matches_the_device(caching):
     assert_swap(got_out, want_out)
     assert_swap(got_back, want_back)
     moved += int(np.sum(want_out.ok)) + int(np.sum(want_back.ok))
+    dropped += int(np.sum(drop_ids >= 0))
     assert_same(pool, tiers, state, tier)
     host_tier.check_invariants(tier, state)
-  assert moved >= 4  # the run did swap both ways
+  assert moved >= 4 and dropped >= 1  # the run did swap both ways, and drop
 
 
 def test_copies_round_trip_through_a_step_that_reuses_the_blocks():

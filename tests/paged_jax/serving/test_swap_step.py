@@ -55,7 +55,8 @@ def _record(monkeypatch):
 def test_no_swap_is_the_plain_step(monkeypatch):
   runner, steps = _record(monkeypatch)
   none = swap_step.SwapInputs(swap_out=jnp.full(S, -1, jnp.int32),
-                              swap_in=jnp.full(S, -1, jnp.int32))
+                              swap_in=jnp.full(S, -1, jnp.int32),
+                              drop=jnp.full(S, -1, jnp.int32))
   for bucket, (cache, state, last), x in steps[::3]:
     kw = dict(decode_only=bucket.decode_only, num_logprobs=runner.num_logprobs)
     args = (runner._model_def, runner._params)  # pylint: disable=protected-access
@@ -92,9 +93,10 @@ def test_swap_out_of_a_slot_outside_the_step_matches_the_host_model(monkeypatch)
   for out_ids, in_ids in (([victim], []), ([], [victim])):
     s = swap_step.SwapInputs(
         swap_out=np.array(out_ids + [-1] * (S - len(out_ids)), np.int32),
-        swap_in=np.array(in_ids + [-1] * (S - len(in_ids)), np.int32))
+        swap_in=np.array(in_ids + [-1] * (S - len(in_ids)), np.int32),
+        drop=np.full(S, -1, np.int32))
     *_, res, _, out, back = tiers.bookkeeping(
-        pool, *step_lib.bookkeeping_args(x), s.swap_out, s.swap_in)
+        pool, *step_lib.bookkeeping_args(x), s.swap_out, s.swap_in, s.drop)
     cache, state, tier, last, outs, swaps = _swapping(*args, cache, state, tier,
                                                       last, x, s, **kw)
     np.testing.assert_array_equal(swaps.out_ok, out.ok)
