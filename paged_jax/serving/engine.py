@@ -78,6 +78,7 @@ from paged_jax import block_manager as bm
 from paged_jax import sharding
 from paged_jax.serving import buckets as buckets_lib
 from paged_jax.serving import compiler
+from paged_jax.serving import swap as swap_lib
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.multistep import MAX_STEPS
 from paged_jax.serving.protocol import ServingModel
@@ -194,8 +195,11 @@ class EngineConfig:
   enable_prefix_caching: bool = False
   admission_headroom_steps: int = 16
   num_scheduler_steps: int = 1
+  preemption_mode: str = "recompute"  # or "swap" (`swap.py`: vLLM v0's flag)
+  swap_space_blocks: int = 0  # host-tier blocks for "swap"
 
   def __post_init__(self):
+    swap_lib.check_config(self)
     for name in ("num_blocks", "block_size", "max_batch", "max_tokens_per_step",
                  "max_beam_width", "min_bucket"):
       value = getattr(self, name)
@@ -425,7 +429,8 @@ class Engine:
       out, multi = self._runner.dispatch_multistep(bucket, k, x, m), [ms]
       self.stats.multisteps += 1
     else:
-      out = self._runner.dispatch(bucket, [x for x, _ in built])
+      out = self._runner.dispatch(bucket, [x for x, _ in built],
+                                  self._pools[0].take_swaps())
     self._count(bucket)
     for p in self._pools:
       p.end_step()

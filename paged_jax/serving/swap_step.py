@@ -121,7 +121,6 @@ class SwapInputs:
 class SwapOutputs:
   out_ok: jax.Array  # bool[S]  (the host knew it)
   in_ok: jax.Array  # bool[S]  (the host knew it)
-  tier_fingerprint: jax.Array  # u32[3]  `tier_fingerprint` after the bookkeeping
 
 
 def device_step(model_def: step_lib.ModelDef, params, cache: KVCache,
@@ -137,7 +136,9 @@ def device_step(model_def: step_lib.ModelDef, params, cache: KVCache,
   result is the same, and the tier comes back unchanged.
 
   Returns:
-    `(cache, state, tier, last_tokens, step.StepOutputs, SwapOutputs)`.
+    `(cache, state, tier, last_tokens, step.StepOutputs, SwapOutputs)`; the
+    outputs' `fingerprint` is u32[8], `step.state_fingerprint` then
+    `tier_fingerprint` (`swap.SwapPool.fingerprint` on the host).
   """
   model = model_def.merge(params)
   state, tier, fork_ok, res, _, out, back = bookkeeping(
@@ -151,10 +152,11 @@ def device_step(model_def: step_lib.ModelDef, params, cache: KVCache,
   tokens, top_lp, top_ids, token_lp = step_lib._sample(  # pylint: disable=protected-access
       model.logits(hidden[x.sample_rows]), x, num_logprobs)
   last_tokens = step_lib.store_tokens(last_tokens, x.sample_slots, tokens)
+  fingerprint = jnp.concatenate([step_lib.state_fingerprint(state),
+                                 tier_fingerprint(tier)])
   outputs = step_lib.StepOutputs(tokens, top_lp, top_ids, res.ok, fork_ok,
-                                 token_lp, step_lib.state_fingerprint(state))
-  return cache, state, tier, last_tokens, outputs, SwapOutputs(
-      out.ok, back.ok, tier_fingerprint(tier))
+                                 token_lp, fingerprint)
+  return cache, state, tier, last_tokens, outputs, SwapOutputs(out.ok, back.ok)
 
 
 def tier_fingerprint(tier: host_tier.HostTier) -> jax.Array:

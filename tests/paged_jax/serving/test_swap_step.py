@@ -26,6 +26,7 @@ _STATIC = ("decode_only", "num_logprobs")
 _plain = jax.jit(step_lib.device_step, static_argnums=(0,), static_argnames=_STATIC)
 _swapping = jax.jit(swap_step.device_step, static_argnums=(0,),
                     static_argnames=_STATIC)
+_tier_fp = jax.jit(swap_step.tier_fingerprint)
 
 
 def _record(monkeypatch):
@@ -34,10 +35,10 @@ def _record(monkeypatch):
   steps = []
   original = runner_lib.Runner.dispatch
 
-  def dispatch(self, bucket, xs):
+  def dispatch(self, bucket, xs, swaps=None):
     snap = jax.tree.map(np.asarray, (self.cache, self.state, self.last_tokens))
     steps.append((bucket, snap, xs[0]))
-    return original(self, bucket, xs)
+    return original(self, bucket, xs, swaps)
 
   monkeypatch.setattr(runner_lib.Runner, "dispatch", dispatch)
   model = model_lib.init_model(model_lib.LlamaConfig.tiny(), seed=0)
@@ -65,6 +66,9 @@ def test_no_swap_is_the_plain_step(monkeypatch):
     got = _swapping(*args, cache, state, tier, last, x, none, **kw)
     wc, ws, wl, wo = want
     gc, gs, gt, gl, go, swaps = got
+    np.testing.assert_array_equal(
+        go.fingerprint, np.concatenate([wo.fingerprint, _tier_fp(tier)]))
+    go = go.replace(fingerprint=go.fingerprint[:5])
     for a, b in zip(jax.tree.leaves((wc, ws, wl, wo)),
                     jax.tree.leaves((gc, gs, gl, go))):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -103,7 +107,7 @@ def test_swap_out_of_a_slot_outside_the_step_matches_the_host_model(monkeypatch)
     np.testing.assert_array_equal(swaps.in_ok, back.ok)
     assert out.ok[0] or back.ok[0]
     np.testing.assert_array_equal(outs.ok, res.ok)
-    np.testing.assert_array_equal(pool.fingerprint(), outs.fingerprint)
-    np.testing.assert_array_equal(tiers.fingerprint(), swaps.tier_fingerprint)
+    np.testing.assert_array_equal(
+        np.concatenate([pool.fingerprint(), tiers.fingerprint()]), outs.fingerprint)
     host_tier.check_invariants(tier, state)
   assert int(state.seq_lens[victim]) > 0 and int(tier.num_free) == 8
