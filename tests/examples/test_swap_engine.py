@@ -87,3 +87,17 @@ def test_abort_of_a_swapped_request_drops_it(model):
 def test_swap_config_errors(kw, match):
   with pytest.raises(ValueError, match=match):
     EngineConfig(num_blocks=8, **kw)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--preemption-mode", "swap"],
+     "--preemption-mode 'swap' needs --swap-space-blocks >= 1, got 0"),
+    (["--preemption-mode", "swap", "--swap-space-blocks", "8",
+      "--enable-prefix-caching"], "does not support --enable-prefix-caching"),
+    (["--swap-space-blocks", "-3"], "--swap-space-blocks must be an int >= 0, got -3"),
+])
+def test_swap_flags_errors(argv, match, capsys):
+  from paged_jax.entrypoints import generate  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit):
+    generate.parse_and_check(argv)
+  assert match in capsys.readouterr().err

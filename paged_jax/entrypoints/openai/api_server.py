@@ -475,7 +475,8 @@ def build(args):
       cache_dtype=args.kv_cache_dtype, async_scheduling=args.async_scheduling,
       enable_prefix_caching=args.enable_prefix_caching,
       admission_headroom_steps=args.admission_headroom_steps,
-      num_scheduler_steps=args.num_scheduler_steps, max_logprobs=args.max_logprobs, max_logit_bias=args.max_logit_bias)
+      num_scheduler_steps=args.num_scheduler_steps, max_logprobs=args.max_logprobs, max_logit_bias=args.max_logit_bias,
+      preemption_mode=args.preemption_mode, swap_space_blocks=args.swap_space_blocks)
   engine = Engine(model, config, mesh=mesh)
   if not args.no_warmup:
     engine.warmup()
