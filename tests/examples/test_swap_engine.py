@@ -13,6 +13,8 @@ import pytest
 from paged_jax import block_manager as bm
 from paged_jax import host_tier
 from paged_jax.serving.engine import EngineConfig
+from paged_jax.serving.requests import Request
+from paged_jax.serving.sampling import SamplingParams
 from tests.examples.conftest import (SMALL_POOL, assert_mirror_is_the_device_state,
                                      make_engine, random_requests, serve)
 
@@ -101,3 +103,29 @@ def test_swap_flags_errors(argv, match, capsys):
   with pytest.raises(SystemExit):
     generate.parse_and_check(argv)
   assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("params, async_scheduling", [
+    (SamplingParams(beam_width=2, max_new_tokens=10), True),
+    (SamplingParams(n=2, temperature=1.0, seed=3, max_new_tokens=14), True),
+    (SamplingParams(n=2, temperature=1.0, seed=3, max_new_tokens=14), False),
+], ids=["beam", "n2", "n2-sync"])
+def test_groups_under_swap_preemption(model, params, async_scheduling):
+  """Beam groups are recomputed, sampling groups swapped; outputs as a big
+  pool's, with and without asynchronous scheduling."""
+  requests = [Request("old", list(range(100, 120)), SamplingParams(max_new_tokens=16)),
+              Request("group", list(range(50, 59)), params)]
+  big = make_engine(model, max_beam_width=2)
+  small = make_engine(model, num_blocks=SMALL_POOL, admission_headroom_steps=0,
+                      max_beam_width=2, preemption_mode="swap", swap_space_blocks=16,
+                      async_scheduling=async_scheduling)
+  want, got = serve(big, requests), serve(small, requests)
+  assert got["group"].preemptions > 0
+  assert tokens(got) == tokens(want)
+  if params.beam_width > 1:
+    assert small.stats.swapped_out == 0
+  else:
+    assert small.stats.swapped_out > 0
+  assert int(small.block_state.num_free) == SMALL_POOL
+  assert int(small._runner.tier.num_free) == 16  # pylint: disable=protected-access
+  assert not small.has_unfinished()
