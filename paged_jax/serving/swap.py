@@ -97,6 +97,9 @@ class SwapPool(HostPool):
     s = self.arrays()
     fork_ok, res, cache_ok, out, back = self.tier.bookkeeping(
         self, *x, s.swap_out, s.swap_in, s.drop)
+    if not np.all(out.ok[s.swap_out >= 0]):  # `_swap_out_victim` checked room
+      raise RuntimeError(f"a swap-out was refused: engine bug (slots "
+                         f"{s.swap_out.tolist()}, ok {out.ok.tolist()})")
     refused = [int(i) for i, ok in zip(s.swap_in, back.ok) if i >= 0 and not ok]
     if refused:  # its entry must not reserve on the empty slot: refuse it too
       res.ok &= ~np.isin(np.asarray(x[-2]), refused)
