@@ -213,7 +213,6 @@ FIELD_FLAGS = {
     "admission_headroom_steps": "admission_headroom_steps",
     "preemption_mode": "preemption_mode", "swap_space_blocks": "swap_space_blocks",
     "enable_prefix_caching": "enable_prefix_caching",
-    "num_scheduler_steps": "num_scheduler_steps",
     "max_logprobs": "max_logprobs", "max_logit_bias": "max_logit_bias",
     "max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_k": "top_k",
     "top_p": "top_p", "seed": "seed", "n": "n", "beam_width": "beam_width",
@@ -246,8 +245,7 @@ def check_engine_config(args) -> None:
             max_beam_width=getattr(args, "beam_width", 1),
             preemption_mode=args.preemption_mode,
             swap_space_blocks=args.swap_space_blocks,
-            enable_prefix_caching=args.enable_prefix_caching,
-            num_scheduler_steps=args.num_scheduler_steps)
+            enable_prefix_caching=args.enable_prefix_caching)
   if args.min_bucket is not None:
     kw["min_bucket"] = args.min_bucket
   for name in ("max_logprobs", "max_logit_bias"):  # the server's flags
