@@ -180,6 +180,16 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_model: str = "tiny")
                    "\"ngram\", \"num_speculative_tokens\": 3}': greedy "
                    "requests, one device, no prefix caching or beams "
                    "(EngineConfig.speculative_config)")
+  eng.add_argument("--preemption-mode", choices=["recompute", "swap"],
+                   default="recompute",
+                   help="what a preempted request loses (vLLM v0's flag): "
+                   "'recompute' drops its KV and computes it again, 'swap' "
+                   "moves it to host memory and back (--swap-space-blocks; "
+                   "one device, no prefix caching; EngineConfig.preemption_mode)")
+  eng.add_argument("--swap-space-blocks", type=count(-INT31 - 1, INT31), default=0,
+                   metavar="N",
+                   help="KV blocks of host memory for --preemption-mode swap "
+                   "(EngineConfig.swap_space_blocks)")
   eng.add_argument("--max-model-len", type=count(2, MAX_MODEL_LEN), default=256,
                    help="longest prompt + output (at least 2: one prompt and "
                    "one generated token)")
@@ -212,6 +222,7 @@ FIELD_FLAGS = {
     "speculative_config": "speculative_config",
     "enable_prefix_caching": "enable_prefix_caching",
     "admission_headroom_steps": "admission_headroom_steps",
+    "preemption_mode": "preemption_mode", "swap_space_blocks": "swap_space_blocks",
     "max_logprobs": "max_logprobs", "max_logit_bias": "max_logit_bias",
     "max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_k": "top_k",
     "top_p": "top_p", "seed": "seed", "n": "n", "beam_width": "beam_width",
@@ -250,7 +261,10 @@ def check_engine_config(args) -> None:
   kw = dict(num_blocks=args.num_blocks or 1, block_size=args.block_size,
             max_batch=args.max_batch, max_tokens_per_step=args.max_tokens_per_step,
             max_model_len=args.max_model_len, admission_headroom_steps=args.admission_headroom_steps,
-            max_beam_width=getattr(args, "beam_width", 1))
+            max_beam_width=getattr(args, "beam_width", 1),
+            preemption_mode=args.preemption_mode,
+            swap_space_blocks=args.swap_space_blocks,
+            enable_prefix_caching=args.enable_prefix_caching)
   if args.min_bucket is not None:
     kw["min_bucket"] = args.min_bucket
   if getattr(args, "speculative_config", None) is not None:  # and what it refuses

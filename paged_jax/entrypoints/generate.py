@@ -427,7 +427,9 @@ def main(argv=None) -> int:
                   enable_prefix_caching=args.enable_prefix_caching,
                   admission_headroom_steps=args.admission_headroom_steps,
                   num_scheduler_steps=args.num_scheduler_steps,
-                  speculative_config=args.speculative_config)
+                  speculative_config=args.speculative_config,
+                  preemption_mode=args.preemption_mode,
+                  swap_space_blocks=args.swap_space_blocks)
     sizes = {n: v for n, v in common.items() if n not in ("progress", "mesh")}
     if args.request_rate is not None:
       common["arrival_times"] = poisson_arrivals(

@@ -79,6 +79,7 @@ from paged_jax import sharding
 from paged_jax.speculative import SpeculativeConfig
 from paged_jax.serving import buckets as buckets_lib
 from paged_jax.serving import compiler, spec_host
+from paged_jax.serving import swap as swap_lib
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.multistep import MAX_STEPS
 from paged_jax.serving.protocol import ServingModel
@@ -199,8 +200,11 @@ class EngineConfig:
   admission_headroom_steps: int = 16
   num_scheduler_steps: int = 1
   speculative_config: SpeculativeConfig | None = None
+  preemption_mode: str = "recompute"  # or "swap" (`swap.py`: vLLM v0's flag)
+  swap_space_blocks: int = 0  # host-tier blocks for "swap"
 
   def __post_init__(self):
+    swap_lib.check_config(self)
     for name in ("num_blocks", "block_size", "max_batch", "max_tokens_per_step",
                  "max_beam_width", "min_bucket"):
       value = getattr(self, name)
@@ -436,7 +440,8 @@ class Engine:
     elif drafts is not None:
       out, multi = spec_host.dispatch(self, built, bucket, drafts)
     else:
-      out = self._runner.dispatch(bucket, [x for x, _ in built])
+      out = self._runner.dispatch(bucket, [x for x, _ in built],
+                                  self._pools[0].take_swaps())
     self._count(bucket)
     for p in self._pools:
       p.end_step()

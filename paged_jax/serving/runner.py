@@ -24,9 +24,12 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from paged_jax import block_manager as bm
+from paged_jax import host_tier
+from paged_jax import kv_offload
 from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import sharding
 from paged_jax.serving import compiler
+from paged_jax.serving import swap_step
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.multistep import MultiStepInputs, multistep_device_step
 from paged_jax.serving.step import (ModelDef, StepInputs, StepOutputs,
@@ -36,6 +39,9 @@ _STATIC = ("decode_only", "num_logprobs")
 _DONATE = (2, 3, 4)  # cache, block state, last tokens
 _step_jit = jax.jit(device_step, static_argnums=(0,), donate_argnums=_DONATE,
                     static_argnames=_STATIC)
+# Preemption by swap (`swap.py`): the host tier is donated too.
+_swap_step_jit = jax.jit(swap_step.device_step, static_argnums=(0,),
+                         donate_argnums=(2, 3, 4, 5), static_argnames=_STATIC)
 _MULTI_STATIC = ("num_steps", "num_logprobs")
 _multistep_jit = jax.jit(multistep_device_step, static_argnums=(0,),
                          donate_argnums=_DONATE, static_argnames=_MULTI_STATIC)
@@ -88,12 +94,21 @@ class Runner:
       self._jit = jax.jit(functools.partial(mesh_device_step, mesh=mesh),
                           static_argnums=(0,), donate_argnums=_DONATE,
                           static_argnames=_STATIC)
+    self.tier = self.host_cache = None  # preemption by swap (`swap.py`)
+    if config.preemption_mode == "swap":
+      if mesh is not None:
+        raise ValueError("preemption_mode='swap' runs on one device, not a mesh")
+      self.tier = host_tier.init(self.state,
+                                 num_host_blocks=config.swap_space_blocks)
+      self.host_cache = kv_offload.host_cache(self.cache, config.swap_space_blocks)
+      self._jit = _swap_step_jit
     # What fixes the executables besides the bucket (`compiler.signature`;
     # `max_logit_bias` is the width of two step inputs).
     self._key = (self._model_def, mesh, num_logprobs, config.max_logit_bias,
                  config.check_traces
                  and id(self), compiler.signature(self._params, self.cache,
-                                                  self.state, self.last_tokens))
+                                                  self.state, self.last_tokens,
+                                                  self.tier))
     self._steps: dict[Bucket, jax.stages.Compiled] = {}
     # K-step decode programs (`multistep.py`, one device only), by (bucket, K).
     self._multi: dict[tuple[Bucket, int], jax.stages.Compiled] = {}
@@ -106,15 +121,27 @@ class Runner:
       return self._jit
     step_fn = device_step if self.mesh is None else functools.partial(
         mesh_device_step, mesh=self.mesh)
+    step_fn = swap_step.device_step if self.tier is not None else step_fn
 
-    def traced(model_def, params, cache, state, last_tokens, x, *, decode_only,
-               num_logprobs):
-      return step_fn(model_def, params, cache, state, last_tokens, x,
-                     decode_only=decode_only, num_logprobs=num_logprobs)
+    def traced(model_def, params, *args, decode_only, num_logprobs):
+      return step_fn(model_def, params, *args, decode_only=decode_only,
+                     num_logprobs=num_logprobs)
     kind = "decode" if bucket.decode_only else "mixed"
     traced.__name__ = f"{kind}_step_{bucket.num_tokens}x{bucket.num_seqs}"
+    donate = _DONATE if self.tier is None else (2, 3, 4, 5)
     return jax.jit(chex.assert_max_traces(traced, n=1), static_argnums=(0,),
-                   donate_argnums=_DONATE, static_argnames=_STATIC)
+                   donate_argnums=donate, static_argnames=_STATIC)
+
+  def _donated(self) -> tuple:
+    """The arrays donated to every step, in the step's argument order."""
+    if self.tier is None:
+      return self.cache, self.state, self.last_tokens
+    return self.cache, self.state, self.tier, self.last_tokens
+
+  def _no_swaps(self):
+    n = self.config.max_batch
+    none = np.full(n, -1, np.int32)
+    return swap_step.SwapInputs(swap_out=none, swap_in=none, drop=none)
 
   def _specs(self, xs: list[StepInputs]) -> StepInputs:
     """The abstract step inputs of the pools' inputs `xs` (see `place`)."""
@@ -125,10 +152,12 @@ class Runner:
         lambda *a: compiler.spec(np.stack(a), self._x_sharding), *xs)
 
   def _lowerer(self, bucket: Bucket, xs: list[StepInputs]):
-    specs = self._specs(xs)
+    specs = (self._specs(xs),)
+    if self.tier is not None:
+      specs += (jax.tree.map(compiler.spec, self._no_swaps()),)
     return lambda: self._jit_for(bucket).lower(
-        self._model_def, self._params, self.cache, self.state, self.last_tokens,
-        specs, decode_only=bucket.decode_only, num_logprobs=self.num_logprobs)
+        self._model_def, self._params, *self._donated(), *specs,
+        decode_only=bucket.decode_only, num_logprobs=self.num_logprobs)
 
   def compile(self, inputs: dict[Bucket, list[StepInputs]]) -> float:
     """Compiles the step of every bucket in `inputs` (`{bucket: the pools'
@@ -163,16 +192,28 @@ class Runner:
     """The step of `bucket`, lowered for inspection; runs nothing."""
     return self._lowerer(bucket, xs)()
 
-  def dispatch(self, bucket: Bucket, xs: list[StepInputs]) -> StepOutputs:
+  def dispatch(self, bucket: Bucket, xs: list[StepInputs], swaps=None
+               ) -> StepOutputs:
     """Launches the step on the pools' inputs (compiling it first if needed);
     returns its outputs, still on the device (this does not wait: steps queue
-    on the device in dispatch order)."""
+    on the device in dispatch order). `swaps`: with preemption by swap, the
+    scheduler's `take_swaps()` (the copies are dispatched first)."""
     exe = self._steps.get(bucket)
     if exe is None:
       self.compile({bucket: xs})
       exe = self._steps[bucket]
-    self.cache, self.state, self.last_tokens, out = exe(
-        self._params, self.cache, self.state, self.last_tokens, self.place(xs))
+    if self.tier is None:
+      self.cache, self.state, self.last_tokens, out = exe(
+          self._params, self.cache, self.state, self.last_tokens, self.place(xs))
+      return out
+    s = self._no_swaps()
+    if swaps is not None:
+      s, moved_out, moved_in = swaps
+      self.cache, self.host_cache = swap_step.dispatch_copies(
+          self.cache, self.host_cache, moved_out, moved_in)
+    self.cache, self.state, self.tier, self.last_tokens, out, _ = exe(
+        self._params, self.cache, self.state, self.tier, self.last_tokens,
+        self.place(xs), s)
     return out
 
   def fetch(self, out: StepOutputs, num_pools: int, *, top: bool = True

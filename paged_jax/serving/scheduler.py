@@ -58,6 +58,7 @@ from paged_jax.serving.requests import (Group, Request, RequestDelta,
 from paged_jax.serving.results import Pending, Results
 from paged_jax.serving.stats import EngineStats
 from paged_jax.serving.step import StepInputs
+from paged_jax.serving.swap import Swapping
 
 __all__ = ["Bookkeeping", "Pending", "Scheduler", "register_rows"]
 
@@ -65,7 +66,7 @@ def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
-class Scheduler(InputPacking, PrefixCaching, Results, MultiStep):
+class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
   """The host side of one block pool: queues, admission, preemption, the
   step's inputs and applying its results. `Engine` drives one per pool (one
   per data shard on a mesh); the device arrays live in the `Engine`."""
@@ -121,6 +122,7 @@ class Scheduler(InputPacking, PrefixCaching, Results, MultiStep):
     self._slot_bias_ids = np.full((ms, nb), -1, np.int32)
     self._slot_bias_values = np.zeros((ms, nb), np.float32)
     self._fork_pending = False  # a child may wait to fork (see `_forks`)
+    self._init_swapping(initial_state)  # preemption by swap (`swap.py`)
 
   # ----------------------------------------------------------------- requests
 
@@ -192,10 +194,10 @@ class Scheduler(InputPacking, PrefixCaching, Results, MultiStep):
     return None
 
   def has_unfinished(self) -> bool:
-    return bool(self._waiting or self._running)
+    return bool(self._waiting or self._running or self._swapped)
 
   def has_releases(self) -> bool:
-    return bool(self._release_next or self._release_late_next)
+    return bool(self._release_next or self._release_late_next) or self.has_swaps()
 
   def usage(self) -> dict:
     """Blocks used (held by sequences) / cached (free to reuse, their K/V
@@ -269,6 +271,8 @@ class Scheduler(InputPacking, PrefixCaching, Results, MultiStep):
     that step's forks when `late`: a finished parent whose children fork).
     Its full blocks not registered yet are registered first (prefix caching:
     they stay cached after the release)."""
+    if self._drop_swapped(seq):
+      return
     if seq.slot >= 0:
       if seq.fork_from < 0:  # a pending child holds no device state
         if self._index is not None:
@@ -287,7 +291,10 @@ class Scheduler(InputPacking, PrefixCaching, Results, MultiStep):
 
   def _preempt(self, victim: Seq, plan: list):
     """Preempts `victim` (its whole group for beam search): its blocks are
-    released, its tokens recomputed when it is admitted again."""
+    released, its tokens recomputed when it is admitted again (or swapped
+    out: `swap.py`)."""
+    if self._swap_out_victim(victim, plan):
+      return
     group = victim.group
     victims = list(group.live) if group.is_beam else [victim]
     for seq in victims:
@@ -308,6 +315,8 @@ class Scheduler(InputPacking, PrefixCaching, Results, MultiStep):
 
   def _unadmit(self, seq: Seq, plan: list):
     """Takes back an admission of this step (it holds no blocks yet)."""
+    if self._unswap_in(seq, plan):
+      return
     plan[:] = [(s, n) for s, n in plan if s is not seq]
     self._running.remove(seq)
     self._free_slots.append(seq.slot)
@@ -347,6 +356,7 @@ class Scheduler(InputPacking, PrefixCaching, Results, MultiStep):
     admitted: list[Seq] = []
     rows = len(self._running) + sum(s.group.unborn for s in self._running
                                     if s.index == 0 and s.group.unborn)
+    budget, rows = self._swap_in_admissions(plan, admitted, budget, rows)
     if c.static_batching and self._running:
       return plan, admitted, first
     while self._waiting and self._free_slots:

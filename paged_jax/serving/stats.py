@@ -95,6 +95,9 @@ class EngineStats:
     recomputed_tokens: tokens whose K/V a preemption dropped (the victims'
       computed tokens at that moment), to be computed again at re-admission
       (less any prefix-cache hits then).
+    swapped_out, swapped_in: sequences preempted by swap, and swapped back
+      (`EngineConfig.preemption_mode`); swap_blocks_out, swap_blocks_in:
+      blocks copied to and from host memory (x `kv_cache` bytes per block).
     multisteps: dispatches that ran several decode steps on the device
       (`EngineConfig.num_scheduler_steps`; each counts once in `steps`).
     multistep_tokens: tokens those dispatches sampled after their first
@@ -143,6 +146,10 @@ class EngineStats:
   padded_rows: int = 0
   preemptions: int = 0
   recomputed_tokens: int = 0
+  swapped_out: int = 0
+  swapped_in: int = 0
+  swap_blocks_out: int = 0
+  swap_blocks_in: int = 0
   deferred_admissions: int = 0
   multisteps: int = 0
   multistep_tokens: int = 0
