@@ -139,7 +139,9 @@ def test_generate_refuses_inconsistent_sizes(batch, data):
   assert _generate(["--block-size", str(block)]).startswith(
       f"error: --block-size {block} must be <= --max-model-len 256")
   n = data.draw(st.integers(17, generate.MAX_SEQS))
-  assert _generate(["--n", str(n)]).startswith(f"error: --n {n} must be <= --max-batch 16")
+  assert _generate(["--n", str(n)]) == (
+      f"error: --n {n}: every request would be rejected: needs {n} sequences at "
+      "once, --max-batch is 16\n")
 
 
 @SETTINGS

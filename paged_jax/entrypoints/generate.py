@@ -181,21 +181,21 @@ def check_sampling_flags(args) -> None:
 
 
 def check_fits_engine(args, params: SamplingParams, *, budget_given: bool) -> None:
-  """What the engine's admission (`Scheduler._rejection`) would refuse for
-  every request these flags make, said before any work instead of as one
-  rejection per request after loading the model: a request's sequences in
-  one batch, and room for a prompt of at least one token. The engine keeps
-  the rule (and rejects); this only asks it early, in its terms, on the
-  flags (tests/paged_jax/entrypoints/test_validation.py checks that the
-  engine rejects exactly what this refuses)."""
-  if params.num_seqs > args.max_batch:
-    name = "n" if params.n > 1 else "beam_width"
-    raise ValueError(f"{ea.flag(args, name)} {params.num_seqs} must be <= "
-                     f"{ea.flag(args, 'max_batch')} {args.max_batch} (a request's "
-                     "sequences run in one batch)")
-  if budget_given and params.max_new_tokens >= args.max_model_len:
-    raise ValueError(f"--max-new-tokens {params.max_new_tokens} must be < "
-                     f"--max-model-len {args.max_model_len} (room for a prompt)")
+  """The engine's size rule for requests (`scheduler.size_rejection`: a
+  request's sequences in one batch, room for a prompt of at least one
+  token), asked on the flags before any work instead of as one rejection per
+  request after loading the model; its message with flag names. Without
+  `--max-new-tokens` each request's budget is its own, so only the batch
+  rule is asked."""
+  from paged_jax.serving.scheduler import size_rejection  # pylint: disable=import-outside-toplevel
+  why = size_rejection(params, 1, max_batch=args.max_batch,
+                       max_model_len=args.max_model_len if budget_given else None)
+  if why:
+    seqs = ea.flag(args, "n" if params.n > 1 else "beam_width")
+    head = (f"{seqs} {params.num_seqs}: " if params.num_seqs > args.max_batch
+            else "")
+    raise ea.as_flags(ValueError(f"{head}every request would be rejected: {why}"),
+                      args)
 
 
 def parse_and_check(argv=None) -> argparse.Namespace:

@@ -62,6 +62,23 @@ from paged_jax.serving.swap import Swapping
 
 __all__ = ["Bookkeeping", "Pending", "Scheduler", "register_rows"]
 
+def size_rejection(params, prompt_len: int, *, max_batch: int,
+                   max_model_len: int | None) -> str | None:
+  """Why the engine rejects a request of `prompt_len` tokens and these
+  `SamplingParams` on its sizes alone, or None: its prompt and budget must
+  fit `max_model_len` (None: not checked), and its sequences (`n` or the
+  beam width) one batch. `Scheduler._rejection` runs it for every request;
+  the CLIs ask it on their flags before loading a model
+  (`entrypoints/generate.check_fits_engine`), so the rule lives here alone."""
+  total = prompt_len + params.max_new_tokens
+  if max_model_len is not None and total > max_model_len:
+    return (f"prompt ({prompt_len}) + max_new_tokens ({params.max_new_tokens}) = "
+            f"{total} exceeds max_model_len={max_model_len}")
+  if params.num_seqs > max_batch:
+    return f"needs {params.num_seqs} sequences at once, max_batch is {max_batch}"
+  return None
+
+
 def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
@@ -163,12 +180,11 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
     bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
     if bad:
       return f"prompt token {bad[0]!r} is outside the vocabulary [0, {vocab})"
+    why = size_rejection(p, len(prompt), max_batch=c.max_batch,
+                         max_model_len=self.max_model_len)
+    if why:
+      return why
     total = len(prompt) + p.max_new_tokens
-    if total > self.max_model_len:
-      return (f"prompt ({len(prompt)}) + max_new_tokens ({p.max_new_tokens}) = "
-              f"{total} exceeds max_model_len={self.max_model_len}")
-    if p.num_seqs > c.max_batch:
-      return f"needs {p.num_seqs} sequences at once, max_batch is {c.max_batch}"
     if p.beam_width > c.max_beam_width:
       return f"beam_width={p.beam_width} exceeds the engine's max_beam_width={c.max_beam_width}"
     max_lp = min(c.max_logprobs, vocab)

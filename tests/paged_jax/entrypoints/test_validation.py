@@ -77,9 +77,10 @@ def tiny():
     (2, 8, 2, 64), (3, 8, 2, 64), (1, 63, 4, 64), (1, 64, 4, 64), (4, 70, 4, 64)])
 def test_the_cli_refuses_exactly_what_the_engine_rejects(tiny, n, max_new, batch, max_len,
                                                          capsys):
-  """`check_fits_engine` asks the engine's admission rules early: the engine
-  rejects a request of the flags (a one-token prompt) exactly when the CLI
-  refuses the flags, and both name the same limit."""
+  """`check_fits_engine` asks the engine's own size rule
+  (`scheduler.size_rejection`) early: the engine rejects a request of the
+  flags (a one-token prompt) exactly when the CLI refuses the flags, with the
+  same words (field names as flags)."""
   from paged_jax.serving.engine import Engine  # pylint: disable=import-outside-toplevel
   engine = Engine(tiny, EngineConfig(num_blocks=8, block_size=16, max_batch=batch,
                                      max_tokens_per_step=16, max_model_len=max_len))
@@ -92,9 +93,10 @@ def test_the_cli_refuses_exactly_what_the_engine_rejects(tiny, n, max_new, batch
   err = _cli(argv, capsys)
   if n > batch:
     assert f"max_batch is {batch}" in out.rejected
-    assert err == (f"error: --n {n} must be <= --max-batch {batch} (a request's "
-                   "sequences run in one batch)\n")
+    assert err == (f"error: --n {n}: every request would be rejected: needs {n} "
+                   f"sequences at once, --max-batch is {batch}\n")
   else:
     assert f"exceeds max_model_len={max_len}" in out.rejected
-    assert err == (f"error: --max-new-tokens {max_new} must be < --max-model-len "
-                   f"{max_len} (room for a prompt)\n")
+    assert err == (f"error: every request would be rejected: prompt (1) + "
+                   f"--max-new-tokens ({max_new}) = {max_new + 1} exceeds "
+                   f"--max-model-len {max_len}\n")
