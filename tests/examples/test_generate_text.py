@@ -55,7 +55,7 @@ def test_bad_prompts_file(tmp_path, capsys, content, match):
     (["--stop-token-ids", "1,x"],
      "error: argument --stop-token-ids: expected comma-separated token ids, got '1,x'\n"),
     (["--min-tokens", "9", "--max-new-tokens", "4"],
-     "error: --min-tokens 9 must be <= --max-new-tokens 4\n"),
+     "error: --min-tokens must be in [0, --max-new-tokens 4], got 9\n"),
     (["--prompts-file", "/nonexistent.txt"], "error: prompts file '/nonexistent.txt' not found\n"),
 ])
 def test_text_flag_errors(args, match, capsys):

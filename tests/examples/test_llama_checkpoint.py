@@ -62,7 +62,8 @@ BASE = dict(vocab_size=32, hidden_size=64, intermediate_size=96,
     (dict(model_type="gemma"), "model_type 'gemma' is not supported"),
     (dict(architectures=["GPT2LMHeadModel"]),
      "architecture 'GPT2LMHeadModel' is not supported \\(supported: LlamaForCausalLM, "
-     "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM\\)"),
+     "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Gemma2ForCausalLM, "
+     "Gemma3ForCausalLM\\)"),
     (dict(hidden_size=None), "missing required field 'hidden_size'"),
     (dict(num_hidden_layers="2"), "'num_hidden_layers' must be int"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "unsupported rope scaling type 'yarn'"),
