@@ -43,6 +43,11 @@ def pytest_configure(config):
   run never reuses a previous run's executables."""
   import tempfile  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
+  if tuple(int(x) for x in jax.__version__.split(".")[:2]) == (0, 11):
+    # jaxlib 0.11.2 segfaulted in `compilation_cache.put_executable_and_time`
+    # writing interpreted Triton tests' executables (twice in the full suite
+    # with two workers; each test passes alone): no shared cache there.
+    return
   if _CACHE_ENV not in os.environ:
     os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="paged-jax-test-xla-cache-")
     config._paged_jax_cache_owner = True  # pylint: disable=protected-access
