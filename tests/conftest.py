@@ -43,11 +43,6 @@ def pytest_configure(config):
   run never reuses a previous run's executables."""
   import tempfile  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
-  if tuple(int(x) for x in jax.__version__.split(".")[:2]) == (0, 11):
-    # jaxlib 0.11.2 segfaulted in `compilation_cache.put_executable_and_time`
-    # writing interpreted Triton tests' executables (twice in the full suite
-    # with two workers; each test passes alone): no shared cache there.
-    return
   if _CACHE_ENV not in os.environ:
     os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="paged-jax-test-xla-cache-")
     config._paged_jax_cache_owner = True  # pylint: disable=protected-access
@@ -61,23 +56,31 @@ def pytest_unconfigure(config):
     shutil.rmtree(os.environ.pop(_CACHE_ENV), ignore_errors=True)
 
 
-@pytest.fixture(autouse=True)
-def _no_cache_writes_for_interpreted_kernels(request):
-  """No persistent-cache writes for the Pallas kernel tests: on jaxlib 0.11.2
-  (Python 3.12, two xdist workers) writing some interpreted Triton programs'
-  executables to the shared cache segfaulted inside
-  `compilation_cache.put_executable_and_time` (twice, in
-  `test_gpu_contract` / `test_gpu_ragged_attention`; each passes alone).
-  Reads stay on; only the write, which `_cache_write` skips below the
-  minimum compile time, is turned off."""
-  if "pallas_kernels" not in str(request.node.fspath):
-    yield
-    return
-  import jax  # pylint: disable=import-outside-toplevel
-  key = "jax_persistent_cache_min_compile_time_secs"
-  old = getattr(jax.config, key)
-  jax.config.update(key, 1e9)
+# Every XLA CPU executable a process keeps maps about six memory regions, and
+# jit caches keep every executable the suite compiled. A worker compiles
+# thousands (the interpreted kernels most of all), and the Linux default
+# `vm.max_map_count` is 65,530: on JAX 0.11.2 a worker passed 45,000 maps at
+# a quarter of the suite, and once mmap failed XLA segfaulted while compiling
+# or serialising (`backend_compile_and_load`, `put_executable_and_time`; seen
+# in CI, each failing test passing alone). So after a module, a worker whose
+# map count passed a third of the limit drops JAX's caches (the next module
+# recompiles what it needs, or loads it from the persistent cache above).
+_MAPS_HIGH_WATER = 20_000
+
+
+def _map_count() -> int:
   try:
-    yield
-  finally:
-    jax.config.update(key, old)
+    with open("/proc/self/maps", "rb") as f:
+      return sum(1 for _ in f)
+  except OSError:  # not Linux
+    return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_memory_maps():
+  yield
+  if _map_count() > _MAPS_HIGH_WATER:
+    import gc  # pylint: disable=import-outside-toplevel
+    import jax  # pylint: disable=import-outside-toplevel
+    jax.clear_caches()
+    gc.collect()
