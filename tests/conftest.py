@@ -56,15 +56,16 @@ def pytest_unconfigure(config):
     shutil.rmtree(os.environ.pop(_CACHE_ENV), ignore_errors=True)
 
 
-# Every XLA CPU executable a process keeps maps about six memory regions, and
-# jit caches keep every executable the suite compiled. A worker compiles
-# thousands (the interpreted kernels most of all), and the Linux default
-# `vm.max_map_count` is 65,530: on JAX 0.11.2 a worker passed 45,000 maps at
-# a quarter of the suite, and once mmap failed XLA segfaulted while compiling
-# or serialising (`backend_compile_and_load`, `put_executable_and_time`; seen
-# in CI, each failing test passing alone). So after a module, a worker whose
-# map count passed a third of the limit drops JAX's caches (the next module
-# recompiles what it needs, or loads it from the persistent cache above).
+# Compiled executables keep memory maps: a small program about six, an
+# engine's serving step hundreds (the CPU backend maps each piece of generated
+# code separately). `paged_jax.serving.compiler` keeps every engine step a
+# process compiled, and jit caches keep the rest, so a test worker compiling
+# thousands of programs reached Linux's default limit of 65,530 maps per
+# process (`vm.max_map_count`) on JAX 0.11.2, and XLA segfaulted when mmap
+# failed (`backend_compile_and_load`, `put_executable_and_time`; each failing
+# test passed alone). So after a module, a worker whose map count passed
+# 20,000 drops both tables (the next module recompiles what it needs, or
+# loads it from the persistent cache above).
 _MAPS_HIGH_WATER = 20_000
 
 
@@ -82,5 +83,7 @@ def _bounded_memory_maps():
   if _map_count() > _MAPS_HIGH_WATER:
     import gc  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
+    from paged_jax.serving import compiler  # pylint: disable=import-outside-toplevel
+    compiler.clear()
     jax.clear_caches()
     gc.collect()

@@ -50,6 +50,20 @@ def spec(a, sharding=None) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
 
 
+def clear() -> int:
+  """Forgets every executable in the process-wide table, so that they can be
+  freed (an engine that still holds its own keeps them alive); later engines
+  compile again. For processes that build many engines of different sizes
+  (tests, sweeps): each CPU executable of a serving step keeps hundreds of
+  memory maps, and Linux's default limit per process is 65,530
+  (`vm.max_map_count`). Returns how many were dropped; `compiled_count` is
+  not reset."""
+  with _LOCK:
+    n = len(_TABLE)
+    _TABLE.clear()
+  return n
+
+
 def compile_all(jobs: dict[Hashable, Callable[[], jax.stages.Lowered]],
                 workers: int | None = None) -> tuple[dict, float]:
   """The executables of `jobs` (`{key: function returning the Lowered}`),
