@@ -1,13 +1,22 @@
 """The XLA attention path: what CPU users get, and the fallback everywhere.
 
 Scores, softmax and the weighted sum are computed in float32 (the gathered
-pages are upcast; CPU XLA has no bf16 x bf16 -> f32 dot). It never materialises a gathered copy of the whole cache: it walks the block
-tables a few pages at a time (`pages_per_step`), gathers only those pages,
-and folds them into a float32 online softmax. The loop stops after the
-longest sequence's last block (a `fori_loop` with a traced trip count). With
-a sliding window, decode walks each sequence from its own first block inside
+pages are upcast; CPU XLA has no bf16 x bf16 -> f32 dot). Neither path
+materialises a gathered copy of the whole cache: both walk the block tables a
+few pages at a time (`pages_per_step`) and gather only those pages. Decode
+gathers (head, block) pairs straight into the layout its dots read
+(`[kv_heads, batch, tokens, head_dim]`, no transpose) and makes two passes
+(scores and their max, then the values), so no chunk is rescaled; the ragged
+path folds each chunk into a float32 online softmax. Each loop stops after the longest
+sequence's last block (a `fori_loop` with a traced trip count). With a
+sliding window, decode walks each sequence from its own first block inside
 the window (a per-row gather of table columns), so its work is O(window)
 whatever the context; blocks wholly before the window are never read.
+
+On CPU a gathered chunk costs about what a copy of it does, and a dense
+einsum over contiguous K/V reads each byte once: the paged path pays the
+gathers on top of the arithmetic. `benchmarks/xla_decode.py` measures the
+gap (RESULTS.md, section "XLA paths").
 
 Masking uses `where` throughout, so stale or NaN contents past `kv_len`
 never reach the output. Malformed traced inputs follow the contract of
