@@ -30,6 +30,10 @@ CHUNK_CONFIGS = [
     (1, 8, 6, jnp.float32, 5.0, 3, None),
     (3, 4, 7, jnp.float32, None, None, jnp.int8),
     (2, 8, 5, jnp.float32, None, 13, jnp.float8_e4m3fn),
+    # Steps of 128 tokens and more, as the default takes.
+    (4, 32, 9, jnp.float32, 10.0, None, None),
+    (2, 64, 5, jnp.bfloat16, None, 150, None),
+    (4, 32, 7, jnp.float32, None, 70, jnp.int8),
 ]
 
 
@@ -97,28 +101,35 @@ def test_invalid_entries_inside_a_length_contribute_nothing(window):
 
 
 def test_default_walk_takes_several_steps_on_long_tables():
-  """The default step is about 512 KiB of gathered K: a long table walks in
-  several steps, a short one in one."""
+  """The default step is about 512 KiB of gathered K, 128-512 tokens: a long
+  table walks in several steps, a short one in one."""
   assert xla_attention.default_pages_per_step(16, 512, 1 * 2 * 128 * 4) == 32
   assert xla_attention.default_pages_per_step(16, 8, 1 * 2 * 128 * 4) == 8
-  assert xla_attention.default_pages_per_step(16, 512, 64 * 8 * 128 * 4) == 1
+  assert xla_attention.default_pages_per_step(16, 512, 8 * 2 * 128 * 4) == 8
+  assert xla_attention.default_pages_per_step(16, 512, 64 * 8 * 128 * 4) == 8
+  assert xla_attention.default_pages_per_step(256, 512, 64 * 8 * 128 * 4) == 1
   assert xla_attention.default_pages_per_step(16, 512) == 16
 
 
-def test_gathers_land_in_the_dot_layout():
+@pytest.mark.parametrize("pps,block_size", [(2, 4), (2, 64)])
+def test_gathers_land_in_the_dot_layout(pps, block_size):
   """The compiled walk gathers (head, block) pages straight into
   `[kv_heads, batch, tokens, head_dim]`: no transpose or copy of a gathered
-  chunk sits between the gather and the dots."""
+  chunk sits between the gather and the dots, and the scores are stored
+  token-major (`f32[kv_heads, batch, walk, group]`)."""
   rng = np.random.default_rng(0)
   c = cases.make_decode_case(rng, batch=3, num_q_heads=4, num_kv_heads=2,
-                             head_dim=16, block_size=4, max_blocks_per_seq=6)
+                             head_dim=16, block_size=block_size,
+                             max_blocks_per_seq=6)
   f = jax.jit(lambda *a: xla_attention.paged_decode_xla(
-      *a, sm_scale=0.25, pages_per_step=2))
+      *a, sm_scale=0.25, pages_per_step=pps))
   hlo = f.lower(c.q, c.k_pages, c.v_pages, c.block_tables,
                 c.kv_lens).compile().as_text()
   gathers = [line for line in hlo.splitlines()
              if " gather(" in line and "= f32[" in line]
   assert len(gathers) == 2, gathers  # K once, V once
-  assert all("slice_sizes={1,1,4,16}" in g for g in gathers), gathers
+  assert all(f"slice_sizes={{1,1,{block_size},16}}" in g for g in gathers), gathers
   assert " transpose(" not in "\n".join(
       line for line in hlo.splitlines() if "gather" in line)
+  scores = f"f32[2,3,{6 * block_size},2]{{3,2,1,0}} dynamic-update-slice("
+  assert scores in hlo
