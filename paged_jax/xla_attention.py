@@ -129,21 +129,20 @@ def paged_decode_xla(
   kv_lens = contract.clamp_kv_lens(kv_lens.astype(jnp.int32), width, block_size)
   tables_ok = contract.valid_block(block_tables, num_blocks)
   tables = jnp.where(tables_ok, block_tables, 0)
+  # The walked table columns, ids and ids_ok [b, walk * pps]: a column past
+  # the table's end (a shorter walk, or the padding) is invalid, read as
+  # block 0 and masked.
   if sliding_window is None:
     first_col = jnp.zeros_like(kv_lens)
     walk = steps
+    pad = ((0, 0), (0, walk * pps - width))
+    ids, ids_ok = jnp.pad(tables, pad), jnp.pad(tables_ok, pad)
   else:
     # Each sequence walks from its own first block inside the window: at most
     # `window + block_size - 1` tokens, whatever kv_len; blocks wholly before
     # the window are never read.
     first_col = jnp.maximum(kv_lens - sliding_window, 0) // block_size  # [b]
     walk = min(steps, _cdiv(sliding_window + block_size - 1, tokens))
-  # The walked table columns, [b, walk * pps]: a column past the table's end
-  # (a shorter walk, or the padding) is invalid, read as block 0 and masked.
-  if sliding_window is None:
-    pad = ((0, 0), (0, walk * pps - width))
-    ids, ids_ok = jnp.pad(tables, pad), jnp.pad(tables_ok, pad)
-  else:
     cols = first_col[:, None] + jnp.arange(walk * pps, dtype=jnp.int32)[None]
     inside = cols < width
     cols = jnp.minimum(cols, width - 1)
@@ -156,14 +155,12 @@ def paged_decode_xla(
     valid &= pos >= kv_lens[:, None] - sliding_window
   # KV-head-major throughout ([kv_heads, batch, ...], the pages' own order):
   # the gathers index (head, block) pairs, so each page lands where the dots
-  # read it, with no transpose.
+  # read it, with no transpose. Scores are token-major, [kv_heads, b, t,
+  # group] (K the dots' left operand): YNNPACK's dot is faster with the long
+  # side as rows (about 2x at batch 8 against `hbgd,hbtd->hbgt`).
   heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[:, None, None]
   qg = jnp.swapaxes(q.reshape(batch, num_kv_heads, group, head_dim), 0, 1)
   qg = qg.astype(jnp.float32)  # [kv_heads, b, group, head_dim]
-
-  # Scores token-major, `[kv_heads, b, t, group]` (K the dots' left operand):
-  # YNNPACK's dot is faster with the long side as rows (about 2x at batch 8
-  # against `hbgd,hbtd->hbgt`).
 
   def chunk(i):
     step_ids = jax.lax.dynamic_slice_in_dim(ids, i * pps, pps, axis=1)[None]
