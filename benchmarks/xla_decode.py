@@ -5,11 +5,19 @@ Measured in one run so the ratios share the machine's noise:
 1. `paged_attention(implementation="xla")` over random non-contiguous block
    tables vs dense decode attention on the same tokens held contiguously
    (`[batch, kv_heads, kv_len, head_dim]`), for block sizes 8-64, batch 1-64,
-   context 256-8192 (a sampled grid; `--full` for the whole product).
+   context 256-8192 (a sampled grid with issue #21's shapes in it; `--full`
+   for the whole product, `--goal` for issue #21's five shapes alone). The
+   two are interleaved (dense, paged, dense, ...): a round's ratio is the
+   paged time over the mean of the dense runs either side of it, and the
+   ratio reported is the median over rounds.
 2. `reserve` for a batch of 64 (jitted, state donated) at num_blocks 2**10 and
    2**20: the cost must not grow with the pool.
 
-Writes `benchmarks/results/xla_decode.json` and prints a table.
+`--cpu-time` times process CPU seconds with XLA on one thread (steadier than
+wall time on a loaded machine: time spent descheduled is not counted).
+
+Writes `benchmarks/results/xla_decode.json` (`xla_decode_goal.json` with
+`--goal`) and prints a table.
 """
 
 from __future__ import annotations
@@ -32,15 +40,34 @@ from paged_jax import block_manager as bm
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def median_time(fn, *args, reps=10, warmup=2):
+# Issue #21's shapes (batch, context), block_size 16.
+GOAL_SHAPES = [(1, 2048), (1, 8192), (8, 2048), (8, 8192), (32, 4096)]
+CLOCK = time.perf_counter
+
+
+def interleaved(paged, dense, reps, warmup=2):
+  """(median paged s, median dense s, median of per-round paged / dense).
+
+  Rounds run dense, paged, dense, ...; each paged run is divided by the mean
+  of the dense runs either side of it, so slow drifts of the machine's load
+  cancel."""
   for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
+    jax.block_until_ready(paged())
+    jax.block_until_ready(dense())
+
+  def timed(fn):
+    t0 = CLOCK()
+    jax.block_until_ready(fn())
+    return CLOCK() - t0
+
+  t_dense = [timed(dense)]
+  t_paged, ratios = [], []
   for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+    t_paged.append(timed(paged))
+    t_dense.append(timed(dense))
+    ratios.append(t_paged[-1] / (0.5 * (t_dense[-2] + t_dense[-1])))
+  return (float(np.median(t_paged)), float(np.median(t_dense)),
+          float(np.median(ratios)))
 
 
 @jax.jit
@@ -79,12 +106,13 @@ def bench_decode(batch, context, block_size, hq=8, hkv=2, d=128, seed=0):
   err = float(jnp.max(jnp.abs(paged(q, k_pages, v_pages, tables, lens)
                               - dense_decode(q, k, v))))
   assert err < 1e-4, err
-  reps = 5 if batch * context >= 2**18 else 20
-  t_paged = median_time(paged, q, k_pages, v_pages, tables, lens, reps=reps)
-  t_dense = median_time(dense_decode, q, k, v, reps=reps)
+  reps = 7 if batch * context >= 2**18 else 21
+  t_paged, t_dense, ratio = interleaved(
+      lambda: paged(q, k_pages, v_pages, tables, lens),
+      lambda: dense_decode(q, k, v), reps)
   return dict(batch=batch, context=context, block_size=block_size,
               paged_ms=t_paged * 1e3, dense_ms=t_dense * 1e3,
-              ratio=t_paged / t_dense, max_abs_err=err)
+              ratio=ratio, max_abs_err=err)
 
 
 def bench_reserve(num_blocks, batch=64, reps=200):
@@ -117,8 +145,21 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--full", action="store_true", help="whole grid")
   parser.add_argument("--quick", action="store_true", help="tiny smoke run")
+  parser.add_argument("--goal", action="store_true",
+                      help="issue #21's five shapes only, no reserve timing")
+  parser.add_argument("--cpu-time", action="store_true",
+                      help="process CPU time, XLA on one thread")
   args = parser.parse_args()
-  if args.quick:
+  global CLOCK
+  if args.cpu_time:
+    # Read when the CPU client starts, i.e. at the first computation below.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_cpu_multi_thread_eigen=false"
+                               " intra_op_parallelism_threads=1")
+    CLOCK = time.process_time
+  if args.goal:
+    grid = [(b, c, 16) for b, c in GOAL_SHAPES]
+  elif args.quick:
     grid = [(1, 256, 16), (8, 512, 8)]
   elif args.full:
     grid = list(itertools.product([1, 8, 64], [256, 1024, 8192],
@@ -126,7 +167,8 @@ def main():
   else:
     grid = ([(b, c, 16) for b in (1, 8, 64) for c in (256, 1024, 8192)]
             + [(8, 1024, bs) for bs in (8, 32, 64)]
-            + [(64, 4096, bs) for bs in (8, 32, 64)])
+            + [(64, 4096, bs) for bs in (8, 32, 64)]
+            + [(b, c, 16) for b, c in GOAL_SHAPES if c not in (256, 1024, 8192)])
   rows = []
   print(f"{'batch':>5} {'ctx':>5} {'bs':>3} {'paged ms':>9} {'dense ms':>9} "
         f"{'ratio':>6}")
@@ -135,6 +177,15 @@ def main():
     rows.append(r)
     print(f"{b:5d} {c:5d} {bs:3d} {r['paged_ms']:9.3f} {r['dense_ms']:9.3f} "
           f"{r['ratio']:6.2f}", flush=True)
+  meta = dict(
+      machine=platform.platform(), cpus=os.cpu_count(), jax=jax.__version__,
+      backend=jax.default_backend(), date=time.strftime("%Y-%m-%d"),
+      clock="process CPU time, 1 XLA thread" if args.cpu_time else "wall")
+  os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+  if args.goal:
+    with open(os.path.join(HERE, "results", "xla_decode_goal.json"), "w") as f:
+      json.dump(dict(meta, decode=rows), f, indent=1)
+    return
   sizes = [2**10, 2**20] if not args.quick else [2**10, 2**14]
   reserve = {n: bench_reserve(n, reps=50 if args.quick else 300) for n in sizes}
   ratio = reserve[sizes[-1]] / reserve[sizes[0]]
@@ -142,13 +193,11 @@ def main():
     print(f"reserve+release, batch 64, num_blocks={n}: {t * 1e6:.1f} us")
   print(f"reserve cost ratio {sizes[-1]}/{sizes[0]} blocks: {ratio:.2f}")
   out = dict(
-      machine=platform.platform(), cpus=os.cpu_count(), jax=jax.__version__,
-      backend=jax.default_backend(), date=time.strftime("%Y-%m-%d"),
-      decode=rows,
+      meta, decode=rows,
       reserve_us={str(n): t * 1e6 for n, t in reserve.items()},
       reserve_ratio=ratio)
-  os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-  with open(os.path.join(HERE, "results", "xla_decode.json"), "w") as f:
+  name = "xla_decode_quick.json" if args.quick else "xla_decode.json"
+  with open(os.path.join(HERE, "results", name), "w") as f:
     json.dump(out, f, indent=1)
 
 

@@ -1,13 +1,22 @@
 """The XLA attention path: what CPU users get, and the fallback everywhere.
 
 Scores, softmax and the weighted sum are computed in float32 (the gathered
-pages are upcast; CPU XLA has no bf16 x bf16 -> f32 dot). It never materialises a gathered copy of the whole cache: it walks the block
-tables a few pages at a time (`pages_per_step`), gathers only those pages,
-and folds them into a float32 online softmax. The loop stops after the
-longest sequence's last block (a `fori_loop` with a traced trip count). With
-a sliding window, decode walks each sequence from its own first block inside
+pages are upcast; CPU XLA has no bf16 x bf16 -> f32 dot). Neither path
+materialises a gathered copy of the whole cache: both walk the block tables a
+few pages at a time (`pages_per_step`) and gather only those pages. Decode
+gathers (head, block) pairs straight into the layout its dots read
+(`[kv_heads, batch, tokens, head_dim]`, no transpose) and makes two passes
+(scores and their max, then the values), so no chunk is rescaled; the ragged
+path folds each chunk into a float32 online softmax. Each loop stops after the longest
+sequence's last block (a `fori_loop` with a traced trip count). With a
+sliding window, decode walks each sequence from its own first block inside
 the window (a per-row gather of table columns), so its work is O(window)
 whatever the context; blocks wholly before the window are never read.
+
+On CPU a gathered chunk costs about what a copy of it does, and a dense
+einsum over contiguous K/V reads each byte once: the paged path pays the
+gathers on top of the arithmetic. `benchmarks/xla_decode.py` measures the
+gap (RESULTS.md, section "XLA paths").
 
 Masking uses `where` throughout, so stale or NaN contents past `kv_len`
 never reach the output. Malformed traced inputs follow the contract of
@@ -42,11 +51,14 @@ def default_pages_per_step(block_size: int, max_blocks_per_seq: int,
                            bytes_per_token: int = 0) -> int:
   """Pages gathered per loop step.
 
-  About 1 MiB of gathered K per step (so the step's working set stays in
-  cache), given `bytes_per_token` = rows gathered per token x head_dim x 4;
-  without it, about 256 tokens. At least one page, at most the whole table.
+  About 512 KiB of gathered K per step, given `bytes_per_token` = rows
+  gathered per token x head_dim x 4, but 128-512 tokens whatever the batch
+  (measured on CPU: shorter steps pay per-step costs, longer ones spill the
+  cache); without `bytes_per_token`, about 256 tokens. At least one page, at
+  most the whole table.
   """
-  tokens = (1 << 20) // bytes_per_token if bytes_per_token else 256
+  tokens = (1 << 19) // bytes_per_token if bytes_per_token else 256
+  tokens = min(512, max(128, tokens))
   return max(1, min(max_blocks_per_seq, tokens // block_size))
 
 
@@ -85,6 +97,22 @@ def paged_decode_xla(
 ) -> jax.Array:
   """Decode attention through block tables in plain XLA.
 
+  Two passes over the walked blocks, `pages_per_step` table columns a step
+  (default `default_pages_per_step`), each a `fori_loop` that stops after the
+  longest walk's last block:
+
+  1. gather K (`k_pages[head, block]`, straight into `[kv_heads, batch,
+     tokens, head_dim]`), score it against the queries, mask the scores
+     (`where` to -inf: positions past `kv_len`, outside the window, in
+     invalid table entries) and store them (`f32[kv_heads, batch, walk,
+     group]`, `group / head_dim` of the K bytes) beside a running max;
+  2. gather V with its invalid rows selected to 0 in the same fusion (a
+     poisoned row would make `0 * NaN`), exponentiate the stored scores
+     against the final max and accumulate the weighted sum.
+
+  Scores never need rescaling (the max is known before any exponential), and
+  K and V are each gathered once, a step's chunk at a time.
+
   Arguments as `paged_jax.attention.paged_attention`, with `sm_scale`
   resolved. Returns `[batch, num_q_heads, head_dim]` in `q.dtype`.
   """
@@ -97,70 +125,90 @@ def paged_decode_xla(
   pps = pages_per_step or default_pages_per_step(
       block_size, width, batch * num_kv_heads * head_dim * 4)
   steps = _cdiv(width, pps)
-  tables = jnp.pad(block_tables, ((0, 0), (0, steps * pps - width)),
-                   constant_values=-1)
-  tables_ok = contract.valid_block(tables, num_blocks)  # [b, steps * pps]
-  tables = jnp.where(tables_ok, tables, 0)
   tokens = pps * block_size
-  # KV-head-major throughout ([kv_heads, batch, ...], the pages' own order), so
-  # the gathered pages feed the dots without a transpose.
-  qg = jnp.swapaxes(q.reshape(batch, num_kv_heads, group, head_dim), 0, 1)
-  qg = qg.astype(jnp.float32)
   kv_lens = contract.clamp_kv_lens(kv_lens.astype(jnp.int32), width, block_size)
-  offs = jnp.arange(tokens, dtype=jnp.int32)
-
-  if sliding_window is not None:
-    # Each sequence starts at its own first block inside the window: the
-    # loop walks `ceil(window / tokens) + 1` steps at most, whatever kv_len.
+  tables_ok = contract.valid_block(block_tables, num_blocks)
+  tables = jnp.where(tables_ok, block_tables, 0)
+  # The walked table columns, ids and ids_ok [b, walk * pps]: a column past
+  # the table's end (a shorter walk, or the padding) is invalid, read as
+  # block 0 and masked.
+  if sliding_window is None:
+    first_col = jnp.zeros_like(kv_lens)
+    walk = steps
+    pad = ((0, 0), (0, walk * pps - width))
+    ids, ids_ok = jnp.pad(tables, pad), jnp.pad(tables_ok, pad)
+  else:
+    # Each sequence walks from its own first block inside the window: at most
+    # `window + block_size - 1` tokens, whatever kv_len; blocks wholly before
+    # the window are never read.
     first_col = jnp.maximum(kv_lens - sliding_window, 0) // block_size  # [b]
-    tables = jnp.pad(tables, ((0, 0), (0, pps)))  # a walk may pass the end
-    tables_ok = jnp.pad(tables_ok, ((0, 0), (0, pps)))
-    cols = jnp.arange(pps, dtype=jnp.int32)
+    walk = min(steps, _cdiv(sliding_window + block_size - 1, tokens))
+    cols = first_col[:, None] + jnp.arange(walk * pps, dtype=jnp.int32)[None]
+    inside = cols < width
+    cols = jnp.minimum(cols, width - 1)
+    ids = jnp.take_along_axis(tables, cols, axis=1)
+    ids_ok = jnp.take_along_axis(tables_ok, cols, axis=1) & inside
+  pos = (first_col * block_size)[:, None] + jnp.arange(
+      walk * tokens, dtype=jnp.int32)[None, :]  # [b, walk * tokens]
+  valid = (pos < kv_lens[:, None]) & jnp.repeat(ids_ok, block_size, axis=1)
+  if sliding_window is not None:
+    valid &= pos >= kv_lens[:, None] - sliding_window
+  # KV-head-major throughout ([kv_heads, batch, ...], the pages' own order):
+  # the gathers index (head, block) pairs, so each page lands where the dots
+  # read it, with no transpose. Scores are token-major, [kv_heads, b, t,
+  # group] (K the dots' left operand): YNNPACK's dot is faster with the long
+  # side as rows (about 2x at batch 8 against `hbgd,hbtd->hbgt`).
+  heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[:, None, None]
+  qg = jnp.swapaxes(q.reshape(batch, num_kv_heads, group, head_dim), 0, 1)
+  qg = qg.astype(jnp.float32)  # [kv_heads, b, group, head_dim]
 
-  def body(i, carry):
-    if sliding_window is None:
-      ids = jax.lax.dynamic_slice_in_dim(tables, i * pps, pps, axis=1)  # [b, pps]
-      ids_ok = jax.lax.dynamic_slice_in_dim(tables_ok, i * pps, pps, axis=1)
-      pos = (i * tokens + offs)[None, :]  # [1, tokens]
-    else:
-      col = first_col[:, None] + i * pps + cols[None, :]  # [b, pps]
-      # A shorter walk than the longest may pass its table's end: those
-      # columns' positions are past kv_len (masked), any block id will do.
-      col = jnp.minimum(col, tables.shape[1] - 1)
-      ids = jnp.take_along_axis(tables, col, axis=1)
-      ids_ok = jnp.take_along_axis(tables_ok, col, axis=1)
-      pos = (first_col * block_size)[:, None] + i * tokens + offs[None, :]  # [b, t]
-    k = k_pages[:, ids].reshape(num_kv_heads, batch, tokens, head_dim)
-    v = v_pages[:, ids].reshape(num_kv_heads, batch, tokens, head_dim)
-    k, v = k.astype(jnp.float32), v.astype(jnp.float32)
-    valid = pos < kv_lens[:, None]  # [b, tokens]
-    valid &= jnp.repeat(ids_ok, block_size, axis=1)
-    if sliding_window is not None:
-      valid &= pos >= kv_lens[:, None] - sliding_window
-    ks = vs = None
+  def chunk(i):
+    step_ids = jax.lax.dynamic_slice_in_dim(ids, i * pps, pps, axis=1)[None]
+    step_ok = jax.lax.dynamic_slice_in_dim(valid, i * tokens, tokens, axis=1)
+    return step_ids, step_ok[None, :, :, None]  # [1, b, pps], [1, b, t, 1]
+
+  def gather(pages, step_ids):  # -> f32[kv_heads, b, t, head_dim]
+    return pages[heads, step_ids].reshape(
+        num_kv_heads, batch, tokens, head_dim).astype(jnp.float32)
+
+  def gather_scales(scales, step_ids):  # -> f32[kv_heads, b, t, 1]
+    return scales[heads, step_ids].reshape(num_kv_heads, batch, tokens, 1)
+
+  def scores_body(i, carry):
+    scores, m = carry
+    step_ids, ok = chunk(i)
+    s = jnp.einsum("hbtd,hbgd->hbtg", gather(k_pages, step_ids), qg)
     if k_scales is not None:
-      ks = k_scales[:, ids].reshape(num_kv_heads, batch, 1, tokens)
-      vs = v_scales[:, ids].reshape(num_kv_heads, batch, 1, tokens)
-      vs = jnp.where(valid[None, :, None, :], vs, 0.0)  # 0 * NaN is NaN
-    s = quantization.scale_scores(jnp.einsum("hbgd,hbtd->hbgt", qg, k), ks)
+      s = quantization.scale_scores(s, gather_scales(k_scales, step_ids))
     s = s * sm_scale
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
-    v = jnp.where(valid[None, :, :, None], v, 0.0)
+    s = jnp.where(ok, s, -jnp.inf)
+    scores = jax.lax.dynamic_update_slice_in_dim(scores, s, i * tokens, axis=2)
+    return scores, jnp.maximum(m, jnp.max(s, axis=2))
 
-    def pv(p):
-      return jnp.einsum("hbgt,hbtd->hbgd", quantization.scale_probs(p, vs), v)
+  def values_body(i, carry):
+    l, acc = carry
+    step_ids, ok = chunk(i)
+    s = jax.lax.dynamic_slice_in_dim(scores, i * tokens, tokens, axis=2)
+    p = jnp.exp(s - m_safe[:, :, None, :])  # masked scores are -inf: p = 0
+    l = l + jnp.sum(p, axis=2)
+    if v_scales is not None:  # 0 * NaN is NaN: poisoned scales are selected out
+      p = p * jnp.where(ok, gather_scales(v_scales, step_ids), 0.0)
+    v = jnp.where(ok, gather(v_pages, step_ids), 0.0)
+    return l, acc + jnp.einsum("hbtg,hbtd->hbgd", p, v)
 
-    return _online_softmax_step(carry, s, pv, valid[None, :, None, :])
-
-  init = (jnp.full((num_kv_heads, batch, group), -jnp.inf, jnp.float32),
-          jnp.zeros((num_kv_heads, batch, group), jnp.float32),
-          jnp.zeros((num_kv_heads, batch, group, head_dim), jnp.float32))
-  if sliding_window is None:
-    hi = _cdiv(jnp.max(kv_lens, initial=0), tokens)
-  else:  # tokens from each sequence's first window block to its end
-    hi = _cdiv(jnp.max(kv_lens - first_col * block_size, initial=0), tokens)
-  _, l, acc = jax.lax.fori_loop(0, hi, body, init)
+  hi = _cdiv(jnp.max(kv_lens - first_col * block_size, initial=0), tokens)
+  stats = (num_kv_heads, batch, group)
+  scores, m = jax.lax.fori_loop(
+      0, hi, scores_body,
+      (jnp.zeros((num_kv_heads, batch, walk * tokens, group), jnp.float32),
+       jnp.full(stats, -jnp.inf, jnp.float32)))
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  l, acc = jax.lax.fori_loop(
+      0, hi, values_body,
+      (jnp.zeros(stats, jnp.float32),
+       jnp.zeros(stats + (head_dim,), jnp.float32)))
   out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None],
                   0.0)
   out = jnp.swapaxes(out, 0, 1)  # [batch, kv_heads, group, head_dim]
