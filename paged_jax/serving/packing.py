@@ -17,14 +17,23 @@ from paged_jax.serving.requests import PENDING, Seq
 from paged_jax.serving.step import StepInputs
 
 
-class Sample(NamedTuple):
-  """One sample row of a step: the token row whose logits it samples, the
-  entry's sequence, and the sample it is for (its index; a prompt's other
-  samples, `n > 1`, are sampled in its row and forked)."""
+# One entry of a step's plan: a sequence and the tokens it runs (plain
+# tuples: a plan has a row per running sequence, rebuilt every step).
+Entry = tuple[Seq, int]
 
-  row: int
-  seq: Seq
-  lane: int
+
+class Samples(NamedTuple):
+  """A step's sample rows, by column (row `i` of each list is sample row
+  `i`): the token row whose logits it samples, the entry's sequence, and the
+  sample it is for (its index; a prompt's other samples, `n > 1`, are
+  sampled in its row and forked)."""
+
+  token_rows: list[int]
+  seqs: list[Seq]
+  lanes: list[int]
+
+  def __len__(self) -> int:
+    return len(self.seqs)
 
 
 class Bookkeeping(NamedTuple):
@@ -118,8 +127,8 @@ class InputPacking:
     return rows
 
   def _build(self, plan, bucket: Bucket, book: Bookkeeping | None = None):
-    """`(StepInputs, samples)` of `plan` in shape `bucket`; `samples` are the
-    `Sample`s (token row, seq, lane) of the sample rows. `book`: the
+    """`(StepInputs, Samples)` of `plan` in shape `bucket` (the sample rows
+    by column). `book`: the
     bookkeeping inputs `_fit` accepted for `plan` (`max_batch` entry rows;
     cut to the bucket's here, the rows past the plan being padding), else
     built. Changes nothing.
@@ -132,7 +141,9 @@ class InputPacking:
     book = self._bookkeeping_inputs(plan, S) if book is None else book.cut(S)
     tokens = np.zeros(num_tokens, np.int32)
     token_slots = np.full(num_tokens, -1, np.int32)
-    samples: list[Sample] = []
+    token_rows: list[int] = []
+    seqs: list[Seq] = []
+    lanes: list[int] = []
     sample_seqs = np.full(S, -1, np.int32)
     seed_offsets = np.zeros(S, np.int32)
     row = 0
@@ -148,19 +159,22 @@ class InputPacking:
       row += n
       if end == len(toks):  # the entry samples after this step
         g = s.group
+        k = len(seqs)
         if g.unborn and not g.is_beam:  # the prompt's n samples, one row
-          k = len(samples)
-          for lane in range(g.params.n):
-            samples.append(Sample(row - 1, s, lane))
-          sample_seqs[k:k + g.params.n] = s.slot
-          seed_offsets[k:k + g.params.n] = np.arange(g.params.n) - s.index
+          n_samples = g.params.n
+          token_rows += [row - 1] * n_samples
+          seqs += [s] * n_samples
+          lanes += range(n_samples)
+          sample_seqs[k:k + n_samples] = s.slot
+          seed_offsets[k:k + n_samples] = np.arange(n_samples) - s.index
         else:
-          sample_seqs[len(samples)] = s.slot
-          samples.append(Sample(row - 1, s, s.index))
+          sample_seqs[k] = s.slot
+          token_rows.append(row - 1)
+          seqs.append(s)
+          lanes.append(s.index)
     sample_rows = np.zeros(S, np.int32)
-    if samples:
-      sample_rows[:len(samples)] = [x.row for x in samples]
+    sample_rows[:len(token_rows)] = token_rows
     x = StepInputs(**book._asdict(), tokens=tokens, token_slots=token_slots,
                    sample_slots=np.full(S, -1, np.int32), sample_rows=sample_rows,
                    sample_seqs=sample_seqs, seed_offsets=seed_offsets)
-    return x, samples
+    return x, Samples(token_rows, seqs, lanes)

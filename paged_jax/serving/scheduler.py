@@ -51,7 +51,7 @@ from paged_jax.serving import spec_host
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.host_pool import HostPool
 from paged_jax.serving.multistep_host import MultiStep
-from paged_jax.serving.packing import Bookkeeping, InputPacking
+from paged_jax.serving.packing import Bookkeeping, Entry, InputPacking
 from paged_jax.serving.prefix import PrefixCaching, register_rows
 from paged_jax.serving.requests import (Group, Request, RequestDelta,
                                         RequestOutput, Seq)
@@ -332,7 +332,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
       seq.num_cached = seq.num_registered = 0
     self._insert(self._waiting, seq)
 
-  def _schedule(self) -> tuple[list[tuple[Seq, int]], list[Seq], Seq | None]:
+  def _schedule(self) -> tuple[list[Entry], list[Seq], Seq | None]:
     """Proposes this step's (sequence, new tokens) entries, oldest first,
     within the token budget and batch rows; `_fit` then makes them fit the
     pool. Returns `(plan, admitted, first)`: the entries, this step's
@@ -340,7 +340,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
     c = self.config
     bs = c.block_size
     budget = c.max_tokens_per_step
-    plan: list[tuple[Seq, int]] = []
+    plan: list[Entry] = []
     running = list(self._running)
     first = running[0] if running else None
     growth = 0  # blocks the running entries take this step (no copies counted)
@@ -361,6 +361,8 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
     free = self._pool.num_available - growth
     headroom = -(-len(plan) * c.admission_headroom_steps // bs)
     admitted: list[Seq] = []
+    if not (self._waiting or self._swapped):  # nothing to admit: no scan
+      return plan, admitted, first
     rows = len(self._running) + sum(s.group.unborn for s in self._running
                                     if s.index == 0 and s.group.unborn)
     budget, rows = self._swap_in_admissions(plan, admitted, budget, rows)
@@ -432,7 +434,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
         return plan
       pool.rollback()
       self.stats.refused_reservations += 1
-      seq = plan[refused[0]][0]
+      seq, _ = plan[refused[0]]
       if seq in admitted:  # it and every later admission wait
         for s in admitted[admitted.index(seq):]:
           self._unadmit(s, plan)
@@ -464,7 +466,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
     self._fork_pending = bool(forks)
     return forks
 
-  def begin_step(self) -> list[tuple[Seq, int]] | None:
+  def begin_step(self) -> list[Entry] | None:
     """Schedules this step; None when the pool has nothing to run or release.
 
     Raises:
