@@ -155,18 +155,18 @@ class Runner:
       return self.cache, self.state, self.last_tokens
     return self.cache, self.state, self.tier, self.last_tokens
 
-  def write_slots(self, updates: list[tuple[np.ndarray, slot_state_lib.SlotState]]):
+  def write_slots(self, updates: list[tuple[np.ndarray, np.ndarray, np.ndarray]]):
     """Writes the changed rows of each pool's slot state (`HostSlots.
     take_updates`, one per pool; on a mesh all of one row count) to the
     device: one small scatter, the slot state donated, dispatched before the
     step that reads them (it does not wait)."""
     self.slot_writes += 1
     if self.mesh is None:
-      ((slots, rows),) = updates
-      self.slots = _write_slots_jit(self.slots, slots, rows)
+      ((slots, ints, floats),) = updates
+      self.slots = _write_slots_jit(self.slots, slots, ints, floats)
       return
-    slots, rows = self.place([u for u, _ in updates]), self.place([r for _, r in updates])
-    self.slots = _write_slots_mesh_jit(self.slots, slots, rows)
+    cols = [self.place([u[i] for u in updates]) for i in range(3)]
+    self.slots = _write_slots_mesh_jit(self.slots, *cols)
 
   def _no_swaps(self):
     n = self.config.max_batch

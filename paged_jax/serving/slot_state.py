@@ -8,7 +8,8 @@ state. A row is written when a sequence takes a slot (admission, a fork of
 a prompt's sample or of a beam) and at no other time: the host keeps an
 exact NumPy copy (`HostSlots`), marks the rows it changes, and before the
 next dispatch sends only those (`HostSlots.take_updates`, applied by one
-small jitted scatter, `write`, with the state donated). A steady decode
+small jitted scatter, `write`, with the state donated; the rows travel as
+two packed matrices, `pack`). A steady decode
 step sends none. A finished sequence's row is simply left behind: nothing
 reads a slot that no live sequence holds, and the next sequence to take it
 overwrites all of it.
@@ -62,11 +63,35 @@ def empty(rows: int, max_logit_bias: int) -> SlotState:
       bias_values=np.zeros((rows, max_logit_bias), np.float32))
 
 
-def write(state: SlotState, slots: jax.Array, rows: SlotState) -> SlotState:
-  """`state` with row `slots[i]` set to row `i` of `rows` (`slots`:
-  i32[U], -1 = padding, dropped). Jitted in `Runner` with `state` donated."""
+def pack(rows: SlotState) -> tuple[np.ndarray, np.ndarray]:
+  """`rows` (NumPy, U rows) as two matrices, so that an update is two
+  arrays to transfer: `(i32[U, 3 + MAX_BANNED + B], f32[U, 2 + B])` --
+  `top_k, seeds, ban_until, banned..., bias_ids...` and `temperature,
+  top_p, bias_values...`."""
+  ints = np.concatenate([rows.top_k[:, None], rows.seeds[:, None],
+                         rows.ban_until[:, None], rows.banned, rows.bias_ids], 1)
+  floats = np.concatenate([rows.temperature[:, None], rows.top_p[:, None],
+                           rows.bias_values], 1)
+  return ints.astype(np.int32), floats.astype(np.float32)
+
+
+def unpack(ints: jax.Array, floats: jax.Array) -> SlotState:
+  """The `SlotState` rows that `pack` packed."""
+  nban = sampling_lib.MAX_BANNED
+  return SlotState(temperature=floats[:, 0], top_k=ints[:, 0], top_p=floats[:, 1],
+                   seeds=ints[:, 1], ban_until=ints[:, 2],
+                   banned=ints[:, 3:3 + nban], bias_ids=ints[:, 3 + nban:],
+                   bias_values=floats[:, 2:])
+
+
+def write(state: SlotState, slots: jax.Array, ints: jax.Array,
+          floats: jax.Array) -> SlotState:
+  """`state` with row `slots[i]` set to row `i` of the packed rows (`pack`;
+  `slots`: i32[U], -1 = padding, dropped). Jitted in `Runner` with `state`
+  donated."""
   idx = jnp.where(slots >= 0, slots, state.temperature.shape[0])  # -1: dropped
-  return jax.tree.map(lambda a, r: a.at[idx].set(r, mode="drop"), state, rows)
+  return jax.tree.map(lambda a, r: a.at[idx].set(r, mode="drop"), state,
+                      unpack(ints, floats))
 
 
 @flax.struct.dataclass
@@ -165,10 +190,10 @@ class HostSlots:
     return len(self._dirty)
 
   def take_updates(self, rows: int | None = None
-                   ) -> tuple[np.ndarray, SlotState] | None:
-    """`(slots i32[U], rows SlotState of U rows)`: the rows changed since the
-    last call (None if none), padded with slot -1 to `rows` (default: the
-    next power of two, so the scatter compiles once per size class)."""
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """`(slots i32[U], ints, floats)`: the rows changed since the last call
+    (None if none), packed (`pack`), padded with slot -1 to `rows` (default:
+    the next power of two, so the scatter compiles once per size class)."""
     if not self._dirty and rows is None:
       return None
     slots = np.fromiter(sorted(self._dirty), np.int32, len(self._dirty))
@@ -178,4 +203,4 @@ class HostSlots:
     padded = np.full(u, -1, np.int32)
     padded[:slots.size] = slots
     sl = np.maximum(padded, 0)
-    return padded, jax.tree.map(lambda a: a[sl], self.state)
+    return (padded,) + pack(jax.tree.map(lambda a: a[sl], self.state))

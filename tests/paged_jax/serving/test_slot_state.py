@@ -198,14 +198,19 @@ def test_a_step_with_nothing_to_compute_runs_no_model(monkeypatch):
 def test_take_updates_pads_to_a_power_of_two_and_clears():
   host = slot_state.HostSlots(max_seqs=8, max_logit_bias=2)
   assert host.take_updates() is None
-  p = SamplingParams(temperature=0.5, top_k=3, seed=7, logit_bias={4: 1.5})
+  p = SamplingParams(temperature=0.5, top_k=3, seed=7, logit_bias={4: 1.5}, min_tokens=1)
   for slot in (5, 1, 6):
     host.bind(slot, p, index=1, prompt_len=3, stop_ids=frozenset({2}))
-  slots, rows = host.take_updates()
+  slots, ints, floats = host.take_updates()
   assert slots.tolist() == [1, 5, 6, -1] and host.num_pending == 0
+  rows = slot_state.unpack(ints, floats)
   assert rows.seeds[:3].tolist() == [8, 8, 8] and rows.bias_ids[0].tolist() == [4, -1]
+  assert rows.banned[0].tolist() == [2] + [-1] * (sampling_lib.MAX_BANNED - 1)
+  np.testing.assert_array_equal(rows.bias_values[:3], np.float32([[1.5, 0]] * 3))
+  assert rows.temperature[0] == np.float32(0.5) and rows.top_p[0] == 1
+  assert rows.ban_until[:3].tolist() == [4, 4, 4]
   state = slot_state.write(jax.tree.map(jnp.asarray, slot_state.empty(8, 2)),
-                           jnp.asarray(slots), rows)
+                           jnp.asarray(slots), ints, floats)
   np.testing.assert_array_equal(np.asarray(state.top_k), [0, 3, 0, 0, 0, 3, 3, 0])
   assert host.take_updates() is None and host.rows_written == 3
   assert sampling_lib.MAX_BANNED == state.banned.shape[1]
