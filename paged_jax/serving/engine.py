@@ -8,7 +8,11 @@ Each `Engine.step()`:
 3. runs ONE jitted device step (`step.py`, through `runner.py`) with the
    cache and block state donated: release -> fork -> reserve -> copy-on-write
    -> `step_metadata` -> `model.paged_forward` -> logits of the rows to
-   sample -> sampling and top log-probs;
+   sample -> sampling and top log-probs, with each sequence slot's sampling
+   parameters kept on the device (`slot_state.py`: written when a sequence
+   takes a slot, so a steady decode step sends none of them); a step with
+   nothing to compute (only releases, e.g. after the last sequences
+   finished) runs its bookkeeping alone, no model;
 4. applies the results: appends tokens, finishes sequences (EOS or budget),
    and queues their blocks for release at the start of the next step.
 

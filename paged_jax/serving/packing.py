@@ -83,8 +83,8 @@ class InputPacking:
     if self._registering:
       register_seqs = register_seqs.copy()
       register_cols = register_cols.copy()
-      for i, (slot, col, _, _) in enumerate(self._registering):
-        register_seqs[i], register_cols[i] = slot, col
+      for i, r in enumerate(self._registering):
+        register_seqs[i], register_cols[i] = r.slot, r.col
     if self._shares:
       share_seqs, share_blocks, share_counts = (
           share_seqs.copy(), share_blocks.copy(), share_counts.copy())

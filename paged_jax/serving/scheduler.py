@@ -52,7 +52,8 @@ from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.host_pool import HostPool
 from paged_jax.serving.multistep_host import MultiStep
 from paged_jax.serving.packing import Bookkeeping, Entry, InputPacking
-from paged_jax.serving.prefix import PrefixCaching, register_rows
+from paged_jax.serving.prefix import (Candidate, PrefixCaching, Registration,
+                                      register_rows)
 from paged_jax.serving.requests import (Group, Request, RequestDelta,
                                         RequestOutput, Seq)
 from paged_jax.serving.results import Pending, Results
@@ -122,8 +123,8 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
                    if caching else None)
     self._register_rows = register_rows(config) if caching else 0
     self._share_rows = config.max_batch if caching else 0
-    self._register_next: list[tuple[Seq, int, int, bytes]] = []  # candidates
-    self._registering: list[tuple[int, int, bytes, int]] = []  # this step's
+    self._register_next: list[Candidate] = []  # candidates
+    self._registering: list[Registration] = []  # this step's
     self._registering_by_hash: dict[bytes, int] = {}  # the same, by hash
     self._shares: dict[Seq, list[int]] = {}  # this step's hits (admissions)
     self._fitted: Bookkeeping | None = None  # the inputs `_fit` accepted

@@ -203,4 +203,5 @@ class HostSlots:
     padded = np.full(u, -1, np.int32)
     padded[:slots.size] = slots
     sl = np.maximum(padded, 0)
-    return (padded,) + pack(jax.tree.map(lambda a: a[sl], self.state))
+    rows = SlotState(**{f: getattr(self.state, f)[sl] for f in _FIELDS})
+    return (padded,) + pack(rows)
