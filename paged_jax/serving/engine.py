@@ -378,6 +378,7 @@ class Engine:
     self._runner.compile(
         {b: [p._build([], b)[0] for p in self._pools]  # pylint: disable=protected-access
          for b in buckets})
+    self._runner.compile_slot_writes()  # the slot-state scatters too
     k = self.config.num_scheduler_steps
     if k > 1 and self.mesh is None:  # the K-step decode programs too
       self._runner.compile_multistep(self._pools[0].multistep_padding(buckets), k)

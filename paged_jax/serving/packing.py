@@ -83,8 +83,8 @@ class InputPacking:
     if self._registering:
       register_seqs = register_seqs.copy()
       register_cols = register_cols.copy()
-      for i, r in enumerate(self._registering):
-        register_seqs[i], register_cols[i] = r.slot, r.col
+      for i, (slot, col, _, _) in enumerate(self._registering):
+        register_seqs[i], register_cols[i] = slot, col
     if self._shares:
       share_seqs, share_blocks, share_counts = (
           share_seqs.copy(), share_blocks.copy(), share_counts.copy())
@@ -128,73 +128,52 @@ class InputPacking:
 
   def _build(self, plan, bucket: Bucket, book: Bookkeeping | None = None):
     """`(StepInputs, Samples)` of `plan` in shape `bucket` (the sample rows
-    by column). `book`: the bookkeeping inputs `_fit` accepted for `plan`
-    (`max_batch` entry rows; cut to the bucket's here, the rows past the plan
-    being padding), else built. Changes nothing.
+    by column). `book`: the
+    bookkeeping inputs `_fit` accepted for `plan` (`max_batch` entry rows;
+    cut to the bucket's here, the rows past the plan being padding), else
+    built. Changes nothing.
 
-    By column: each entry's cached and total token counts are read once,
-    the layout is NumPy; only entries whose tokens the host holds (prompts,
-    chunks) copy them, and a decode row whose token is still on the device
-    names its slot (`token_slots`). The sample rows name their slots
+    One pass over the entries (each one's tokens, or the slot whose last
+    sampled token the device holds); the sample rows name their slots
     (`sample_seqs`), whose sampling parameters are on the device
     (`slot_state.SlotState`, written when the slot was taken)."""
     num_tokens, S = bucket.num_tokens, bucket.num_seqs
     book = self._bookkeeping_inputs(plan, S) if book is None else book.cut(S)
     tokens = np.zeros(num_tokens, np.int32)
     token_slots = np.full(num_tokens, -1, np.int32)
+    token_rows: list[int] = []
+    seqs: list[Seq] = []
+    lanes: list[int] = []
     sample_seqs = np.full(S, -1, np.int32)
     seed_offsets = np.zeros(S, np.int32)
+    row = 0
+    for s, n in plan:
+      toks, start = s.tokens, s.num_cached
+      end = start + n
+      if toks[end - 1] == PENDING:  # sampled by the step in flight: on the device
+        if n != 1 or end != len(toks):
+          raise RuntimeError("a pending token outside a decode row (engine bug)")
+        token_slots[row] = s.slot
+      else:
+        tokens[row:row + n] = toks[start:end]
+      row += n
+      if end == len(toks):  # the entry samples after this step
+        g = s.group
+        k = len(seqs)
+        if g.unborn and not g.is_beam:  # the prompt's n samples, one row
+          n_samples = g.params.n
+          token_rows += [row - 1] * n_samples
+          seqs += [s] * n_samples
+          lanes += range(n_samples)
+          sample_seqs[k:k + n_samples] = s.slot
+          seed_offsets[k:k + n_samples] = np.arange(n_samples) - s.index
+        else:
+          sample_seqs[k] = s.slot
+          token_rows.append(row - 1)
+          seqs.append(s)
+          lanes.append(s.index)
     sample_rows = np.zeros(S, np.int32)
-    m = len(plan)
-    if not m:
-      x = StepInputs(**book._asdict(), tokens=tokens, token_slots=token_slots,
-                     sample_slots=np.full(S, -1, np.int32), sample_rows=sample_rows,
-                     sample_seqs=sample_seqs, seed_offsets=seed_offsets)
-      return x, Samples([], [], [])
-    # By column: one cheap read per entry and field, the rest in NumPy.
-    seqs = [s for s, _ in plan]
-    slots, ns = book.seq_ids[:m], book.q_lens[:m]
-    starts = np.fromiter((s.num_cached for s in seqs), np.int32, m)
-    lens = np.fromiter((len(s.tokens) for s in seqs), np.int32, m)
-    ends = starts + ns
-    row_ends = np.cumsum(ns, dtype=np.int32)
-    row_starts = row_ends - ns
-    samples = ends == lens  # the entries that sample after this step
-    # A token sampled by the step in flight (`PENDING`, always a sequence's
-    # last) is on the device: read from that slot's last token.
-    pending = samples & np.fromiter((s.tokens[-1] == PENDING for s in seqs), bool, m)
-    if (ns[pending] != 1).any():
-      raise RuntimeError("a pending token outside a decode row (engine bug)")
-    token_slots[row_starts[pending]] = slots[pending]
-    for i in np.flatnonzero(~pending).tolist():  # prompts, chunks, known tokens
-      toks, a, b = seqs[i].tokens, int(starts[i]), int(ends[i])
-      if toks[b - 1] == PENDING:
-        raise RuntimeError("a pending token outside a decode row (engine bug)")
-      tokens[row_starts[i]:row_ends[i]] = toks[a:b]
-    idx = np.flatnonzero(samples)
-    seqs = [seqs[i] for i in idx.tolist()]
-    lanes = [s.index for s in seqs]
-    # A prompt that samples `n` (its first token: nothing generated yet)
-    # samples its n samples in its one row, each with its own seed.
-    reps = np.ones(idx.size, np.int32)
-    first = np.flatnonzero(lens[idx] == np.fromiter(
-        (s.group.prompt_len for s in seqs), np.int32, idx.size))
-    for j in first.tolist():
-      g = seqs[j].group
-      if g.unborn and not g.is_beam and g.params.n > 1:
-        reps[j] = g.params.n
-    k = int(reps.sum())
-    sample_seqs[:k] = np.repeat(slots[idx], reps)
-    sample_rows[:k] = np.repeat(row_ends[idx] - 1, reps)
-    if k > idx.size:  # the expanded rows: lanes 0..n-1 of a root (index 0)
-      at = np.cumsum(reps) - reps  # each entry's first sample row
-      for j in np.flatnonzero(reps > 1).tolist():
-        n_samples, r0 = int(reps[j]), int(at[j])
-        seed_offsets[r0:r0 + n_samples] = np.arange(n_samples)
-      seqs = [s for s, r in zip(seqs, reps.tolist()) for _ in range(r)]
-      lanes = [lane for j, r in enumerate(reps.tolist())
-               for lane in (range(r) if r > 1 else [lanes[j]])]
-    token_rows = sample_rows[:k].tolist()
+    sample_rows[:len(token_rows)] = token_rows
     x = StepInputs(**book._asdict(), tokens=tokens, token_slots=token_slots,
                    sample_slots=np.full(S, -1, np.int32), sample_rows=sample_rows,
                    sample_seqs=sample_seqs, seed_offsets=seed_offsets)

@@ -129,6 +129,7 @@ class Runner:
     self.compile_seconds = 0.0  # spent compiling in this runner
     self.slot_writes = 0  # `write_slots` dispatches (tests: none when steady)
     self._mesh_bookkeeping = None  # `dispatch_bookkeeping`'s program on a mesh
+    self._slot_writers: dict[int, jax.stages.Compiled] = {}  # by row count
 
   def _jit_for(self, bucket: Bucket):
     """The jitted step to lower for `bucket`: the shared one, or with
@@ -159,14 +160,44 @@ class Runner:
     """Writes the changed rows of each pool's slot state (`HostSlots.
     take_updates`, one per pool; on a mesh all of one row count) to the
     device: one small scatter, the slot state donated, dispatched before the
-    step that reads them (it does not wait)."""
+    step that reads them (it does not wait). Its program is compiled once
+    per row count (a power of two; `compile_slot_writes`, timed apart)."""
     self.slot_writes += 1
-    if self.mesh is None:
-      ((slots, ints, floats),) = updates
-      self.slots = _write_slots_jit(self.slots, slots, ints, floats)
+    if self.mesh is not None:  # (jit: it keeps the data sharding of empty fields)
+      cols = [self.place([u[i] for u in updates]) for i in range(3)]
+      self.slots = _write_slots_mesh_jit(self.slots, *cols)
       return
-    cols = [self.place([u[i] for u in updates]) for i in range(3)]
-    self.slots = _write_slots_mesh_jit(self.slots, *cols)
+    ((slots, ints, floats),) = updates
+    if slots.shape[0] not in self._slot_writers:
+      self.compile_slot_writes((slots.shape[0],))
+    self.slots = self._slot_writers[slots.shape[0]](self.slots, slots, ints, floats)
+
+  def compile_slot_writes(self, sizes: tuple[int, ...] | None = None) -> float:
+    """Compiles the slot-state scatter for each row count in `sizes`
+    (default: every power of two up to `max_seqs`) not compiled yet, through
+    `compiler.compile_all` (shared by engines of equal sizes); runs nothing.
+    Returns the seconds spent (added to `compile_seconds`). On a mesh
+    nothing: there jit compiles the scatter on first use."""
+    if self.mesh is not None:  # compiled on first use by jit (`write_slots`)
+      return 0.0
+    max_seqs = self.slots.temperature.shape[-1]
+    if sizes is None:
+      sizes = tuple(1 << i for i in range((max_seqs - 1).bit_length() + 1))
+    nb = self.config.max_logit_bias
+    widths = (3 + slot_state_lib.sampling_lib.MAX_BANNED + nb, 2 + nb)
+
+    def lowerer(u):
+      specs = (jax.ShapeDtypeStruct((u,), np.int32),
+               jax.ShapeDtypeStruct((u, widths[0]), np.int32),
+               jax.ShapeDtypeStruct((u, widths[1]), np.float32))
+      return lambda: _write_slots_jit.lower(self.slots, *specs)
+    jobs = {(self._key, "slots", u): lowerer(u) for u in sizes
+            if u not in self._slot_writers}
+    done, seconds = compiler.compile_all(jobs)
+    for (_, _, u), exe in done.items():
+      self._slot_writers[u] = exe
+    self.compile_seconds += seconds
+    return seconds
 
   def _no_swaps(self):
     n = self.config.max_batch
