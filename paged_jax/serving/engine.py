@@ -8,7 +8,11 @@ Each `Engine.step()`:
 3. runs ONE jitted device step (`step.py`, through `runner.py`) with the
    cache and block state donated: release -> fork -> reserve -> copy-on-write
    -> `step_metadata` -> `model.paged_forward` -> logits of the rows to
-   sample -> sampling and top log-probs;
+   sample -> sampling and top log-probs, with each sequence slot's sampling
+   parameters kept on the device (`slot_state.py`: written when a sequence
+   takes a slot, so a steady decode step sends none of them); a step with
+   nothing to compute (only releases, e.g. after the last sequences
+   finished) runs its bookkeeping alone, no model;
 4. applies the results: appends tokens, finishes sequences (EOS or budget),
    and queues their blocks for release at the start of the next step.
 
@@ -94,7 +98,7 @@ class InFlight(NamedTuple):
   pending: list[Pending]  # each pool's
   has_beam: bool  # beam rows: their groups wait for the results
   wants_top: bool  # beam rows, or rows that asked for top log-probs
-  bucket: Bucket
+  bucket: Bucket | None  # None: a bookkeeping-only step (no entries)
   multi: list | None = None  # a K-step dispatch: each pool's MultiStepPending
 
 
@@ -285,7 +289,14 @@ class Engine:
     # Did the device finish everything dispatched while the host worked?
     exposed = self._pending is None or self._pending.out.ok.is_ready()
     multi = None
-    if k > 1:
+    self._write_slots()  # the slot rows bound since the last step, if any
+    if all(not plan for plan in plans) and self._runner.tier is None:
+      # Nothing to compute (releases, registrations, forks only: e.g. the
+      # sequences that finished in the last step): no model, no bucket.
+      out = self._runner.dispatch_bookkeeping([x for x, _ in built])
+      self.stats.bookkeeping_steps += 1
+      bucket = None
+    elif k > 1:
       ((x, pending),) = built
       m, ms = self._pools[0].multistep_inputs(pending, x)
       out, multi = self._runner.dispatch_multistep(bucket, k, x, m), [ms]
@@ -295,7 +306,8 @@ class Engine:
     else:
       out = self._runner.dispatch(bucket, [x for x, _ in built],
                                   self._pools[0].take_swaps())
-    self._count(bucket)
+    if bucket is not None:
+      self._count(bucket)
     for p in self._pools:
       p.end_step()
     previous, self._pending = self._pending, InFlight(
@@ -308,6 +320,18 @@ class Engine:
       waited += self._resolve_pending()
     self._account(t0, waited, compile0, exposed, bucket)
     return self._take_outputs()
+
+  def _write_slots(self):
+    """Sends the pools' slot-state rows written since the last step (one
+    scatter; none in a steady decode step)."""
+    n = max(p.slot_updates_pending() for p in self._pools)
+    if not n:
+      return
+    if len(self._pools) == 1:
+      self._runner.write_slots([self._pools[0].take_slot_updates()])
+      return
+    rows = 1 << (n - 1).bit_length()  # one shape for every data shard
+    self._runner.write_slots([p.take_slot_updates(rows) for p in self._pools])
 
   def _compile_seconds(self) -> float:
     """Seconds spent compiling step shapes so far."""
@@ -354,6 +378,7 @@ class Engine:
     self._runner.compile(
         {b: [p._build([], b)[0] for p in self._pools]  # pylint: disable=protected-access
          for b in buckets})
+    self._runner.compile_slot_writes()  # the slot-state scatters too
     k = self.config.num_scheduler_steps
     if k > 1 and self.mesh is None:  # the K-step decode programs too
       self._runner.compile_multistep(self._pools[0].multistep_padding(buckets), k)

@@ -40,8 +40,8 @@ from paged_jax import block_manager as bm
 from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import step_metadata as step_metadata_lib
 from paged_jax.serving.step import (ModelDef, StepInputs, _sample, device_step,
-                                    input_tokens, state_fingerprint,
-                                    store_tokens)
+                                    input_tokens, sample_rows,
+                                    state_fingerprint, store_tokens)
 
 MAX_STOP_IDS = 8  # stop ids per row the loop checks; a row with more: K = 1
 MAX_STEPS = 64  # most decode steps per dispatch (`num_scheduler_steps`)
@@ -50,12 +50,12 @@ MAX_STEPS = 64  # most decode steps per dispatch (`num_scheduler_steps`)
 @flax.struct.dataclass
 class MultiStepInputs:
   """Per-row inputs of the loop (`S`: the decode bucket's rows, row `i` is
-  entry `i` of `StepInputs` and its sample row)."""
+  entry `i` of `StepInputs` and its sample row). The rows' sampling
+  parameters (`min_tokens` bans included) are their slots' on the device
+  (`slot_state.SlotState`)."""
 
   budget: jax.Array  # i32[S]  most tokens the row samples here (>= 1; 0 padding)
   stop_ids: jax.Array  # i32[S, MAX_STOP_IDS]  ids that end the row, -1 = none
-  ban_until: jax.Array  # i32[S]  `ban_ids` masked while position < this
-  ban_ids: jax.Array  # i32[S, sampling.MAX_BANNED]  (min_tokens), -1 = none
 
 
 @flax.struct.dataclass
@@ -82,14 +82,15 @@ def _stops(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
 
 def multistep_device_step(model_def: ModelDef, params,
                           cache: kv_cache_lib.KVCache, state: bm.BlockState,
-                          last_tokens: jax.Array, x: StepInputs,
+                          last_tokens: jax.Array, slots, x: StepInputs,
                           m: MultiStepInputs, *, num_steps: int,
                           num_logprobs: int):
   """Up to `num_steps` decode steps in one program (see the module
   docstring); pure, jit it with the cache, state and last tokens donated.
 
   Args:
-    model_def, params, cache, state, last_tokens: as in `step.device_step`.
+    model_def, params, cache, state, last_tokens, slots: as in
+      `step.device_step`.
     x: the decode bucket's `StepInputs` for iteration 0 (entry `i` is sample
       row `i`, every real entry one token that samples).
     m: the rows' `MultiStepInputs`.
@@ -102,8 +103,10 @@ def multistep_device_step(model_def: ModelDef, params,
   rows = x.seq_ids.shape[0]
   prev = input_tokens(last_tokens, x)  # iteration 0's inputs (decode layout)
   cache, state, last_tokens, out0 = device_step(
-      model_def, params, cache, state, last_tokens, x, decode_only=True,
+      model_def, params, cache, state, last_tokens, slots, x, decode_only=True,
       num_logprobs=num_logprobs)
+  # Iteration 0's parameters; iteration j samples at position + j.
+  rows0 = sample_rows(slots, state, x)
   model = model_def.merge(params)
   real = (x.seq_ids >= 0) & out0.ok
   count = real.astype(jnp.int32)
@@ -137,10 +140,8 @@ def multistep_device_step(model_def: ModelDef, params,
         state, x.seq_ids, x.q_lens, num_tokens=rows, active=ok,
         decode_only=True)
     hidden, cache = model.paged_forward(last_tokens[safe_slots], meta, cache)
-    pos = x.positions + j
-    banned = jnp.where((pos < m.ban_until)[:, None], m.ban_ids, -1)
     tok, tlp, tid, tok_lp = _sample(model.logits(hidden),
-                                    x.replace(positions=pos, banned=banned),
+                                    rows0.replace(positions=rows0.positions + j),
                                     num_logprobs)
     last_tokens = store_tokens(last_tokens, jnp.where(ok, x.seq_ids, -1), tok)
     toks = toks.at[j].set(jnp.where(ok, tok, -1))

@@ -28,7 +28,6 @@ import dataclasses
 
 import numpy as np
 
-from paged_jax.serving import sampling as sampling_lib
 from paged_jax.serving.multistep import (MAX_STOP_IDS, MultiStepInputs,
                                          MultiStepOutputs)
 from paged_jax.serving.results import Pending
@@ -74,8 +73,6 @@ class MultiStep:
     S = x.seq_ids.shape[0]
     budget = np.zeros(S, np.int32)
     stop_ids = np.full((S, MAX_STOP_IDS), -1, np.int32)
-    ban_until = np.zeros(S, np.int32)
-    ban_ids = np.full((S, sampling_lib.MAX_BANNED), -1, np.int32)
     for r, t, _ in pending.records:
       g = t.group
       n = len(t.tokens)  # its pending token (iteration 0's) included
@@ -83,11 +80,7 @@ class MultiStep:
           g.params.max_new_tokens - (n - g.prompt_len), self.max_model_len - n)
       ids = sorted(g.eos)
       stop_ids[r, :len(ids)] = ids
-      slot = int(x.seq_ids[r])  # (a retired row's slot: its budget is 1)
-      ban_until[r] = self._slot_ban_until[slot]
-      ban_ids[r] = self._slot_banned[slot]
-    m = MultiStepInputs(budget=budget, stop_ids=stop_ids, ban_until=ban_until,
-                        ban_ids=ban_ids)
+    m = MultiStepInputs(budget=budget, stop_ids=stop_ids)
     return m, MultiStepPending(x.seq_ids.copy(), budget)
 
   def num_steps(self, plan, bucket) -> int:
@@ -106,9 +99,7 @@ class MultiStep:
         S = x.seq_ids.shape[0]
         out[b] = (x, MultiStepInputs(
             budget=np.zeros(S, np.int32),
-            stop_ids=np.full((S, MAX_STOP_IDS), -1, np.int32),
-            ban_until=np.zeros(S, np.int32),
-            ban_ids=np.full((S, sampling_lib.MAX_BANNED), -1, np.int32)))
+            stop_ids=np.full((S, MAX_STOP_IDS), -1, np.int32)))
     return out
 
   def resolve_multistep(self, pending: Pending, ms: MultiStepPending,

@@ -1,8 +1,9 @@
 """Input packing: a planned step's arrays (`StepInputs`) from the scheduler's
-entries, in one pass over them, with the sample rows' parameters gathered
-from the per-slot arrays the scheduler writes when a sequence gets a slot
-(`Scheduler._bind`). A mixin of `scheduler.Scheduler` (it reads the
-scheduler's queues, pool model and per-slot arrays).
+entries, in one pass over them. The sample rows' parameters are not packed:
+they live on the device per slot (`slot_state.SlotState`, written when a
+sequence gets a slot, `Scheduler._bind`), and a sample row names its slot.
+A mixin of `scheduler.Scheduler` (it reads the scheduler's queues and pool
+model).
 """
 
 from __future__ import annotations
@@ -11,10 +12,28 @@ from typing import NamedTuple
 
 import numpy as np
 
-from paged_jax.serving import sampling as sampling_lib
 from paged_jax.serving.buckets import Bucket
-from paged_jax.serving.requests import PENDING
+from paged_jax.serving.requests import PENDING, Seq
 from paged_jax.serving.step import StepInputs
+
+
+# One entry of a step's plan: a sequence and the tokens it runs (plain
+# tuples: a plan has a row per running sequence, rebuilt every step).
+Entry = tuple[Seq, int]
+
+
+class Samples(NamedTuple):
+  """A step's sample rows, by column (row `i` of each list is sample row
+  `i`): the token row whose logits it samples, the entry's sequence, and the
+  sample it is for (its index; a prompt's other samples, `n > 1`, are
+  sampled in its row and forked)."""
+
+  token_rows: list[int]
+  seqs: list[Seq]
+  lanes: list[int]
+
+  def __len__(self) -> int:
+    return len(self.seqs)
 
 
 class Bookkeeping(NamedTuple):
@@ -108,21 +127,25 @@ class InputPacking:
     return rows
 
   def _build(self, plan, bucket: Bucket, book: Bookkeeping | None = None):
-    """`(StepInputs, samples)` of `plan` in shape `bucket`; `samples` are the
-    `(token row, seq, lane)` of each sample row. `book`: the bookkeeping
-    inputs `_fit` accepted for `plan` (`max_batch` entry rows; cut to the
-    bucket's here, the rows past the plan being padding), else built.
-    Changes nothing.
+    """`(StepInputs, Samples)` of `plan` in shape `bucket` (the sample rows
+    by column). `book`: the
+    bookkeeping inputs `_fit` accepted for `plan` (`max_batch` entry rows;
+    cut to the bucket's here, the rows past the plan being padding), else
+    built. Changes nothing.
 
     One pass over the entries (each one's tokens, or the slot whose last
-    sampled token the device holds); the sample rows' parameters are
-    gathered from the per-slot arrays `_bind` wrote."""
+    sampled token the device holds); the sample rows name their slots
+    (`sample_seqs`), whose sampling parameters are on the device
+    (`slot_state.SlotState`, written when the slot was taken)."""
     num_tokens, S = bucket.num_tokens, bucket.num_seqs
     book = self._bookkeeping_inputs(plan, S) if book is None else book.cut(S)
     tokens = np.zeros(num_tokens, np.int32)
     token_slots = np.full(num_tokens, -1, np.int32)
-    samples = []  # (sample row, seq, sample index)
-    slots, ends, extra = [], [], []  # per sample: its seq's slot, position
+    token_rows: list[int] = []
+    seqs: list[Seq] = []
+    lanes: list[int] = []
+    sample_seqs = np.full(S, -1, np.int32)
+    seed_offsets = np.zeros(S, np.int32)
     row = 0
     for s, n in plan:
       toks, start = s.tokens, s.num_cached
@@ -136,46 +159,22 @@ class InputPacking:
       row += n
       if end == len(toks):  # the entry samples after this step
         g = s.group
+        k = len(seqs)
         if g.unborn and not g.is_beam:  # the prompt's n samples, one row
-          for lane in range(g.params.n):
-            extra.append((len(samples), lane - s.index))
-            samples.append((row - 1, s, lane))
-            slots.append(s.slot)
-            ends.append(end)
+          n_samples = g.params.n
+          token_rows += [row - 1] * n_samples
+          seqs += [s] * n_samples
+          lanes += range(n_samples)
+          sample_seqs[k:k + n_samples] = s.slot
+          seed_offsets[k:k + n_samples] = np.arange(n_samples) - s.index
         else:
-          samples.append((row - 1, s, s.index))
-          slots.append(s.slot)
-          ends.append(end)
-    k = len(samples)
+          sample_seqs[k] = s.slot
+          token_rows.append(row - 1)
+          seqs.append(s)
+          lanes.append(s.index)
     sample_rows = np.zeros(S, np.int32)
-    temperature = np.zeros(S, np.float32)
-    top_k = np.zeros(S, np.int32)
-    top_p = np.ones(S, np.float32)
-    seeds = np.zeros(S, np.int32)
-    positions = np.zeros(S, np.int32)
-    banned = np.full((S, sampling_lib.MAX_BANNED), -1, np.int32)
-    nb = self._slot_bias_ids.shape[1]
-    bias_ids = np.full((S, nb), -1, np.int32)
-    bias_values = np.zeros((S, nb), np.float32)
-    if k:
-      sl = np.asarray(slots, np.int32)
-      sample_rows[:k] = [r for r, _, _ in samples]
-      temperature[:k] = self._slot_temperature[sl]
-      top_k[:k] = self._slot_top_k[sl]
-      top_p[:k] = self._slot_top_p[sl]
-      seeds[:k] = self._slot_seed[sl]
-      for r, offset in extra:
-        seeds[r] += offset
-      positions[:k] = ends
-      masked = positions[:k] < self._slot_ban_until[sl]
-      if masked.any():
-        banned[:k][masked] = self._slot_banned[sl[masked]]
-      if nb:
-        bias_ids[:k] = self._slot_bias_ids[sl]
-        bias_values[:k] = self._slot_bias_values[sl]
+    sample_rows[:len(token_rows)] = token_rows
     x = StepInputs(**book._asdict(), tokens=tokens, token_slots=token_slots,
                    sample_slots=np.full(S, -1, np.int32), sample_rows=sample_rows,
-                   temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds,
-                   positions=positions, banned=banned, bias_ids=bias_ids,
-                   bias_values=bias_values)
-    return x, samples
+                   sample_seqs=sample_seqs, seed_offsets=seed_offsets)
+    return x, Samples(token_rows, seqs, lanes)

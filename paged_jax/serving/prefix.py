@@ -6,10 +6,30 @@ reserve reports it evicted). A mixin of `scheduler.Scheduler`.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from paged_jax import prefix_cache
 from paged_jax.serving.requests import PENDING, Seq
+
+
+class Candidate(NamedTuple):
+  """A full, computed block queued for registration (`_register_next`)."""
+
+  seq: Seq
+  slot: int  # the slot it was queued from (the block-table row)
+  col: int  # its block-table column
+  hash: bytes
+
+
+class Registration(NamedTuple):
+  """A block this step registers (`_registering`)."""
+
+  slot: int
+  col: int
+  hash: bytes
+  block: int  # the physical block
 
 
 def register_rows(config) -> int:
@@ -56,12 +76,12 @@ class PrefixCaching:
       seq.num_registered = len(blocks)
 
   def _collect_registrations(self, seq: Seq):
-    """Queues `seq`'s full, computed blocks not registered yet (`(seq, slot,
-    col, hash)`) for the next step's bookkeeping."""
+    """Queues `seq`'s full, computed blocks not registered yet (`Candidate`s)
+    for the next step's bookkeeping."""
     full = seq.num_cached // self.config.block_size
     self._extend_hashes(seq, full)
     for col in range(seq.num_registered, min(full, len(seq.hashes))):
-      self._register_next.append((seq, seq.slot, col, seq.hashes[col]))
+      self._register_next.append(Candidate(seq, seq.slot, col, seq.hashes[col]))
       seq.num_registered = col + 1
 
   def _prepare_registrations(self):
@@ -92,15 +112,15 @@ class PrefixCaching:
         continue
       taken.add(h)
       block = int(tables[slot, col])
-      self._registering.append((slot, col, h, block))
+      self._registering.append(Registration(slot, col, h, block))
       self._registering_by_hash[h] = block
 
   def _commit_prefix_cache(self, evicted: np.ndarray, admitted: list[Seq]):
     """After the model accepted a step: index this step's registered blocks,
     drop the evicted ones, count the hits."""
     st, bs = self.stats, self.config.block_size
-    for _, _, h, block in self._registering:
-      if not self._index.insert(h, block):
+    for r in self._registering:
+      if not self._index.insert(r.hash, r.block):
         raise RuntimeError("a registered block's hash was indexed already "
                            "(engine bug)")
     st.prefix_blocks_evicted += self._index.evict(evicted[evicted >= 0])

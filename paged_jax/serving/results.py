@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -18,14 +19,22 @@ from paged_jax.serving.requests import (PENDING, Completion, Group, RequestDelta
 from paged_jax.serving.step import StepInputs, StepOutputs
 
 
+class BeamRow(NamedTuple):
+  """A beam-search row of a dispatched step (its group waits for it)."""
+
+  row: int
+  seq: Seq
+
+
 @dataclasses.dataclass
 class Pending:
   """What `Scheduler.resolve` needs of a dispatched step.
 
   Attributes:
-    records: `(sample row, seq, token index)` of each token the step left
-      `PENDING`.
-    beam: `(sample row, seq)` of its beam-search rows (their group waits for
+    rows, seqs, indices: the tokens the step left `PENDING`, by column:
+      token `i` is sampled by sample row `rows[i]` for sequence `seqs[i]`,
+      at `seqs[i].tokens[indices[i]]` (`records` iterates the three).
+    beam: the `BeamRow`s of its beam-search rows (their group waits for
       them before its next step).
     num_entries: rows of `ok` that were real entries.
     num_forks: rows of `fork_ok` that were real forks.
@@ -35,17 +44,24 @@ class Pending:
       only then, or for beam rows, does the host fetch them.
   """
 
-  records: list
-  beam: list
+  rows: list[int]
+  seqs: list[Seq]
+  indices: list[int]
+  beam: list[BeamRow]
   num_entries: int
   num_forks: int
   fingerprint: np.ndarray
   top: bool = False
 
+  @property
+  def records(self):
+    """`(sample row, seq, token index)` of each pending token, in order."""
+    return zip(self.rows, self.seqs, self.indices)
+
   def live(self) -> bool:
     """Whether applying the results still changes a request (a token of an
     unfinished sequence, a beam step of a group not aborted)."""
-    return (any(not t.done for _, t, _ in self.records)
+    return (any(not t.done for t in self.seqs)
             or any(not s.group.aborted for _, s in self.beam))
 
 
@@ -67,15 +83,16 @@ class Results:
       s.num_cached += n
       computed += n
     self.stats.computed_tokens += computed
-    records = []  # (sample row, target seq, token index)
-    beam = []  # (sample row, seq)
+    rows: list[int] = []  # the pending tokens, by column (`Pending`)
+    targets: list[Seq] = []
+    indices: list[int] = []
+    beam: list[BeamRow] = []
     finals = []
-    target_slots = []  # the slot each non-beam sample row's token goes to
     children: dict[int, Seq] = {}  # lane -> child of the prompt sampled now
-    for r, (_, s, lane) in enumerate(samples):
+    for r, (s, lane) in enumerate(zip(samples.seqs, samples.lanes)):
       g = s.group
       if g.is_beam:
-        beam.append((r, s))
+        beam.append(BeamRow(r, s))
         continue
       if lane != s.index:  # another sample of a prompt: its child's token
         t = children[lane]
@@ -94,18 +111,21 @@ class Results:
             g.live.append(child)
             children[child_lane] = child
           g.unborn = 0
-      t.tokens.append(PENDING)
-      target_slots.append(t.slot)
-      records.append((r, t, len(t.tokens) - 1))
-      if len(t.tokens) - g.prompt_len >= g.params.max_new_tokens:
+      toks = t.tokens
+      toks.append(PENDING)
+      rows.append(r)
+      targets.append(t)
+      indices.append(len(toks) - 1)
+      if len(toks) - g.prompt_len >= g.params.max_new_tokens:
         t.final = True
         finals.append(t)
-    if records:
-      x.sample_slots[np.array([r for r, _, _ in records])] = target_slots
+    if rows:  # the slot each non-beam sample row's token goes to
+      x.sample_slots[np.asarray(rows, np.int32)] = [t.slot for t in targets]
     for t in finals:  # after every child exists (a parent may retire late)
       self._retire(t)
-    top = any(t.group.params.logprobs for _, t, _ in records)
-    return Pending(records, beam, len(plan), len(forks), self._fingerprint, top)
+    top = any(t.group.params.logprobs for t in targets)
+    return Pending(rows, targets, indices, beam, len(plan), len(forks),
+                   self._fingerprint, top)
 
   def resolve(self, pending: "Pending", out: StepOutputs, now: float):
     """Applies a step's results: the pending tokens' values, EOS, streaming
@@ -158,7 +178,8 @@ class Results:
     top = None
     if t.top_logprobs is not None:
       k = t.group.params.logprobs
-      top = list(zip(top_row[0][:k], top_row[1][:k]))
+      top_ids, top_lps = top_row
+      top = list(zip(top_ids[:k], top_lps[:k]))
       t.top_logprobs.append(top)
     g = t.group
     if g.output.first_token_step is None:

@@ -1,7 +1,9 @@
 """The device side of the engine: parameters, cache, block state, compiled steps.
 
 `Runner` owns the arrays that live on the device(s) -- parameters, cache,
-block state, the last sampled token of every sequence slot -- and one
+block state, the last sampled token and the sampling parameters of every
+sequence slot (`slot_state.SlotState`, written only for the slots the
+scheduler changed: `write_slots`) -- and one
 compiled step per bucket (`buckets.py`, compiled ahead of time and shared by
 engines of equal sizes through `compiler.py`). `dispatch` places a step's
 host-built inputs (on a mesh: each process only its own devices' shards) and
@@ -29,6 +31,8 @@ from paged_jax import kv_offload
 from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import sharding
 from paged_jax.serving import compiler
+from paged_jax.serving import slot_state as slot_state_lib
+from paged_jax.serving import step as step_lib
 from paged_jax.serving import swap_step
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.multistep import MultiStepInputs, multistep_device_step
@@ -42,6 +46,10 @@ _step_jit = jax.jit(device_step, static_argnums=(0,), donate_argnums=_DONATE,
 # Preemption by swap (`swap.py`): the host tier is donated too.
 _swap_step_jit = jax.jit(swap_step.device_step, static_argnums=(0,),
                          donate_argnums=(2, 3, 4, 5), static_argnames=_STATIC)
+_write_slots_jit = jax.jit(slot_state_lib.write, donate_argnums=(0,))
+_write_slots_mesh_jit = jax.jit(jax.vmap(slot_state_lib.write), donate_argnums=(0,))
+_bookkeeping_jit = jax.jit(step_lib.bookkeeping_step, donate_argnums=(0,),
+                          static_argnames=("num_logprobs",))
 _MULTI_STATIC = ("num_steps", "num_logprobs")
 _multistep_jit = jax.jit(multistep_device_step, static_argnums=(0,),
                          donate_argnums=_DONATE, static_argnames=_MULTI_STATIC)
@@ -75,6 +83,8 @@ class Runner:
                            prefix_caching=config.enable_prefix_caching)
       self.cache = model.make_cache(config.num_blocks, bs, config.cache_dtype)
       self.last_tokens = jnp.zeros(max_seqs, jnp.int32)
+      self.slots = jax.tree.map(
+          jnp.asarray, slot_state_lib.empty(max_seqs, config.max_logit_bias))
       self._jit = _step_jit
       self._x_sharding = None
     else:
@@ -91,6 +101,10 @@ class Runner:
       data = mesh.shape[sharding.DATA]
       self.last_tokens = jax.device_put(jnp.zeros((data, max_seqs), jnp.int32),
                                         self._x_sharding)
+      self.slots = jax.device_put(
+          jax.tree.map(lambda a: np.stack([a] * data),
+                       slot_state_lib.empty(max_seqs, config.max_logit_bias)),
+          self._x_sharding)
       self._jit = jax.jit(functools.partial(mesh_device_step, mesh=mesh),
                           static_argnums=(0,), donate_argnums=_DONATE,
                           static_argnames=_STATIC)
@@ -113,6 +127,9 @@ class Runner:
     # K-step decode programs (`multistep.py`, one device only), by (bucket, K).
     self._multi: dict[tuple[Bucket, int], jax.stages.Compiled] = {}
     self.compile_seconds = 0.0  # spent compiling in this runner
+    self.slot_writes = 0  # `write_slots` dispatches (tests: none when steady)
+    self._mesh_bookkeeping = None  # `dispatch_bookkeeping`'s program on a mesh
+    self._slot_writers: dict[int, jax.stages.Compiled] = {}  # by row count
 
   def _jit_for(self, bucket: Bucket):
     """The jitted step to lower for `bucket`: the shared one, or with
@@ -133,10 +150,54 @@ class Runner:
                    donate_argnums=donate, static_argnames=_STATIC)
 
   def _donated(self) -> tuple:
-    """The arrays donated to every step, in the step's argument order."""
+    """The arrays donated to every step, in the step's argument order (then
+    the slot state, read only)."""
     if self.tier is None:
       return self.cache, self.state, self.last_tokens
     return self.cache, self.state, self.tier, self.last_tokens
+
+  def write_slots(self, updates: list[tuple[np.ndarray, np.ndarray, np.ndarray]]):
+    """Writes the changed rows of each pool's slot state (`HostSlots.
+    take_updates`, one per pool; on a mesh all of one row count) to the
+    device: one small scatter, the slot state donated, dispatched before the
+    step that reads them (it does not wait). Its program is compiled once
+    per row count (a power of two; `compile_slot_writes`, timed apart)."""
+    self.slot_writes += 1
+    if self.mesh is not None:  # (jit: it keeps the data sharding of empty fields)
+      cols = [self.place([u[i] for u in updates]) for i in range(3)]
+      self.slots = _write_slots_mesh_jit(self.slots, *cols)
+      return
+    ((slots, ints, floats),) = updates
+    if slots.shape[0] not in self._slot_writers:
+      self.compile_slot_writes((slots.shape[0],))
+    self.slots = self._slot_writers[slots.shape[0]](self.slots, slots, ints, floats)
+
+  def compile_slot_writes(self, sizes: tuple[int, ...] | None = None) -> float:
+    """Compiles the slot-state scatter for each row count in `sizes`
+    (default: every power of two up to `max_seqs`) not compiled yet, through
+    `compiler.compile_all` (shared by engines of equal sizes); runs nothing.
+    Returns the seconds spent (added to `compile_seconds`). On a mesh
+    nothing: there jit compiles the scatter on first use."""
+    if self.mesh is not None:  # compiled on first use by jit (`write_slots`)
+      return 0.0
+    max_seqs = self.slots.temperature.shape[-1]
+    if sizes is None:
+      sizes = tuple(1 << i for i in range((max_seqs - 1).bit_length() + 1))
+    nb = self.config.max_logit_bias
+    widths = (3 + slot_state_lib.sampling_lib.MAX_BANNED + nb, 2 + nb)
+
+    def lowerer(u):
+      specs = (jax.ShapeDtypeStruct((u,), np.int32),
+               jax.ShapeDtypeStruct((u, widths[0]), np.int32),
+               jax.ShapeDtypeStruct((u, widths[1]), np.float32))
+      return lambda: _write_slots_jit.lower(self.slots, *specs)
+    jobs = {(self._key, "slots", u): lowerer(u) for u in sizes
+            if u not in self._slot_writers}
+    done, seconds = compiler.compile_all(jobs)
+    for (_, _, u), exe in done.items():
+      self._slot_writers[u] = exe
+    self.compile_seconds += seconds
+    return seconds
 
   def _no_swaps(self):
     n = self.config.max_batch
@@ -156,7 +217,7 @@ class Runner:
     if self.tier is not None:
       specs += (jax.tree.map(compiler.spec, self._no_swaps()),)
     return lambda: self._jit_for(bucket).lower(
-        self._model_def, self._params, *self._donated(), *specs,
+        self._model_def, self._params, *self._donated(), self.slots, *specs,
         decode_only=bucket.decode_only, num_logprobs=self.num_logprobs)
 
   def compile(self, inputs: dict[Bucket, list[StepInputs]]) -> float:
@@ -204,7 +265,8 @@ class Runner:
       exe = self._steps[bucket]
     if self.tier is None:
       self.cache, self.state, self.last_tokens, out = exe(
-          self._params, self.cache, self.state, self.last_tokens, self.place(xs))
+          self._params, self.cache, self.state, self.last_tokens, self.slots,
+          self.place(xs))
       return out
     s = self._no_swaps()
     if swaps is not None:
@@ -213,7 +275,26 @@ class Runner:
           self.cache, self.host_cache, moved_out, moved_in)
     self.cache, self.state, self.tier, self.last_tokens, out, _ = exe(
         self._params, self.cache, self.state, self.tier, self.last_tokens,
-        self.place(xs), s)
+        self.slots, self.place(xs), s)
+    return out
+
+  def dispatch_bookkeeping(self, xs: list[StepInputs]) -> StepOutputs:
+    """Launches the bookkeeping of a step with no entries
+    (`step.bookkeeping_step`: its releases, registrations and forks, no
+    model); returns its outputs, still on the device. Not with preemption by
+    swap (`Engine` runs such a step as an ordinary one)."""
+    if self.tier is not None:
+      raise ValueError("a bookkeeping-only step does not carry swaps")
+    if self.mesh is None:
+      self.state, out = _bookkeeping_jit(self.state, self.place(xs),
+                                         num_logprobs=self.num_logprobs)
+      return out
+    if self._mesh_bookkeeping is None:
+      self._mesh_bookkeeping = jax.jit(
+          jax.vmap(functools.partial(step_lib.bookkeeping_step,
+                                     num_logprobs=self.num_logprobs)),
+          donate_argnums=(0,))
+    self.state, out = self._mesh_bookkeeping(self.state, self.place(xs))
     return out
 
   def fetch(self, out: StepOutputs, num_pools: int, *, top: bool = True
@@ -237,10 +318,10 @@ class Runner:
     if not self.config.check_traces:
       return _multistep_jit
 
-    def traced(model_def, params, cache, state, last_tokens, x, m, *, num_steps,
-               num_logprobs):
+    def traced(model_def, params, cache, state, last_tokens, slots, x, m, *,
+               num_steps, num_logprobs):
       return multistep_device_step(model_def, params, cache, state, last_tokens,
-                                   x, m, num_steps=num_steps,
+                                   slots, x, m, num_steps=num_steps,
                                    num_logprobs=num_logprobs)
     traced.__name__ = f"decode_{num_steps}_steps_{bucket.num_tokens}"
     return jax.jit(chex.assert_max_traces(traced, n=1), static_argnums=(0,),
@@ -258,7 +339,7 @@ class Runner:
       specs = jax.tree.map(compiler.spec, (x, m))
       return lambda: self._multistep_jit_for(b, num_steps).lower(
           self._model_def, self._params, self.cache, self.state, self.last_tokens,
-          *specs, num_steps=num_steps, num_logprobs=self.num_logprobs)
+          self.slots, *specs, num_steps=num_steps, num_logprobs=self.num_logprobs)
     jobs = {(self._key, "multistep", num_steps, b): lowerer(b, x, m)
             for b, (x, m) in inputs.items() if (b, num_steps) not in self._multi}
     done, seconds = compiler.compile_all(jobs)
@@ -276,5 +357,5 @@ class Runner:
       self.compile_multistep({bucket: (x, m)}, num_steps)
       exe = self._multi[bucket, num_steps]
     self.cache, self.state, self.last_tokens, out = exe(
-        self._params, self.cache, self.state, self.last_tokens, x, m)
+        self._params, self.cache, self.state, self.last_tokens, self.slots, x, m)
     return out

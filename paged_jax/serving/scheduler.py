@@ -51,11 +51,13 @@ from paged_jax.serving import spec_host
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.host_pool import HostPool
 from paged_jax.serving.multistep_host import MultiStep
-from paged_jax.serving.packing import Bookkeeping, InputPacking
-from paged_jax.serving.prefix import PrefixCaching, register_rows
+from paged_jax.serving.packing import Bookkeeping, Entry, InputPacking
+from paged_jax.serving.prefix import (Candidate, PrefixCaching, Registration,
+                                      register_rows)
 from paged_jax.serving.requests import (Group, Request, RequestDelta,
                                         RequestOutput, Seq)
 from paged_jax.serving.results import Pending, Results
+from paged_jax.serving.slot_state import HostSlots
 from paged_jax.serving.stats import EngineStats
 from paged_jax.serving.step import StepInputs
 from paged_jax.serving.swap import Swapping
@@ -121,23 +123,15 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
                    if caching else None)
     self._register_rows = register_rows(config) if caching else 0
     self._share_rows = config.max_batch if caching else 0
-    self._register_next: list[tuple[Seq, int, int, bytes]] = []  # candidates
-    self._registering: list[tuple[int, int, bytes, int]] = []  # this step's
+    self._register_next: list[Candidate] = []  # candidates
+    self._registering: list[Registration] = []  # this step's
     self._registering_by_hash: dict[bytes, int] = {}  # the same, by hash
     self._shares: dict[Seq, list[int]] = {}  # this step's hits (admissions)
     self._fitted: Bookkeeping | None = None  # the inputs `_fit` accepted
-    # Per-slot sampling parameters, written when a sequence gets a slot
-    # (`_bind`: admission, fork), read by `_build` with one gather per field.
-    ms = self.max_seqs
-    self._slot_temperature = np.zeros(ms, np.float32)
-    self._slot_top_k = np.zeros(ms, np.int32)
-    self._slot_top_p = np.ones(ms, np.float32)
-    self._slot_seed = np.zeros(ms, np.int32)
-    self._slot_ban_until = np.zeros(ms, np.int32)  # EOS masked below this position
-    self._slot_banned = np.full((ms, sampling_lib.MAX_BANNED), -1, np.int32)
-    nb = config.max_logit_bias  # logit_bias entries per slot (0: none)
-    self._slot_bias_ids = np.full((ms, nb), -1, np.int32)
-    self._slot_bias_values = np.zeros((ms, nb), np.float32)
+    # Per-slot sampling parameters: the host's copy of the device's
+    # `SlotState`, written when a sequence gets a slot (`_bind`: admission,
+    # fork); only the rows written go to the device (`take_slot_updates`).
+    self._slots = HostSlots(self.max_seqs, config.max_logit_bias)
     self._fork_pending = False  # a child may wait to fork (see `_forks`)
     self._init_swapping(initial_state)  # preemption by swap (`swap.py`)
 
@@ -261,26 +255,24 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
 
   def _bind(self, seq: Seq, slot: int):
     """Gives `seq` sequence slot `slot` and writes its sampling parameters
-    there (read by every step that samples it, `_build`)."""
+    there (sent to the device before the next step, `take_slot_updates`)."""
     seq.slot = slot
     g = seq.group
-    p = g.params
-    self._slot_temperature[slot] = 0.0 if p.beam_width > 1 else p.temperature
-    self._slot_top_k[slot] = p.top_k
-    self._slot_top_p[slot] = p.top_p
-    self._slot_seed[slot] = p.seed + seq.index
-    self._slot_ban_until[slot] = g.prompt_len + p.min_tokens if p.min_tokens else 0
-    self._slot_banned[slot] = -1
-    if p.min_tokens:
-      ban = sorted(g.eos)
-      self._slot_banned[slot, :len(ban)] = ban
-    if self._slot_bias_ids.shape[1]:
-      self._slot_bias_ids[slot] = -1
-      self._slot_bias_values[slot] = 0.0
-      if p.logit_bias:
-        nb = len(p.logit_bias)
-        self._slot_bias_ids[slot, :nb] = [t for t, _ in p.logit_bias]
-        self._slot_bias_values[slot, :nb] = [b for _, b in p.logit_bias]
+    self._slots.bind(slot, g.params, seq.index, g.prompt_len, g.eos)
+
+  def take_slot_updates(self, rows: int | None = None):
+    """The slot-state rows written since the last call, for
+    `Runner.write_slots` (`HostSlots.take_updates`); None if none."""
+    return self._slots.take_updates(rows)
+
+  def slot_updates_pending(self) -> int:
+    """Slot-state rows written and not sent yet."""
+    return self._slots.num_pending
+
+  @property
+  def _slot_ban_until(self) -> np.ndarray:
+    """i32[max_seqs]: each slot's `min_tokens` ban limit (host copy)."""
+    return self._slots.state.ban_until
 
   def _release(self, seq: Seq, late: bool = False):
     """Queues `seq`'s slot for release by the next step's bookkeeping (after
@@ -341,7 +333,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
       seq.num_cached = seq.num_registered = 0
     self._insert(self._waiting, seq)
 
-  def _schedule(self) -> tuple[list[tuple[Seq, int]], list[Seq], Seq | None]:
+  def _schedule(self) -> tuple[list[Entry], list[Seq], Seq | None]:
     """Proposes this step's (sequence, new tokens) entries, oldest first,
     within the token budget and batch rows; `_fit` then makes them fit the
     pool. Returns `(plan, admitted, first)`: the entries, this step's
@@ -349,7 +341,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
     c = self.config
     bs = c.block_size
     budget = c.max_tokens_per_step
-    plan: list[tuple[Seq, int]] = []
+    plan: list[Entry] = []
     running = list(self._running)
     first = running[0] if running else None
     growth = 0  # blocks the running entries take this step (no copies counted)
@@ -370,6 +362,8 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
     free = self._pool.num_available - growth
     headroom = -(-len(plan) * c.admission_headroom_steps // bs)
     admitted: list[Seq] = []
+    if not (self._waiting or self._swapped):  # nothing to admit: no scan
+      return plan, admitted, first
     rows = len(self._running) + sum(s.group.unborn for s in self._running
                                     if s.index == 0 and s.group.unborn)
     budget, rows = self._swap_in_admissions(plan, admitted, budget, rows)
@@ -441,7 +435,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
         return plan
       pool.rollback()
       self.stats.refused_reservations += 1
-      seq = plan[refused[0]][0]
+      seq, _ = plan[refused[0]]
       if seq in admitted:  # it and every later admission wait
         for s in admitted[admitted.index(seq):]:
           self._unadmit(s, plan)
@@ -473,7 +467,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
     self._fork_pending = bool(forks)
     return forks
 
-  def begin_step(self) -> list[tuple[Seq, int]] | None:
+  def begin_step(self) -> list[Entry] | None:
     """Schedules this step; None when the pool has nothing to run or release.
 
     Raises:

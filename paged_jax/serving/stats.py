@@ -88,6 +88,9 @@ class EngineStats:
 
   Attributes:
     steps, decode_steps, mixed_steps: device steps run, by kind.
+    bookkeeping_steps: steps with nothing to compute (only releases,
+      registrations or forks: e.g. after the last sequences finished), run
+      as their block bookkeeping alone, no model (not in `steps`).
     generated_tokens: output tokens of finished requests.
     computed_tokens: real token rows run (prompt, recompute and decode).
     padded_rows: token rows computed, padding included (the buckets' sizes).
@@ -140,6 +143,7 @@ class EngineStats:
 
   steps: int = 0
   decode_steps: int = 0
+  bookkeeping_steps: int = 0
   mixed_steps: int = 0
   generated_tokens: int = 0
   computed_tokens: int = 0

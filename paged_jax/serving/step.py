@@ -1,7 +1,8 @@
 """The engine's device step: one jitted function per compiled shape.
 
 `device_step` is pure: the cache, the block state and the last sampled token
-of every sequence slot go in and come out, and nothing else changes. Its
+of every sequence slot go in and come out, and nothing else changes; each
+slot's sampling parameters (`slot_state.SlotState`) are read there too. Its
 order is
 
   register (blocks to cache) -> release (finished, preempted) -> fork (new
@@ -41,6 +42,7 @@ from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import sharding
 from paged_jax import step_metadata as step_metadata_lib
 from paged_jax.serving import sampling
+from paged_jax.serving import slot_state as slot_state_lib
 
 
 class ModelDef:
@@ -95,14 +97,9 @@ class StepInputs:
   token_slots: jax.Array  # i32[num_tokens]  -1: `tokens`; else last_tokens[slot]
   sample_slots: jax.Array  # i32[num_seqs]  slot each sample row's token sets, -1 none
   sample_rows: jax.Array  # i32[num_seqs]  token row each sample reads
-  temperature: jax.Array  # f32[num_seqs]
-  top_k: jax.Array  # i32[num_seqs]
-  top_p: jax.Array  # f32[num_seqs]
-  seeds: jax.Array  # i32[num_seqs]
-  positions: jax.Array  # i32[num_seqs]  position of the token being sampled
-  banned: jax.Array  # i32[num_seqs, sampling.MAX_BANNED]  masked ids, -1 = none
-  bias_ids: jax.Array  # i32[num_seqs, max_logit_bias]  logit_bias ids, -1 = none
-  bias_values: jax.Array  # f32[num_seqs, max_logit_bias]  their biases
+  # The sampling parameters live on the device (`slot_state.SlotState`):
+  sample_seqs: jax.Array  # i32[num_seqs]  slot whose parameters and position a sample row reads, -1 none
+  seed_offsets: jax.Array  # i32[num_seqs]  added to that slot's seed (a prompt's other samples)
 
 
 @flax.struct.dataclass
@@ -117,10 +114,11 @@ class StepOutputs:
 
 
 def device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
-                state: bm.BlockState, last_tokens: jax.Array, x: StepInputs, *,
+                state: bm.BlockState, last_tokens: jax.Array,
+                slots: slot_state_lib.SlotState, x: StepInputs, *,
                 decode_only: bool, num_logprobs: int):
   """The serving step (pure; jit it with the cache, state and last tokens
-  donated).
+  donated; `slots` is read only).
 
   Args:
     model_def: the model's `ModelDef` (static).
@@ -128,6 +126,8 @@ def device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
     cache: the `KVCache`.
     state: the `BlockState`.
     last_tokens: i32[max_seqs], the last token sampled for each sequence slot.
+    slots: the `slot_state.SlotState` (`max_seqs` rows): each slot's
+      sampling parameters.
     x: the step's `StepInputs`.
     decode_only: static; the decode layout (one token row per entry).
     num_logprobs: static; top log-probs returned per sample row.
@@ -143,11 +143,40 @@ def device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
       decode_only=decode_only)
   hidden, cache = model.paged_forward(input_tokens(last_tokens, x), meta, cache)
   tokens, top_lp, top_ids, token_lp = _sample(model.logits(hidden[x.sample_rows]),
-                                              x, num_logprobs)
+                                              sample_rows(slots, state, x),
+                                              num_logprobs)
   last_tokens = store_tokens(last_tokens, x.sample_slots, tokens)
   return cache, state, last_tokens, StepOutputs(tokens, top_lp, top_ids, res.ok,
                                                 fork_ok, token_lp,
                                                 state_fingerprint(state))
+
+
+def sample_rows(slots: slot_state_lib.SlotState, state: bm.BlockState,
+                x: StepInputs) -> slot_state_lib.SampleRows:
+  """The sample rows' parameters: their slots' rows of `slots`, the
+  position of each one's token being sampled from `state` (after this
+  step's bookkeeping: the slot's tokens so far, this step's included)."""
+  return slot_state_lib.gather(slots, state.seq_lens, x.sample_seqs,
+                               x.seed_offsets)
+
+
+def bookkeeping_step(state: bm.BlockState, x: StepInputs, *, num_logprobs: int):
+  """A step with no entries (only releases, registrations, forks to run:
+  e.g. the sequences that finished in the last step): `device_step`'s
+  bookkeeping and nothing else -- no model, no sampling (pure; jit it with
+  the state donated). With every entry padding nothing is reserved, so no
+  block is copied and the cache is untouched.
+
+  Returns:
+    `(state, StepOutputs)`, the outputs of `x.seq_ids.shape[0]` rows, all
+    padding (`ok` False, no tokens).
+  """
+  state, fork_ok, res = _bookkeeping(state, x)
+  S = x.seq_ids.shape[0]
+  return state, StepOutputs(
+      jnp.zeros((S,), jnp.int32), jnp.zeros((S, num_logprobs), jnp.float32),
+      jnp.zeros((S, num_logprobs), jnp.int32), res.ok, fork_ok,
+      jnp.zeros((S,), jnp.float32), state_fingerprint(state))
 
 
 def input_tokens(last_tokens: jax.Array, x: StepInputs) -> jax.Array:
@@ -165,8 +194,9 @@ def store_tokens(last_tokens: jax.Array, slots: jax.Array, tokens: jax.Array
 
 
 def mesh_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
-                     states: bm.BlockState, last_tokens: jax.Array, x: StepInputs,
-                     *, mesh: Mesh, decode_only: bool, num_logprobs: int):
+                     states: bm.BlockState, last_tokens: jax.Array,
+                     slots: slot_state_lib.SlotState, x: StepInputs, *,
+                     mesh: Mesh, decode_only: bool, num_logprobs: int):
   """`device_step` on a `(data, model)` mesh: every data shard runs its own
   step on its own pool and sequences, the model is tensor-parallel.
 
@@ -177,6 +207,8 @@ def mesh_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
     states: the data shards' `BlockState`s stacked on a leading axis
       (`paged_jax.sharding.init_block_states`).
     last_tokens: i32[data, max_seqs], sharded over `data`.
+    slots: the data shards' `SlotState`s stacked (`[data, max_seqs, ...]`),
+      sharded over `data`.
     x: `StepInputs` with a leading `[data]` axis on every array, row `i` for
       data shard `i` (its own slots, rows and block ids).
     mesh: static; the mesh.
@@ -207,14 +239,15 @@ def mesh_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
 
   # Each data shard samples its own rows (its own `lax.cond`s, no
   # communication across data shards; the vocab is gathered over `model`).
-  def local_sample(logits, x):
-    x = jax.tree.map(lambda a: a[0], x)
-    return jax.tree.map(lambda a: a[None], _sample(logits[0], x, num_logprobs))
+  def local_sample(logits, rows):
+    rows = jax.tree.map(lambda a: a[0], rows)
+    return jax.tree.map(lambda a: a[None], _sample(logits[0], rows, num_logprobs))
 
   by_data = P(sharding.DATA)
+  rows = jax.vmap(sample_rows)(slots, states, x)
   tokens, top_lp, top_ids, token_lp = jax.shard_map(
       local_sample, mesh=mesh, in_specs=(by_data, by_data), out_specs=by_data,
-      check_vma=False)(logits, x)
+      check_vma=False)(logits, rows)
   cache = jax.lax.with_sharding_constraint(
       cache, NamedSharding(mesh, sharding.cache_spec()))
   states = jax.lax.with_sharding_constraint(states, NamedSharding(mesh, by_data))
@@ -327,13 +360,14 @@ def _bookkeeping(state: bm.BlockState, x: StepInputs):
   return state, fork_ok, res
 
 
-def _sample(logits, x: StepInputs, num_logprobs: int):
+def _sample(logits, p: slot_state_lib.SampleRows, num_logprobs: int):
   """Sampled tokens, top log-probs and the sampled tokens' log-probs of the
-  sample rows' logits, after `logit_bias` and then the bans (so a banned id
-  stays banned whatever its bias); the log-probs are of these logits."""
-  logits = sampling.add_bias(logits, x.bias_ids, x.bias_values)
-  logits = sampling.ban_tokens(logits, x.banned)
-  tokens = sampling.sample_tokens(logits, x.temperature, x.top_k, x.top_p,
-                                  x.seeds, x.positions)
+  sample rows' logits (`p`: their parameters), after `logit_bias` and then
+  the bans (so a banned id stays banned whatever its bias); the log-probs
+  are of these logits."""
+  logits = sampling.add_bias(logits, p.bias_ids, p.bias_values)
+  logits = sampling.ban_tokens(logits, p.bans())
+  tokens = sampling.sample_tokens(logits, p.temperature, p.top_k, p.top_p,
+                                  p.seeds, p.positions)
   top_lp, top_ids = sampling.top_logprobs(logits, num_logprobs)
   return tokens, top_lp, top_ids, sampling.token_logprobs(logits, tokens)

@@ -125,10 +125,11 @@ class SwapOutputs:
 
 def device_step(model_def: step_lib.ModelDef, params, cache: KVCache,
                 state: bm.BlockState, tier: host_tier.HostTier,
-                last_tokens: jax.Array, x: step_lib.StepInputs, s: SwapInputs,
-                *, decode_only: bool, num_logprobs: int):
+                last_tokens: jax.Array, slots, x: step_lib.StepInputs,
+                s: SwapInputs, *, decode_only: bool, num_logprobs: int):
   """`step.device_step` with the swaps of `s` in its bookkeeping (one pool,
-  one device; jit it with the cache, state, tier and last tokens donated).
+  one device; jit it with the cache, state, tier and last tokens donated;
+  `slots`, the `slot_state.SlotState`, is read only).
 
   The K/V copies are not in this program: `dispatch_copies` dispatches them,
   with the host model's pairs, before this step (see there). Only the
@@ -150,7 +151,8 @@ def device_step(model_def: step_lib.ModelDef, params, cache: KVCache,
   hidden, cache = model.paged_forward(step_lib.input_tokens(last_tokens, x),
                                       meta, cache)
   tokens, top_lp, top_ids, token_lp = step_lib._sample(  # pylint: disable=protected-access
-      model.logits(hidden[x.sample_rows]), x, num_logprobs)
+      model.logits(hidden[x.sample_rows]), step_lib.sample_rows(slots, state, x),
+      num_logprobs)
   last_tokens = step_lib.store_tokens(last_tokens, x.sample_slots, tokens)
   fingerprint = jnp.concatenate([step_lib.state_fingerprint(state),
                                  tier_fingerprint(tier)])

@@ -187,6 +187,9 @@ def test_steps_never_retrace(model):
     engine.add_request(r)
   outputs = engine.run_until_done()
   assert len(outputs) == len(requests)
+  # One alone: its decode steps take the smallest decode bucket.
+  engine.add_request(Request("alone", [3, 4], SamplingParams(max_new_tokens=3)))
+  assert len(engine.run_until_done()) == 1
   assert engine.stats.decode_steps > 0 and engine.stats.mixed_steps > 0
   used = {(n, d) for n, _, d in engine.stats.buckets}
   assert len({n for n, d in used if d}) >= 2 and len({n for n, d in used if not d}) >= 2

@@ -120,8 +120,8 @@ def test_logit_bias_the_engine_cannot_hold_is_rejected(engine, model):
   out = off.add_request(Request("y", [1, 2], SamplingParams(logit_bias={3: 1.0})))
   assert "max_logit_bias is 0" in out.rejected
   pool = off._pools[0]  # pylint: disable=protected-access
-  x, _ = pool._build([], off.buckets[0])  # pylint: disable=protected-access
-  assert x.bias_ids.shape == (off.buckets[0].num_seqs, 0) == x.bias_values.shape
+  slots = off._runner.slots  # pylint: disable=protected-access
+  assert slots.bias_ids.shape == (pool.max_seqs, 0) == slots.bias_values.shape
 
 
 def test_engines_of_other_bias_widths_do_not_share_steps(model):

@@ -60,8 +60,9 @@ def test_next_step_is_dispatched_before_the_running_step_ends():
     # dispatched before that step ended: nothing in planning waited for the
     # device. One miss is tolerated: on a loaded shared CPU the host's few
     # milliseconds can be starved past a step. (The jitted mirror before
-    # #21 overlapped none: it queued behind the running step.)
-    assert len(overlapped) >= 6
+    # #21 overlapped none: it queued behind the running step.) The last
+    # step, which only releases, runs no model: it is not a dispatch here.
+    assert len(overlapped) >= 5
     assert sum(overlapped) >= len(overlapped) - 1, (caching, overlapped)
 
 

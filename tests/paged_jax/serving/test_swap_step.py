@@ -36,7 +36,8 @@ def _record(monkeypatch):
   original = runner_lib.Runner.dispatch
 
   def dispatch(self, bucket, xs, swaps=None):
-    snap = jax.tree.map(np.asarray, (self.cache, self.state, self.last_tokens))
+    snap = jax.tree.map(np.asarray, (self.cache, self.state, self.last_tokens,
+                                     self.slots))
     steps.append((bucket, snap, xs[0]))
     return original(self, bucket, xs, swaps)
 
@@ -58,12 +59,12 @@ def test_no_swap_is_the_plain_step(monkeypatch):
   none = swap_step.SwapInputs(swap_out=jnp.full(S, -1, jnp.int32),
                               swap_in=jnp.full(S, -1, jnp.int32),
                               drop=jnp.full(S, -1, jnp.int32))
-  for bucket, (cache, state, last), x in steps[::3]:
+  for bucket, (cache, state, last, slots), x in steps[::3]:
     kw = dict(decode_only=bucket.decode_only, num_logprobs=runner.num_logprobs)
     args = (runner._model_def, runner._params)  # pylint: disable=protected-access
     tier = host_tier.init(state, num_host_blocks=8)
-    want = _plain(*args, cache, state, last, x, **kw)
-    got = _swapping(*args, cache, state, tier, last, x, none, **kw)
+    want = _plain(*args, cache, state, last, slots, x, **kw)
+    got = _swapping(*args, cache, state, tier, last, slots, x, none, **kw)
     wc, ws, wl, wo = want
     gc, gs, gt, gl, go, swaps = got
     np.testing.assert_array_equal(
@@ -82,7 +83,7 @@ def test_swap_out_of_a_slot_outside_the_step_matches_the_host_model(monkeypatch)
   in an earlier step, dropped from this step's entries) swaps out in one
   step and back in the next; the host models predict both states."""
   runner, steps = _record(monkeypatch)
-  bucket, (cache, state, last), x = next(
+  bucket, (cache, state, last, slots), x = next(
       s for s in steps if s[0].decode_only and np.sum(s[2].seq_ids >= 0) >= 2)
   victim = int(x.seq_ids[0])
   keep = x.seq_ids != victim
@@ -102,7 +103,7 @@ def test_swap_out_of_a_slot_outside_the_step_matches_the_host_model(monkeypatch)
     *_, res, _, out, back = tiers.bookkeeping(
         pool, *step_lib.bookkeeping_args(x), s.swap_out, s.swap_in, s.drop)
     cache, state, tier, last, outs, swaps = _swapping(*args, cache, state, tier,
-                                                      last, x, s, **kw)
+                                                      last, slots, x, s, **kw)
     np.testing.assert_array_equal(swaps.out_ok, out.ok)
     np.testing.assert_array_equal(swaps.in_ok, back.ok)
     assert out.ok[0] or back.ok[0]
