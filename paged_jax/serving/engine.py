@@ -80,6 +80,7 @@ from jax.sharding import Mesh
 from paged_jax import block_manager as bm
 from paged_jax import sharding
 from paged_jax.serving import buckets as buckets_lib
+from paged_jax.serving import slot_state
 from paged_jax.serving import spec_host
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.config import EngineConfig  # re-exported: its home before
@@ -330,7 +331,7 @@ class Engine:
     if len(self._pools) == 1:
       self._runner.write_slots([self._pools[0].take_slot_updates()])
       return
-    rows = 1 << (n - 1).bit_length()  # one shape for every data shard
+    rows = slot_state.update_rows(n)  # one shape for every data shard
     self._runner.write_slots([p.take_slot_updates(rows) for p in self._pools])
 
   def _compile_seconds(self) -> float:

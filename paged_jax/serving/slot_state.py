@@ -31,10 +31,6 @@ import numpy as np
 
 from paged_jax.serving import sampling as sampling_lib
 
-_FIELDS = ("temperature", "top_k", "top_p", "seeds", "ban_until", "banned",
-           "bias_ids", "bias_values")
-
-
 @flax.struct.dataclass
 class SlotState:
   """Sampling parameters per sequence slot (`N`: rows; `max_seqs` on the
@@ -142,7 +138,10 @@ def gather(state: SlotState, seq_lens: jax.Array, sample_seqs: jax.Array,
       bias_values=xp.where(col, state.bias_values[sl], 0.0).astype(np.float32))
 
 
-def _pow2(n: int) -> int:
+def update_rows(n: int) -> int:
+  """The row count an update of `n` changed rows is padded to: the next
+  power of two, so the scatter compiles once per size class (what
+  `Runner.compile_slot_writes` compiles ahead)."""
   return 1 << max(0, n - 1).bit_length()
 
 
@@ -199,9 +198,9 @@ class HostSlots:
     slots = np.fromiter(sorted(self._dirty), np.int32, len(self._dirty))
     self._dirty.clear()
     self.rows_written += slots.size
-    u = _pow2(slots.size) if rows is None else rows
+    u = update_rows(slots.size) if rows is None else rows
     padded = np.full(u, -1, np.int32)
     padded[:slots.size] = slots
     sl = np.maximum(padded, 0)
-    rows = SlotState(**{f: getattr(self.state, f)[sl] for f in _FIELDS})
+    rows = jax.tree.map(lambda a: a[sl], self.state)
     return (padded,) + pack(rows)
