@@ -80,7 +80,7 @@ from jax.sharding import Mesh
 from paged_jax import block_manager as bm
 from paged_jax import sharding
 from paged_jax.serving import buckets as buckets_lib
-from paged_jax.serving import slot_state
+from paged_jax.serving import out_pack, slot_state
 from paged_jax.serving import spec_host
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.config import EngineConfig  # re-exported: its home before
@@ -288,7 +288,7 @@ class Engine:
     drafts = spec_host.propose(self, plans, bucket)  # (None: no speculation)
     built = [p.build_step(plan, bucket) for p, plan in zip(self._pools, plans)]
     # Did the device finish everything dispatched while the host worked?
-    exposed = self._pending is None or self._pending.out.ok.is_ready()
+    exposed = self._pending is None or out_pack.is_ready(self._pending.out)
     multi = None
     self._write_slots()  # the slot rows bound since the last step, if any
     if all(not plan for plan in plans) and self._runner.tier is None:

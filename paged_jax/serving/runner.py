@@ -33,7 +33,7 @@ from paged_jax import sharding
 from paged_jax.serving import compiler
 from paged_jax.serving import slot_state as slot_state_lib
 from paged_jax.serving import step as step_lib
-from paged_jax.serving import swap_step
+from paged_jax.serving import out_pack, swap_step
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.multistep import MultiStepInputs, multistep_device_step
 from paged_jax.serving.step import (ModelDef, StepInputs, StepOutputs,
@@ -41,17 +41,17 @@ from paged_jax.serving.step import (ModelDef, StepInputs, StepOutputs,
 
 _STATIC = ("decode_only", "num_logprobs")
 _DONATE = (2, 3, 4)  # cache, block state, last tokens
-_step_jit = jax.jit(device_step, static_argnums=(0,), donate_argnums=_DONATE,
+_step_jit = jax.jit(out_pack.packs(device_step), static_argnums=(0,), donate_argnums=_DONATE,
                     static_argnames=_STATIC)
 # Preemption by swap (`swap.py`): the host tier is donated too.
-_swap_step_jit = jax.jit(swap_step.device_step, static_argnums=(0,),
+_swap_step_jit = jax.jit(out_pack.packs(swap_step.device_step), static_argnums=(0,),
                          donate_argnums=(2, 3, 4, 5), static_argnames=_STATIC)
 _write_slots_jit = jax.jit(slot_state_lib.write, donate_argnums=(0,))
 _write_slots_mesh_jit = jax.jit(jax.vmap(slot_state_lib.write), donate_argnums=(0,))
-_bookkeeping_jit = jax.jit(step_lib.bookkeeping_step, donate_argnums=(0,),
+_bookkeeping_jit = jax.jit(out_pack.packs(step_lib.bookkeeping_step), donate_argnums=(0,),
                           static_argnames=("num_logprobs",))
 _MULTI_STATIC = ("num_steps", "num_logprobs")
-_multistep_jit = jax.jit(multistep_device_step, static_argnums=(0,),
+_multistep_jit = jax.jit(out_pack.packs(multistep_device_step), static_argnums=(0,),
                          donate_argnums=_DONATE, static_argnames=_MULTI_STATIC)
 
 
@@ -139,6 +139,8 @@ class Runner:
     step_fn = device_step if self.mesh is None else functools.partial(
         mesh_device_step, mesh=self.mesh)
     step_fn = swap_step.device_step if self.tier is not None else step_fn
+    if self.mesh is None:  # one device: outputs fetched as one buffer
+      step_fn = out_pack.packs(step_fn)
 
     def traced(model_def, params, *args, decode_only, num_logprobs):
       return step_fn(model_def, params, *args, decode_only=decode_only,
@@ -303,13 +305,13 @@ class Runner:
     host. `top`: also the top log-probs and their ids (beam search and
     requests with `SamplingParams.logprobs` need them; otherwise they stay
     on the device, `None` here)."""
+    if self.mesh is None:  # `out_pack.Packed`: one transfer
+      return [out_pack.fetch(out, top=top)]
     if not top:
       out = out.replace(top_logprobs=None, top_ids=None)
     if not all(a.is_fully_addressable for a in jax.tree.leaves(out)):
       out = multihost_utils.process_allgather(out, tiled=True)  # several hosts
     out = jax.device_get(out)
-    if self.mesh is None:
-      return [out]
     return [jax.tree.map(lambda a, i=i: a[i], out) for i in range(num_pools)]
 
   # ------------------------------------------------------- multi-step decode
@@ -318,6 +320,7 @@ class Runner:
     if not self.config.check_traces:
       return _multistep_jit
 
+    @out_pack.packs
     def traced(model_def, params, cache, state, last_tokens, slots, x, m, *,
                num_steps, num_logprobs):
       return multistep_device_step(model_def, params, cache, state, last_tokens,

@@ -11,6 +11,7 @@ inside its own dispatch; see `benchmarks/stub_model.py`.)
 from __future__ import annotations
 
 from benchmarks import stub_model
+from paged_jax.serving import out_pack
 from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
@@ -51,7 +52,7 @@ def test_next_step_is_dispatched_before_the_running_step_ends():
       previous = engine._pending  # pylint: disable=protected-access
       out = dispatch(*args)
       if previous is not None:
-        overlapped.append(not previous.out.ok.is_ready())
+        overlapped.append(not out_pack.is_ready(previous.out))
       return out
     runner.dispatch = watched
     got = _serve(engine, _requests())
