@@ -43,6 +43,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.struct
 import jax
@@ -198,7 +199,11 @@ def _fit(x: jax.Array, m: int, fill) -> jax.Array:
   return jnp.concatenate([x, jnp.full((m - n,), fill, x.dtype)])
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def _resize(state: bm.BlockState, m: int) -> bm.BlockState:
+  # Jitted: every leaf of the result is its own buffer (run eagerly,
+  # `lru_len` and `num_cached` would be one array, and a step donating the
+  # state would donate it twice).
   n = state.num_blocks
   extra = max(m - n, 0)
   # Free stack: the new blocks at the bottom (n first out of them), the old

@@ -81,6 +81,7 @@ from paged_jax import block_manager as bm
 from paged_jax import sharding
 from paged_jax.serving import buckets as buckets_lib
 from paged_jax.serving import out_pack, slot_state
+from paged_jax.serving import resize as resize_lib
 from paged_jax.serving import spec_host
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.config import EngineConfig  # re-exported: its home before
@@ -161,6 +162,7 @@ class Engine:
                           mesh=mesh)
     # The dispatched step whose results have not been applied yet.
     self._pending: InFlight | None = None
+    self._drained: list[RequestOutput] = []  # outputs of a `drain()`'s step
 
   # ----------------------------------------------------------------- requests
 
@@ -390,7 +392,7 @@ class Engine:
     return seconds
 
   def _take_outputs(self):
-    outs = []
+    outs, self._drained = self._drained, []
     for p in self._pools:
       outs += p.take_outputs()
     return outs
@@ -419,9 +421,32 @@ class Engine:
     """Applies the step still in flight and runs the releases still queued
     (so the pool is empty when idle); returns the requests that finished (or
     were rejected) since the last call, as `step` does."""
+    self.drain()
+    return self._take_outputs()
+
+  def drain(self):
+    """`flush` without taking the outputs (the next `step` or `flush` returns
+    them): nothing in flight, no release queued afterwards."""
     if self._pending is not None:
       self._resolve_pending()
-    outputs = self.step() if any(p.has_releases() for p in self._pools) else []
+    if any(p.has_releases() for p in self._pools):
+      self._drained += self.step()
     if self._pending is not None:
       self._resolve_pending()
-    return outputs + self._take_outputs()
+
+  def resize_kv_cache(self, num_blocks: int) -> bool:
+    """Resizes the KV pool to `num_blocks` blocks while serving: grown, or
+    compacted and shrunk (`resize.resize_pool`). Running and waiting requests
+    carry on with the same tokens; every step shape compiles again on first
+    use (`warmup()` compiles them ahead).
+
+    Returns:
+      True when resized; False (nothing changed) when running sequences
+      hold more than `num_blocks` blocks, or an unfinished request needs
+      more at its longest.
+
+    Raises:
+      ValueError: on a mesh, with preemption by swap, or for a size that is
+        not a positive int.
+    """
+    return resize_lib.resize_pool(self, num_blocks)

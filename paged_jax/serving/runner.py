@@ -151,6 +151,16 @@ class Runner:
     return jax.jit(chex.assert_max_traces(traced, n=1), static_argnums=(0,),
                    donate_argnums=donate, static_argnames=_STATIC)
 
+  def replace_pool(self, config, state: bm.BlockState, cache: kv_cache_lib.KVCache):
+    """A resized pool (`resize.resize_pool`): its config, state and cache;
+    every compiled step is dropped (the pool's size is in their shapes)."""
+    self.config, self.state, self.cache = config, state, cache
+    self._steps.clear()
+    self._multi.clear()
+    self.__dict__.pop("_spec_steps", None)  # `spec_step.compile_spec`'s
+    self._key = self._key[:-1] + (compiler.signature(
+        self._params, self.cache, self.state, self.last_tokens, self.tier),)
+
   def _donated(self) -> tuple:
     """The arrays donated to every step, in the step's argument order (then
     the slot state, read only)."""

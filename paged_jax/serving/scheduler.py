@@ -55,7 +55,8 @@ from paged_jax.serving.packing import Bookkeeping, Entry, InputPacking
 from paged_jax.serving.prefix import (Candidate, PrefixCaching, Registration,
                                       register_rows)
 from paged_jax.serving.requests import (Group, Request, RequestDelta,
-                                        RequestOutput, Seq)
+                                        RequestOutput, Seq, blocks_at_longest)
+from paged_jax.serving.resize import PoolResizing
 from paged_jax.serving.results import Pending, Results
 from paged_jax.serving.slot_state import HostSlots
 from paged_jax.serving.stats import EngineStats
@@ -85,7 +86,8 @@ def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
-class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
+class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep,
+                PoolResizing):
   """The host side of one block pool: queues, admission, preemption, the
   step's inputs and applying its results. `Engine` drives one per pool (one
   per data shard on a mesh); the device arrays live in the `Engine`."""
@@ -178,7 +180,6 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
                          max_model_len=self.max_model_len)
     if why:
       return why
-    total = len(prompt) + p.max_new_tokens
     if p.beam_width > c.max_beam_width:
       return f"beam_width={p.beam_width} exceeds the engine's max_beam_width={c.max_beam_width}"
     max_lp = min(c.max_logprobs, vocab)
@@ -194,10 +195,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
     if p.min_tokens and len(stops) > sampling_lib.MAX_BANNED:
       return (f"min_tokens needs at most {sampling_lib.MAX_BANNED} EOS and stop "
               f"token ids, got {len(stops)}")
-    # Beam groups are preempted whole, so all beams must fit together (at
-    # worst each beam owns all its blocks; retired beams are released before
-    # the next forks and reservations).
-    need = p.beam_width * _cdiv(total, c.block_size)
+    need = blocks_at_longest(p, len(prompt), c.block_size)
     if need > c.num_blocks:
       return (f"needs {need} blocks of {c.block_size} tokens at its longest, "
               f"the pool has {c.num_blocks}")

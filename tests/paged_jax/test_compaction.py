@@ -227,3 +227,21 @@ def test_resize_errors():
   index.insert(b"x", 3)
   with pytest.raises(ValueError, match="have no new id"):
     index.relabel(np.array([0, 1, 2, -1]))
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("m", [6, 24])
+def test_a_resized_state_can_be_donated(prefix_caching, m):
+  """Every leaf of `resize`'s state is its own buffer, so a step that
+  donates the state (the serving engine's) takes it (run eagerly, two
+  leaves were one array: "donate the same buffer twice")."""
+  state = bm.init(num_blocks=12, block_size=4, max_seqs=2, max_blocks_per_seq=4,
+                  prefix_caching=prefix_caching)
+  state, _ = bm.reserve(state, jnp.array([0, 1]), jnp.array([9, 5]))
+  state, _ = compaction.compact(state)
+  state, res = compaction.resize(state, m)
+  assert res.ok
+  leaves = jax.tree.leaves(state)
+  ptrs = [a.unsafe_buffer_pointer() for a in leaves]
+  assert len(set(ptrs)) == len(ptrs)
+  jax.block_until_ready(jax.jit(lambda s: s, donate_argnums=0)(state))
