@@ -224,8 +224,10 @@ class Engine:
     return self._runner.compiled_buckets
 
   def usage(self) -> dict:
-    """Blocks used / total, running and waiting sequences (from the last
-    step), summed over the data shards."""
+    """Blocks used / cached / total, running and waiting sequences, and the
+    host tier's blocks used / total and swapped-out sequences (0 without
+    one), from the last step, summed over the data shards
+    (`Scheduler.usage`)."""
     total = {}
     for p in self._pools:
       for k, v in p.usage().items():
@@ -343,6 +345,7 @@ class Engine:
     """Adds a step's host work, waiting and device share to the stats
     (compiling on first use excluded, counted apart)."""
     compiled = self._compile_seconds() - compile0
+    self.stats.add_transfers(*self._runner.take_moved_bytes())
     self.stats.add_step_time(time.perf_counter() - t0 - compiled, waited, compiled,
                              exposed, bucket is not None and bucket.decode_only)
 

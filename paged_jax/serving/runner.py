@@ -130,6 +130,7 @@ class Runner:
     self.slot_writes = 0  # `write_slots` dispatches (tests: none when steady)
     self._mesh_bookkeeping = None  # `dispatch_bookkeeping`'s program on a mesh
     self._slot_writers: dict[int, jax.stages.Compiled] = {}  # by row count
+    self.moved = [0, 0]  # blocks copied to / from host memory, not yet taken
 
   def _jit_for(self, bucket: Bucket):
     """The jitted step to lower for `bucket`: the shared one, or with
@@ -271,12 +272,22 @@ class Runner:
     s = self._no_swaps()
     if swaps is not None:
       s, moved_out, moved_in = swaps
-      self.cache, self.host_cache = swap_step.dispatch_copies(
+      self.cache, self.host_cache, moved = swap_step.dispatch_copies(
           self.cache, self.host_cache, moved_out, moved_in)
+      self.moved = [a + b for a, b in zip(self.moved, moved)]
     self.cache, self.state, self.tier, self.last_tokens, out, _ = exe(
         self._params, self.cache, self.state, self.tier, self.last_tokens,
         self.slots, self.place(xs), s)
     return out
+
+  def take_moved_bytes(self) -> tuple[int, int]:
+    """Bytes copied device -> host and host -> device by the copies
+    dispatched since the last call (real blocks x `KVCache.bytes_per_block`)."""
+    (out, back), self.moved = self.moved, [0, 0]
+    if not (out or back):
+      return 0, 0
+    per_block = self.cache.bytes_per_block
+    return out * per_block, back * per_block
 
   def dispatch_bookkeeping(self, xs: list[StepInputs]) -> StepOutputs:
     """Launches the bookkeeping of a step with no entries

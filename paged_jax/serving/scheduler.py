@@ -211,13 +211,14 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
 
   def usage(self) -> dict:
     """Blocks used (held by sequences) / cached (free to reuse, their K/V
-    kept for prefix-cache hits) / total, running and waiting sequences (from
-    the last step)."""
+    kept for prefix-cache hits) / total, running and waiting sequences, and
+    the host tier's (`swap.Swapping.host_usage`), from the last step."""
     pool = self._pool
     used = self.config.num_blocks - pool.num_free - pool.num_cached
     return {"blocks_used": used, "blocks_cached": pool.num_cached,
             "blocks_total": self.config.num_blocks,
-            "running": len(self._running), "waiting": len(self._waiting)}
+            "running": len(self._running), "waiting": len(self._waiting),
+            **self.host_usage()}
 
   @property
   def prefix_index(self) -> prefix_cache.PrefixIndex | None:

@@ -201,6 +201,17 @@ class Swapping:
     seq.slot = -1
     return True
 
+  def host_usage(self) -> dict:
+    """`{"host_blocks_used", "host_blocks_total", "swapped"}`: the host
+    tier's blocks holding swapped-out K/V, its size, and the sequences
+    swapped out (all 0 without preemption by swap)."""
+    pool = self._pool
+    if not isinstance(pool, SwapPool):
+      return {"host_blocks_used": 0, "host_blocks_total": 0, "swapped": 0}
+    t = pool.tier
+    return {"host_blocks_used": t.num_blocks - t.num_free,
+            "host_blocks_total": t.num_blocks, "swapped": len(self._swapped)}
+
   def has_swaps(self) -> bool:
     return isinstance(self._pool, SwapPool) and any(self._pool.ids.values())
 

@@ -7,7 +7,8 @@
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with
 `"stream": true` for server-sent events), `GET /v1/models`, `GET /health`,
 `GET /metrics` (Prometheus: KV-cache usage, running / waiting requests,
-preemptions, time to first token and inter-token latency histograms).
+preemptions, time to first token and inter-token latency histograms; the
+host tier's usage, swaps and bytes moved each way).
 
 One engine loop runs in its own thread beside the HTTP event loop
 (`engine_loop.EngineLoop`): requests from every client join its continuous
