@@ -80,6 +80,7 @@ from jax.sharding import Mesh
 from paged_jax import block_manager as bm
 from paged_jax import sharding
 from paged_jax.serving import buckets as buckets_lib
+from paged_jax.serving import prefix_offload
 from paged_jax.serving import slot_state
 from paged_jax.serving import spec_host
 from paged_jax.serving.buckets import Bucket
@@ -159,6 +160,8 @@ class Engine:
     self._runner = Runner(model, config, blocks_per_seq=blocks_per_seq,
                           max_seqs=self.max_seqs, num_logprobs=self.num_logprobs,
                           mesh=mesh)
+    for p in self._pools if config.kv_offloading_size else ():  # `prefix_offload.py`
+      p.init_prefix_offload(self._runner.prefix_host_blocks)
     # The dispatched step whose results have not been applied yet.
     self._pending: InFlight | None = None
 
@@ -293,6 +296,8 @@ class Engine:
     exposed = self._pending is None or self._pending.out.ok.is_ready()
     multi = None
     self._write_slots()  # the slot rows bound since the last step, if any
+    if len(self._pools) == 1:  # the prefix cache's host level: its copies first
+      self._runner.copy_prefix_blocks(self._pools[0].take_prefix_copies())
     if all(not plan for plan in plans) and self._runner.tier is None:
       # Nothing to compute (releases, registrations, forks only: e.g. the
       # sequences that finished in the last step): no model, no bucket.
@@ -383,6 +388,7 @@ class Engine:
         {b: [p._build([], b)[0] for p in self._pools]  # pylint: disable=protected-access
          for b in buckets})
     self._runner.compile_slot_writes()  # the slot-state scatters too
+    self._runner.compile_prefix_copies(prefix_offload.max_loads(self.config))
     k = self.config.num_scheduler_steps
     if k > 1 and self.mesh is None:  # the K-step decode programs too
       self._runner.compile_multistep(self._pools[0].multistep_padding(buckets), k)

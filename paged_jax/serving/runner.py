@@ -16,6 +16,7 @@ they are updated in place, and steps queue on the device in dispatch order.
 from __future__ import annotations
 
 import functools
+import time
 
 import chex
 import jax
@@ -27,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from paged_jax import block_manager as bm
 from paged_jax import host_tier
+from paged_jax import prefix_tier
 from paged_jax import kv_offload
 from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import sharding
@@ -116,6 +118,13 @@ class Runner:
                                  num_host_blocks=config.swap_space_blocks)
       self.host_cache = kv_offload.host_cache(self.cache, config.swap_space_blocks)
       self._jit = _swap_step_jit
+    self.prefix_host_blocks = 0  # the prefix cache's host level (`prefix_offload.py`)
+    if config.kv_offloading_size:
+      if mesh is not None:
+        raise ValueError("kv_offloading_size > 0 runs on one device, not a mesh")
+      self.prefix_host_blocks = prefix_tier.num_host_blocks(
+          config.kv_offloading_size, self.cache.bytes_per_block)
+      self.host_cache = kv_offload.host_cache(self.cache, self.prefix_host_blocks)
     # What fixes the executables besides the bucket (`compiler.signature`;
     # `max_logit_bias` is the width of two step inputs).
     self._key = (self._model_def, mesh, num_logprobs, config.max_logit_bias,
@@ -279,6 +288,33 @@ class Runner:
         self._params, self.cache, self.state, self.tier, self.last_tokens,
         self.slots, self.place(xs), s)
     return out
+
+  def copy_prefix_blocks(self, copies) -> None:
+    """Dispatches a step's prefix-cache host-level copies
+    (`prefix_offload.Copies`; None: nothing), device to host first; call it
+    before dispatching the step (see `swap_step.dispatch_copies`)."""
+    if copies is None:
+      return
+    self.cache, self.host_cache, moved = swap_step.dispatch_copies(
+        self.cache, self.host_cache, copies.out, copies.back)
+    self.moved = [a + b for a, b in zip(self.moved, moved)]
+
+  def compile_prefix_copies(self, max_blocks: int) -> None:
+    """Runs both copies once at every padded size up to `max_blocks` (all
+    pairs `NULL_BLOCK`: nothing moves), so that no step compiles one."""
+    if not self.prefix_host_blocks:
+      return
+    t = time.perf_counter()
+    m = 1
+    while m <= max_blocks:
+      none = np.full(m, -1, np.int32)
+      self.host_cache = kv_offload.copy_to_host(self.cache, self.host_cache,
+                                                none, none)
+      self.cache = kv_offload.copy_to_device(self.cache, self.host_cache,
+                                             none, none)
+      m *= 2
+    jax.block_until_ready((self.cache, self.host_cache))
+    self.compile_seconds += time.perf_counter() - t
 
   def take_moved_bytes(self) -> tuple[int, int]:
     """Bytes copied device -> host and host -> device by the copies

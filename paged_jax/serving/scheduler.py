@@ -52,6 +52,7 @@ from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.host_pool import HostPool
 from paged_jax.serving.multistep_host import MultiStep
 from paged_jax.serving.packing import Bookkeeping, Entry, InputPacking
+from paged_jax.serving.prefix_offload import PrefixOffload
 from paged_jax.serving.prefix import (Candidate, PrefixCaching, Registration,
                                       register_rows)
 from paged_jax.serving.requests import (Group, Request, RequestDelta,
@@ -85,7 +86,8 @@ def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
-class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
+class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
+                MultiStep):
   """The host side of one block pool: queues, admission, preemption, the
   step's inputs and applying its results. `Engine` drives one per pool (one
   per data shard on a mesh); the device arrays live in the `Engine`."""
@@ -134,6 +136,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
     self._slots = HostSlots(self.max_seqs, config.max_logit_bias)
     self._fork_pending = False  # a child may wait to fork (see `_forks`)
     self._init_swapping(initial_state)  # preemption by swap (`swap.py`)
+    self._init_prefix_offload()  # the prefix cache's host level
 
   # ----------------------------------------------------------------- requests
 
@@ -330,6 +333,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
     self._running.remove(seq)
     self._free_slots.append(seq.slot)
     seq.slot = -1
+    self._drop_loads(seq)  # its host-level loads too (`prefix_offload.py`)
     if self._shares.pop(seq, None) is not None:  # its hit is taken back too
       seq.num_cached = seq.num_registered = 0
     self._insert(self._waiting, seq)

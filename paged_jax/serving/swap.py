@@ -204,10 +204,11 @@ class Swapping:
   def host_usage(self) -> dict:
     """`{"host_blocks_used", "host_blocks_total", "swapped"}`: the host
     tier's blocks holding swapped-out K/V, its size, and the sequences
-    swapped out (all 0 without preemption by swap)."""
+    swapped out; with the prefix cache's host level its blocks (all 0
+    without a host tier)."""
     pool = self._pool
-    if not isinstance(pool, SwapPool):
-      return {"host_blocks_used": 0, "host_blocks_total": 0, "swapped": 0}
+    if not isinstance(pool, SwapPool):  # the prefix cache's host level, if any
+      return self.prefix_host_usage()
     t = pool.tier
     return {"host_blocks_used": t.num_blocks - t.num_free,
             "host_blocks_total": t.num_blocks, "swapped": len(self._swapped)}
