@@ -121,3 +121,15 @@ def test_host_prefix_tier_lru_and_pins():
   tier.check()
   with pytest.raises(ValueError, match="num_blocks must be an int >= 1, got 0"):
     prefix_tier.HostPrefixTier(0)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--kv-offloading-size", "-2"],
+     "--kv-offloading-size must be a number of GiB >= 0, got -2.0"),
+    (["--kv-offloading-size", "1"], "--kv-offloading-size > 0 needs --enable-prefix-caching"),
+])
+def test_kv_offloading_size_flag_errors(argv, match, capsys):
+  from paged_jax.entrypoints import generate  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit):
+    generate.parse_and_check(argv)
+  assert match in capsys.readouterr().err
