@@ -124,7 +124,7 @@ class Runner:
         raise ValueError("kv_offloading_size > 0 runs on one device, not a mesh")
       self.prefix_host_blocks = prefix_tier.num_host_blocks(
           config.kv_offloading_size, self.cache.bytes_per_block)
-      self.host_cache = kv_offload.host_cache(self.cache, self.prefix_host_blocks)
+      self.host_cache = kv_offload.NumpyHostPool(self.cache, self.prefix_host_blocks)
     # What fixes the executables besides the bucket (`compiler.signature`;
     # `max_logit_bias` is the width of two step inputs).
     self._key = (self._model_def, mesh, num_logprobs, config.max_logit_bias,
@@ -291,29 +291,34 @@ class Runner:
 
   def copy_prefix_blocks(self, copies) -> None:
     """Dispatches a step's prefix-cache host-level copies
-    (`prefix_offload.Copies`; None: nothing), device to host first; call it
-    before dispatching the step (see `swap_step.dispatch_copies`)."""
+    (`prefix_offload.Copies`; None: nothing): the stores (device to host)
+    first, then the loads; call it before dispatching the step. Pairs are
+    padded to a power of two (`swap_step.copy_pairs`: few compiled sizes)."""
     if copies is None:
       return
-    self.cache, self.host_cache, moved = swap_step.dispatch_copies(
-        self.cache, self.host_cache, copies.out, copies.back)
-    self.moved = [a + b for a, b in zip(self.moved, moved)]
+    pool = self.host_cache
+    pool.flush()  # the earlier steps' stores (their gathers have run)
+    src, dst, n_out = swap_step.copy_pairs(copies.out.src, copies.out.dst)
+    if n_out:
+      pool.store(self.cache, src, dst[:n_out])
+    src, dst, n_in = swap_step.copy_pairs(copies.back.src, copies.back.dst)
+    if n_in:
+      self.cache = pool.load(self.cache, src, dst)
+    self.moved = [self.moved[0] + n_out, self.moved[1] + n_in]
 
   def compile_prefix_copies(self, max_blocks: int) -> None:
     """Runs both copies once at every padded size up to `max_blocks` (all
-    pairs `NULL_BLOCK`: nothing moves), so that no step compiles one."""
+    pairs -1: nothing moves), so that no step compiles one."""
     if not self.prefix_host_blocks:
       return
     t = time.perf_counter()
     m = 1
     while m <= max_blocks:
       none = np.full(m, -1, np.int32)
-      self.host_cache = kv_offload.copy_to_host(self.cache, self.host_cache,
-                                                none, none)
-      self.cache = kv_offload.copy_to_device(self.cache, self.host_cache,
-                                             none, none)
+      self.host_cache.store(self.cache, none, none[:0])
+      self.cache = self.host_cache.load(self.cache, none, none)
       m *= 2
-    jax.block_until_ready((self.cache, self.host_cache))
+    jax.block_until_ready(self.cache)
     self.compile_seconds += time.perf_counter() - t
 
   def take_moved_bytes(self) -> tuple[int, int]:
