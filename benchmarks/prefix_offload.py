@@ -16,7 +16,8 @@ off, on the main job's tiny Llama (float32, CPU), prefix caching on in both.
   the tier stores every step and never hits): the cost of the tier at 0%
   host hits, as TPOT (and tokens/s) on / off.
 
-Runs alternate off, on (`--repeats` pairs), medians; greedy tokens are
+Runs alternate off, on (`--repeats` pairs, after one discarded run of each:
+the first run of an engine size in a process was 3-8x slower), medians; greedy tokens are
 compared between on and off.
 
   PYTHONPATH=. python -m benchmarks.prefix_offload [--quick] [--repeats N]
@@ -108,6 +109,8 @@ def serve(model, requests, num_blocks: int, host_blocks: int):
 def measure(name, model, requests, num_blocks, host_blocks, repeats):
   runs = {0: [], host_blocks: []}
   toks = {}
+  for h in (0, host_blocks):  # discarded: an engine size's first run pays one-off costs
+    serve(model, requests, num_blocks, h)
   for _ in range(repeats):
     for h in (0, host_blocks):
       r, t = serve(model, requests, num_blocks, h)
@@ -127,7 +130,8 @@ def measure(name, model, requests, num_blocks, host_blocks, repeats):
   row["tpot_ratio"] = row["tpot_mean_s_on"] / row["tpot_mean_s_off"]
   print(f"{name}: pool {num_blocks} + host {host_blocks} blocks; hit rate off "
         f"{100 * row['hit_rate_off']:.1f}% on {100 * row['hit_rate_on']:.1f}% "
-        f"(host {row['host_hit_tokens_on']:.0f} tokens); tokens/s off "
+        f"(host {row['host_hit_tokens_on']:.0f} tokens, bytes to host "
+        f"{row['bytes_to_host_on']:.0f}, to device {row['bytes_to_device_on']:.0f}); tokens/s off "
         f"{row['tokens_per_s_off']:.0f} on {row['tokens_per_s_on']:.0f} "
         f"(x{row['tokens_per_s_ratio']:.3f}); TTFT mean x{row['ttft_ratio']:.3f}; "
         f"TPOT mean x{row['tpot_ratio']:.3f}; same tokens {row['same_greedy_tokens']}",
@@ -158,7 +162,7 @@ def no_sharing(n, vocab, seed=1):
 
 def main(argv=None):
   p = common.parser(__doc__.split("\n\n")[0])
-  p.add_argument("--repeats", type=int, default=2)
+  p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--mooncake-requests", type=int, default=100)
   p.add_argument("--max-new", type=int, default=8)
   args = p.parse_args(argv)
@@ -168,8 +172,6 @@ def main(argv=None):
   bs = SIZES["block_size"]
   reqs = conversations(40 if args.quick else args.mooncake_requests, vocab,
                        args.max_new)
-  # A discarded pair first: the first engine of a process pays one-off costs.
-  measure("warm-up", model, reqs[:6], 72, 72, 1)
   ws = working_set(reqs, bs)
   device = max(ws // 8, SIZES["max_model_len"] // bs + 8)
   host = 8 * device
@@ -188,7 +190,7 @@ def main(argv=None):
         f"{100 * row['of_ideal_on']:.0f}% of its ideal", flush=True)
   rows.append(row)
   rows.append(measure("no-sharing", model, no_sharing(16 if args.quick else 48, vocab),
-                      64, 512, repeats))
+                      160, 1280, repeats))
   path = common.write_json(args.out, "prefix_offload",
                            {"machine": common.machine(), "sizes": SIZES,
                             "loadavg_start": load0, "loadavg_end": os.getloadavg(),
