@@ -18,10 +18,11 @@ those of prefix caching without the tier: only the index and the K/V change.
 
 Copies: each step's stores (its reserve's evictions and the victims' old
 blocks, those not on the host yet) go in ONE batched device-to-host copy,
-its loads in ONE host-to-device copy after it (`Runner.copy_prefix_blocks`:
-`swap_step.dispatch_copies`, padded to a power of two, the host pool
-donated and written in place), both dispatched before the step and awaited
-by nothing but the step itself (data dependence). A step that evicts
+its loads in ONE host-to-device copy after it (`Runner.copy_prefix_blocks`
+over a `kv_offload.NumpyHostPool`: pairs padded to a power of two; a store
+is a small device gather fetched asynchronously and written into NumPy at
+the next copy call, a load a NumPy gather and one device scatter), both
+dispatched before the step and awaited by nothing but the step itself. A step that evicts
 nothing and hits nothing on the host dispatches nothing. Loads per step are
 capped at `max_loads` blocks, so the copy sizes are few and all compiled at
 warm-up (`Runner.compile_prefix_copies`).

@@ -118,7 +118,9 @@ class Runner:
                                  num_host_blocks=config.swap_space_blocks)
       self.host_cache = kv_offload.host_cache(self.cache, config.swap_space_blocks)
       self._jit = _swap_step_jit
-    self.prefix_host_blocks = 0  # the prefix cache's host level (`prefix_offload.py`)
+    # The prefix cache's host level (`prefix_offload.py`): `host_cache` is a
+    # `kv_offload.NumpyHostPool` then (swap's is a `KVCache` in host memory).
+    self.prefix_host_blocks = 0
     if config.kv_offloading_size:
       if mesh is not None:
         raise ValueError("kv_offloading_size > 0 runs on one device, not a mesh")
