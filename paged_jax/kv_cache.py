@@ -150,6 +150,13 @@ class KVCache:
     return sum(x.nbytes for x in self.arrays())
 
   @property
+  def bytes_per_block(self) -> int:
+    """Cache bytes per block (all layers, K and V, scales included), read
+    from the allocated arrays: what one block costs to copy between
+    memories (`kv_offload`), the one rule for bytes moved."""
+    return self.nbytes // self.num_blocks
+
+  @property
   def bytes_per_token(self) -> int:
     """Cache bytes per token slot (all layers, K and V, scales included),
     read from the allocated arrays."""

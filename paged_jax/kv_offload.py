@@ -197,3 +197,67 @@ def copy_to_device(cache: KVCache, host: KVCache, src, dst) -> KVCache:
   staged = gather(_arrays(host), jax.device_put(src, sharding))
   staged = jax.device_put(staged, cache.k_pages.sharding)
   return cache.replace(**_scatter(_arrays(cache), staged, dst))
+
+
+class NumpyHostPool:
+  """A host pool of KV blocks as NumPy arrays, for the prefix cache's host
+  level (`serving/prefix_offload.py`): `[num_layers, num_kv_heads,
+  num_host_blocks, block_size, head_dim]` per field, as the device cache.
+
+  Why not `host_cache`: on XLA CPU a scatter into a pool-sized operand costs
+  about O(pool), not O(blocks moved), even donated and in place (RESULTS.md
+  section 14), and this pool is several times the device's. Here a store is
+  one small jitted gather of the blocks on the device, fetched without
+  waiting (`copy_to_host_async`) and written into the arrays by index
+  assignment (O(blocks)) at the next copy call, when its gather has run; a
+  load is a NumPy gather, a `device_put` and one scatter into the device
+  cache (donated). Nothing waits for a step in flight: a load never reads a
+  block stored in the same call (the caller pins them, `HostPrefixTier`).
+
+  Args:
+    like: the device cache (its layout, dtype, scales and device).
+    num_blocks: host blocks.
+  """
+
+  def __init__(self, like: KVCache, num_blocks: int):
+    n = _int32.positive_int("num_blocks", num_blocks)
+    self.num_blocks = n
+    self.arrays = {}
+    for f, x in _arrays(like).items():
+      shape = list(x.shape)
+      shape[2] = n
+      self.arrays[f] = np.zeros(shape, x.dtype)
+    self._pending = []  # (staged device arrays, host blocks) not written yet
+
+  def flush(self):
+    """Writes the stores dispatched so far into the arrays (waits for their
+    gathers, which run before any later step)."""
+    for staged, dst in self._pending:
+      for f, x in staged.items():
+        self.arrays[f][:, :, dst] = np.asarray(x)[:, :, :dst.size]
+    self._pending = []
+
+  def store(self, cache: KVCache, src, dst):
+    """Queues device blocks `src` (`int[m]`, real pairs first, padded with
+    -1 to a compiled size) into host blocks `dst` (`int[k]`, `k <= m`, the
+    real ones); returns without waiting."""
+    dst = np.asarray(dst, np.int64)
+    src = jnp.asarray(np.where(np.asarray(src) >= 0, src, 0), jnp.int32)
+    staged = _gather(_arrays(cache), src)
+    for x in staged.values():
+      x.copy_to_host_async()
+    self._pending.append((staged, dst))
+
+  def load(self, cache: KVCache, src, dst) -> KVCache:
+    """Copies host blocks `src` (`int[m]`, padded with -1) into device
+    blocks `dst` (`int[m]`, -1 = skipped); `cache` is donated. Returns the
+    new cache (dispatched, not awaited). Reads the arrays as they are: call
+    `flush` first (not here: this step's own stores are still in flight,
+    and a load never reads them)."""
+    src = np.asarray(src)
+    take = np.where(src >= 0, src, 0)
+    staged = {f: a[:, :, take] for f, a in self.arrays.items()}
+    staged = jax.device_put(staged, cache.k_pages.sharding)
+    dst = jnp.asarray(np.where(np.asarray(dst) >= 0, dst, cache.num_blocks),
+                      jnp.int32)
+    return cache.replace(**_scatter(_arrays(cache), staged, dst))

@@ -190,6 +190,11 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_model: str = "tiny")
                    metavar="N",
                    help="KV blocks of host memory for --preemption-mode swap "
                    "(EngineConfig.swap_space_blocks)")
+  eng.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",
+                   help="GiB of host memory for the prefix cache's host level "
+                   "(vLLM's flag): blocks evicted from the device cache are kept "
+                   "there and loaded back on a hit (needs --enable-prefix-caching; "
+                   "one device; EngineConfig.kv_offloading_size)")
   eng.add_argument("--max-model-len", type=count(2, MAX_MODEL_LEN), default=256,
                    help="longest prompt + output (at least 2: one prompt and "
                    "one generated token)")
@@ -223,6 +228,7 @@ FIELD_FLAGS = {
     "enable_prefix_caching": "enable_prefix_caching",
     "admission_headroom_steps": "admission_headroom_steps",
     "preemption_mode": "preemption_mode", "swap_space_blocks": "swap_space_blocks",
+    "kv_offloading_size": "kv_offloading_size",
     "max_logprobs": "max_logprobs", "max_logit_bias": "max_logit_bias",
     "max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_k": "top_k",
     "top_p": "top_p", "seed": "seed", "n": "n", "beam_width": "beam_width",
@@ -264,6 +270,7 @@ def check_engine_config(args) -> None:
             max_beam_width=getattr(args, "beam_width", 1),
             preemption_mode=args.preemption_mode,
             swap_space_blocks=args.swap_space_blocks,
+            kv_offloading_size=args.kv_offloading_size,
             enable_prefix_caching=args.enable_prefix_caching)
   if args.min_bucket is not None:
     kw["min_bucket"] = args.min_bucket

@@ -14,6 +14,7 @@ import dataclasses
 from paged_jax.speculative import SpeculativeConfig
 from paged_jax.serving import buckets as buckets_lib
 from paged_jax.serving import spec_host
+from paged_jax.serving import prefix_offload
 from paged_jax.serving import swap as swap_lib
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.multistep import MAX_STEPS
@@ -106,6 +107,10 @@ class EngineConfig:
       measurement (RESULTS.md section 14c: on the 2-core CPU swap computed
       21% fewer token rows but was not faster, XLA CPU's scatter being slow).
     swap_space_blocks: KV blocks in the host tier for "swap" (>= 1 there).
+    kv_offloading_size: GiB of host memory for the prefix cache's host
+      level (vLLM's `--kv-offloading-size`; `prefix_offload.py`): blocks the
+      device cache evicts are kept there and loaded back on a hit. 0 (the
+      default): none. Needs prefix caching, one device, recompute.
   """
 
   num_blocks: int
@@ -128,9 +133,11 @@ class EngineConfig:
   speculative_config: SpeculativeConfig | None = None
   preemption_mode: str = "recompute"
   swap_space_blocks: int = 0
+  kv_offloading_size: float = 0.0
 
   def __post_init__(self):
     swap_lib.check_config(self)
+    prefix_offload.check_config(self)
     for name in ("num_blocks", "block_size", "max_batch", "max_tokens_per_step",
                  "max_beam_width", "min_bucket"):
       value = getattr(self, name)

@@ -80,7 +80,7 @@ from jax.sharding import Mesh
 from paged_jax import block_manager as bm
 from paged_jax import sharding
 from paged_jax.serving import buckets as buckets_lib
-from paged_jax.serving import out_pack, slot_state
+from paged_jax.serving import out_pack, prefix_offload, slot_state
 from paged_jax.serving import resize as resize_lib
 from paged_jax.serving import spec_host
 from paged_jax.serving.buckets import Bucket
@@ -160,6 +160,8 @@ class Engine:
     self._runner = Runner(model, config, blocks_per_seq=blocks_per_seq,
                           max_seqs=self.max_seqs, num_logprobs=self.num_logprobs,
                           mesh=mesh)
+    for p in self._pools if config.kv_offloading_size else ():  # `prefix_offload.py`
+      p.init_prefix_offload(self._runner.prefix_host_blocks)
     # The dispatched step whose results have not been applied yet.
     self._pending: InFlight | None = None
     self._drained: list[RequestOutput] = []  # outputs of a `drain()`'s step
@@ -226,8 +228,10 @@ class Engine:
     return self._runner.compiled_buckets
 
   def usage(self) -> dict:
-    """Blocks used / total, running and waiting sequences (from the last
-    step), summed over the data shards."""
+    """Blocks used / cached / total, running and waiting sequences, and the
+    host tier's blocks used / total and swapped-out sequences (0 without
+    one), from the last step, summed over the data shards
+    (`Scheduler.usage`)."""
     total = {}
     for p in self._pools:
       for k, v in p.usage().items():
@@ -293,6 +297,8 @@ class Engine:
     exposed = self._pending is None or out_pack.is_ready(self._pending.out)
     multi = None
     self._write_slots()  # the slot rows bound since the last step, if any
+    if len(self._pools) == 1:  # the prefix cache's host level: its copies first
+      self._runner.copy_prefix_blocks(self._pools[0].take_prefix_copies())
     if all(not plan for plan in plans) and self._runner.tier is None:
       # Nothing to compute (releases, registrations, forks only: e.g. the
       # sequences that finished in the last step): no model, no bucket.
@@ -345,6 +351,7 @@ class Engine:
     """Adds a step's host work, waiting and device share to the stats
     (compiling on first use excluded, counted apart)."""
     compiled = self._compile_seconds() - compile0
+    self.stats.add_transfers(*self._runner.take_moved_bytes())
     self.stats.add_step_time(time.perf_counter() - t0 - compiled, waited, compiled,
                              exposed, bucket is not None and bucket.decode_only)
 
@@ -382,6 +389,7 @@ class Engine:
         {b: [p._build([], b)[0] for p in self._pools]  # pylint: disable=protected-access
          for b in buckets})
     self._runner.compile_slot_writes()  # the slot-state scatters too
+    self._runner.compile_prefix_copies(prefix_offload.max_loads(self.config))
     k = self.config.num_scheduler_steps
     if k > 1 and self.mesh is None:  # the K-step decode programs too
       self._runner.compile_multistep(self._pools[0].multistep_padding(buckets), k)

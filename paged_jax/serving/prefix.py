@@ -70,6 +70,7 @@ class PrefixCaching:
     same_step = self._registering_by_hash
     while len(blocks) < len(hashes) and hashes[len(blocks)] in same_step:
       blocks.append(same_step[hashes[len(blocks)]])
+    blocks = self._extend_hit(seq, hashes, blocks)  # the host level's, if any
     if blocks:
       self._shares[seq] = blocks
       seq.num_cached = len(blocks) * bs
@@ -123,6 +124,8 @@ class PrefixCaching:
       if not self._index.insert(r.hash, r.block):
         raise RuntimeError("a registered block's hash was indexed already "
                            "(engine bug)")
+    if self._host_prefix is not None:  # before the index forgets `evicted`
+      st.prefix_blocks_evicted += self._commit_offload(evicted, admitted)
     st.prefix_blocks_evicted += self._index.evict(evicted[evicted >= 0])
     st.prefix_blocks_registered += len(self._registering)
     for seq in admitted:

@@ -19,9 +19,10 @@ without restarting and without losing a running sequence (issue #24 item 4).
    the next steps compile again, or `Engine.warmup()` does it ahead.
 
 Requests keep their slots, tokens and outputs: a run with a resize in the
-middle gives the same greedy tokens as one without (tested). Not on a mesh
-and not with preemption by swap (the host tier's copies name device blocks);
-both are refused by name.
+middle gives the same greedy tokens as one without (tested). Not on a mesh,
+not with preemption by swap and not with the prefix cache's host level
+(`kv_offloading_size`; the host tiers' copies name device blocks): refused
+by name.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def check(engine: "Engine", num_blocks) -> int:
   if engine.config.preemption_mode == "swap":
     raise ValueError("resize_kv_cache is not supported with "
                      "preemption_mode='swap'")
+  if engine.config.kv_offloading_size:
+    raise ValueError("resize_kv_cache is not supported with "
+                     "kv_offloading_size (the prefix cache's host level "
+                     "names device blocks)")
   if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)):
     raise ValueError(f"num_blocks must be an int, got {num_blocks!r}")
   if int(num_blocks) <= 0:

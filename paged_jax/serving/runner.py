@@ -16,6 +16,7 @@ they are updated in place, and steps queue on the device in dispatch order.
 from __future__ import annotations
 
 import functools
+import time
 
 import chex
 import jax
@@ -27,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from paged_jax import block_manager as bm
 from paged_jax import host_tier
+from paged_jax import prefix_tier
 from paged_jax import kv_offload
 from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import sharding
@@ -116,6 +118,15 @@ class Runner:
                                  num_host_blocks=config.swap_space_blocks)
       self.host_cache = kv_offload.host_cache(self.cache, config.swap_space_blocks)
       self._jit = _swap_step_jit
+    # The prefix cache's host level (`prefix_offload.py`): `host_cache` is a
+    # `kv_offload.NumpyHostPool` then (swap's is a `KVCache` in host memory).
+    self.prefix_host_blocks = 0
+    if config.kv_offloading_size:
+      if mesh is not None:
+        raise ValueError("kv_offloading_size > 0 runs on one device, not a mesh")
+      self.prefix_host_blocks = prefix_tier.num_host_blocks(
+          config.kv_offloading_size, self.cache.bytes_per_block)
+      self.host_cache = kv_offload.NumpyHostPool(self.cache, self.prefix_host_blocks)
     # What fixes the executables besides the bucket (`compiler.signature`;
     # `max_logit_bias` is the width of two step inputs).
     self._key = (self._model_def, mesh, num_logprobs, config.max_logit_bias,
@@ -130,6 +141,7 @@ class Runner:
     self.slot_writes = 0  # `write_slots` dispatches (tests: none when steady)
     self._mesh_bookkeeping = None  # `dispatch_bookkeeping`'s program on a mesh
     self._slot_writers: dict[int, jax.stages.Compiled] = {}  # by row count
+    self.moved = [0, 0]  # blocks copied to / from host memory, not yet taken
 
   def _jit_for(self, bucket: Bucket):
     """The jitted step to lower for `bucket`: the shared one, or with
@@ -283,12 +295,54 @@ class Runner:
     s = self._no_swaps()
     if swaps is not None:
       s, moved_out, moved_in = swaps
-      self.cache, self.host_cache = swap_step.dispatch_copies(
+      self.cache, self.host_cache, moved = swap_step.dispatch_copies(
           self.cache, self.host_cache, moved_out, moved_in)
+      self.moved = [a + b for a, b in zip(self.moved, moved)]
     self.cache, self.state, self.tier, self.last_tokens, out, _ = exe(
         self._params, self.cache, self.state, self.tier, self.last_tokens,
         self.slots, self.place(xs), s)
     return out
+
+  def copy_prefix_blocks(self, copies) -> None:
+    """Dispatches a step's prefix-cache host-level copies
+    (`prefix_offload.Copies`; None: nothing): the stores (device to host)
+    first, then the loads; call it before dispatching the step. Pairs are
+    padded to a power of two (`swap_step.copy_pairs`: few compiled sizes)."""
+    if copies is None:
+      return
+    pool = self.host_cache
+    pool.flush()  # the earlier steps' stores (their gathers have run)
+    src, dst, n_out = swap_step.copy_pairs(copies.out.src, copies.out.dst)
+    if n_out:
+      pool.store(self.cache, src, dst[:n_out])
+    src, dst, n_in = swap_step.copy_pairs(copies.back.src, copies.back.dst)
+    if n_in:
+      self.cache = pool.load(self.cache, src, dst)
+    self.moved = [self.moved[0] + n_out, self.moved[1] + n_in]
+
+  def compile_prefix_copies(self, max_blocks: int) -> None:
+    """Runs both copies once at every padded size up to `max_blocks` (all
+    pairs -1: nothing moves), so that no step compiles one."""
+    if not self.prefix_host_blocks:
+      return
+    t = time.perf_counter()
+    m = 1
+    while m <= max_blocks:
+      none = np.full(m, -1, np.int32)
+      self.host_cache.store(self.cache, none, none[:0])
+      self.cache = self.host_cache.load(self.cache, none, none)
+      m *= 2
+    jax.block_until_ready(self.cache)
+    self.compile_seconds += time.perf_counter() - t
+
+  def take_moved_bytes(self) -> tuple[int, int]:
+    """Bytes copied device -> host and host -> device by the copies
+    dispatched since the last call (real blocks x `KVCache.bytes_per_block`)."""
+    (out, back), self.moved = self.moved, [0, 0]
+    if not (out or back):
+      return 0, 0
+    per_block = self.cache.bytes_per_block
+    return out * per_block, back * per_block
 
   def dispatch_bookkeeping(self, xs: list[StepInputs]) -> StepOutputs:
     """Launches the bookkeeping of a step with no entries

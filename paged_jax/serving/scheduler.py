@@ -52,6 +52,7 @@ from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.host_pool import HostPool
 from paged_jax.serving.multistep_host import MultiStep
 from paged_jax.serving.packing import Bookkeeping, Entry, InputPacking
+from paged_jax.serving.prefix_offload import PrefixOffload
 from paged_jax.serving.prefix import (Candidate, PrefixCaching, Registration,
                                       register_rows)
 from paged_jax.serving.requests import (Group, Request, RequestDelta,
@@ -86,8 +87,8 @@ def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
-class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep,
-                PoolResizing):
+class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
+                MultiStep, PoolResizing):
   """The host side of one block pool: queues, admission, preemption, the
   step's inputs and applying its results. `Engine` drives one per pool (one
   per data shard on a mesh); the device arrays live in the `Engine`."""
@@ -136,6 +137,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep,
     self._slots = HostSlots(self.max_seqs, config.max_logit_bias)
     self._fork_pending = False  # a child may wait to fork (see `_forks`)
     self._init_swapping(initial_state)  # preemption by swap (`swap.py`)
+    self._init_prefix_offload()  # the prefix cache's host level
 
   # ----------------------------------------------------------------- requests
 
@@ -209,13 +211,14 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep,
 
   def usage(self) -> dict:
     """Blocks used (held by sequences) / cached (free to reuse, their K/V
-    kept for prefix-cache hits) / total, running and waiting sequences (from
-    the last step)."""
+    kept for prefix-cache hits) / total, running and waiting sequences, and
+    the host tier's (`swap.Swapping.host_usage`), from the last step."""
     pool = self._pool
     used = self.config.num_blocks - pool.num_free - pool.num_cached
     return {"blocks_used": used, "blocks_cached": pool.num_cached,
             "blocks_total": self.config.num_blocks,
-            "running": len(self._running), "waiting": len(self._waiting)}
+            "running": len(self._running), "waiting": len(self._waiting),
+            **self.host_usage()}
 
   @property
   def prefix_index(self) -> prefix_cache.PrefixIndex | None:
@@ -327,6 +330,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep,
     self._running.remove(seq)
     self._free_slots.append(seq.slot)
     seq.slot = -1
+    self._drop_loads(seq)  # its host-level loads too (`prefix_offload.py`)
     if self._shares.pop(seq, None) is not None:  # its hit is taken back too
       seq.num_cached = seq.num_registered = 0
     self._insert(self._waiting, seq)

@@ -101,6 +101,14 @@ class EngineStats:
     swapped_out, swapped_in: sequences preempted by swap, and swapped back
       (`EngineConfig.preemption_mode`); swap_blocks_out, swap_blocks_in:
       blocks copied to and from host memory (x `kv_cache` bytes per block).
+    offload_bytes_to_host, offload_bytes_to_device: bytes of the copies
+      between device and host memory dispatched so far (swaps and the
+      prefix cache's host level), real blocks x `KVCache.bytes_per_block`
+      (vLLM's `kv_offload_total_bytes`, GPU_to_CPU / CPU_to_GPU).
+    external_prefix_queried_tokens, external_prefix_hit_tokens: prompt
+      tokens looked up in the prefix cache's host level after the device
+      cache missed them, and those found there (vLLM's
+      `external_prefix_cache_queries` / `_hits`); 0 without the level.
     multisteps: dispatches that ran several decode steps on the device
       (`EngineConfig.num_scheduler_steps`; each counts once in `steps`).
     multistep_tokens: tokens those dispatches sampled after their first
@@ -154,6 +162,10 @@ class EngineStats:
   swapped_in: int = 0
   swap_blocks_out: int = 0
   swap_blocks_in: int = 0
+  offload_bytes_to_host: int = 0
+  offload_bytes_to_device: int = 0
+  external_prefix_queried_tokens: int = 0
+  external_prefix_hit_tokens: int = 0
   deferred_admissions: int = 0
   multisteps: int = 0
   multistep_tokens: int = 0
@@ -217,6 +229,12 @@ class EngineStats:
     self.device_seconds += device
     if decode:
       self.decode_device_seconds += device
+
+  def add_transfers(self, to_host: int, to_device: int):
+    """Counts the bytes of dispatched copies between memories
+    (`Runner.take_moved_bytes`)."""
+    self.offload_bytes_to_host += to_host
+    self.offload_bytes_to_device += to_device
 
   @property
   def host_share(self) -> float:

@@ -201,6 +201,18 @@ class Swapping:
     seq.slot = -1
     return True
 
+  def host_usage(self) -> dict:
+    """`{"host_blocks_used", "host_blocks_total", "swapped"}`: the host
+    tier's blocks holding swapped-out K/V, its size, and the sequences
+    swapped out; with the prefix cache's host level its blocks (all 0
+    without a host tier)."""
+    pool = self._pool
+    if not isinstance(pool, SwapPool):  # the prefix cache's host level, if any
+      return self.prefix_host_usage()
+    t = pool.tier
+    return {"host_blocks_used": t.num_blocks - t.num_free,
+            "host_blocks_total": t.num_blocks, "swapped": len(self._swapped)}
+
   def has_swaps(self) -> bool:
     return isinstance(self._pool, SwapPool) and any(self._pool.ids.values())
 

@@ -192,7 +192,7 @@ def copy_pairs(src, dst) -> tuple[np.ndarray, np.ndarray, int]:
 
 
 def dispatch_copies(cache: KVCache, host: KVCache, out, back
-                    ) -> tuple[KVCache, KVCache]:
+                    ) -> tuple[KVCache, KVCache, tuple[int, int]]:
   """Dispatches (does not await) a step's swap copies, with the pairs the
   host model computed (`HostTierPool.bookkeeping`'s `out`, `back`): device
   to host first, then host to device. Call it before dispatching the step
@@ -211,12 +211,14 @@ def dispatch_copies(cache: KVCache, host: KVCache, out, back
     back: the swap-in's `src` (host) / `dst` (device) blocks.
 
   Returns:
-    `(cache, host)`, the updated caches (the inputs when nothing moves).
+    `(cache, host, (blocks_out, blocks_in))`: the updated caches (the
+    inputs when nothing moves) and the real blocks each copy moved (its
+    padding excluded), for the stats.
   """
-  src, dst, n = copy_pairs(out.src, out.dst)
-  if n:
+  src, dst, n_out = copy_pairs(out.src, out.dst)
+  if n_out:
     host = kv_offload.copy_to_host(cache, host, src, dst)
-  src, dst, n = copy_pairs(back.src, back.dst)
-  if n:
+  src, dst, n_in = copy_pairs(back.src, back.dst)
+  if n_in:
     cache = kv_offload.copy_to_device(cache, host, src, dst)
-  return cache, host
+  return cache, host, (n_out, n_in)

@@ -168,3 +168,10 @@ def test_cached_blocks_moved_by_compaction_still_hit(model):
   assert moved  # the long sequence's blocks were relabelled
   assert got == want
   assert stats.prefix_cache_hit_rate > 0
+
+
+def test_the_prefix_host_level_is_refused_by_name(model):
+  engine = make_engine(model, POOL, enable_prefix_caching=True,
+                       kv_offloading_size=0.001, **SHAPES)
+  with pytest.raises(ValueError, match="kv_offloading_size"):
+    engine.resize_kv_cache(2 * POOL)

@@ -133,3 +133,48 @@ def test_groups_under_swap_preemption(model, params, async_scheduling):
   assert int(small.block_state.num_free) == SMALL_POOL
   assert int(small._runner.tier.num_free) == 16  # pylint: disable=protected-access
   assert not small.has_unfinished()
+
+
+def test_stats_and_usage_count_the_copies_dispatched(model, monkeypatch):
+  """`EngineStats.offload_bytes_*` equal the real pairs handed to the copy
+  programs times one block's bytes; `usage()` reports the tier while
+  sequences are out, and 0 when idle or without a tier."""
+  from paged_jax import kv_offload  # pylint: disable=import-outside-toplevel
+  seen = {"out": 0, "in": 0}
+
+  def counting(name, fn):
+    def wrapped(cache, host, src, dst):
+      src, dst = np.asarray(src), np.asarray(dst)
+      seen[name] += int(np.sum((src >= 0) & (dst >= 0)))
+      return fn(cache, host, src, dst)
+    return wrapped
+
+  monkeypatch.setattr(kv_offload, "copy_to_host",
+                      counting("out", kv_offload.copy_to_host))
+  monkeypatch.setattr(kv_offload, "copy_to_device",
+                      counting("in", kv_offload.copy_to_device))
+  engine = make_engine(model, num_blocks=SMALL_POOL, admission_headroom_steps=0,
+                       preemption_mode="swap", swap_space_blocks=16)
+  usages = []
+  for r in random_requests(1, 8, prompt=(8, 24), new=(8, 16)):
+    assert engine.add_request(r) is None
+  engine.run_until_done(on_step=lambda e, _: usages.append(e.usage()))
+  engine.flush()
+  st, cache = engine.stats, engine.cache
+  c = model.config
+  per_block = (2 * c.num_layers * c.num_kv_heads * cache.block_size * c.head_dim
+               * cache.dtype.itemsize)
+  assert cache.bytes_per_block == per_block
+  assert seen["out"] == st.swap_blocks_out > 0 and seen["in"] == st.swap_blocks_in
+  assert st.offload_bytes_to_host == seen["out"] * per_block
+  assert st.offload_bytes_to_device == seen["in"] * per_block
+  out = [u for u in usages if u["swapped"]]
+  assert out, "no step saw a sequence swapped out"
+  assert all(0 < u["host_blocks_used"] <= u["host_blocks_total"] == 16 for u in out)
+  assert engine.usage()["host_blocks_used"] == engine.usage()["swapped"] == 0
+  off = make_engine(model, num_blocks=SMALL_POOL, admission_headroom_steps=0)
+  serve(off, random_requests(1, 4, prompt=(8, 24), new=(8, 16)))
+  assert {k: off.usage()[k] for k in ("host_blocks_used", "host_blocks_total",
+                                      "swapped")} == dict.fromkeys(
+      ("host_blocks_used", "host_blocks_total", "swapped"), 0)
+  assert off.stats.offload_bytes_to_host == off.stats.offload_bytes_to_device == 0

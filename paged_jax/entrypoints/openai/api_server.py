@@ -7,7 +7,8 @@
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with
 `"stream": true` for server-sent events), `GET /v1/models`, `GET /health`,
 `GET /metrics` (Prometheus: KV-cache usage, running / waiting requests,
-preemptions, time to first token and inter-token latency histograms).
+preemptions, time to first token and inter-token latency histograms; the
+host tier's usage, swaps and bytes moved each way).
 
 One engine loop runs in its own thread beside the HTTP event loop
 (`engine_loop.EngineLoop`): requests from every client join its continuous
@@ -477,7 +478,8 @@ def build(args):
       admission_headroom_steps=args.admission_headroom_steps,
       num_scheduler_steps=args.num_scheduler_steps, max_logprobs=args.max_logprobs, max_logit_bias=args.max_logit_bias,
       speculative_config=args.speculative_config,
-      preemption_mode=args.preemption_mode, swap_space_blocks=args.swap_space_blocks)
+      preemption_mode=args.preemption_mode, swap_space_blocks=args.swap_space_blocks,
+      kv_offloading_size=args.kv_offloading_size)
   engine = Engine(model, config, mesh=mesh)
   if not args.no_warmup:
     engine.warmup()

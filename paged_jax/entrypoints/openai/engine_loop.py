@@ -267,3 +267,39 @@ class _EngineCollector:
     yield GaugeMetricFamily("paged_jax_kv_cache_blocks_cached",
                             "Free KV blocks that keep their content for "
                             "prefix-cache hits.", value=u.get("blocks_cached", 0))
+    yield from _host_tier_metrics(u, st)
+
+
+def _host_tier_metrics(u: dict, st):
+  """The host tier's series (vLLM's names where it has them: v0's
+  `num_requests_swapped`, the offloading connector's `kv_offload_total_bytes`
+  and `external_prefix_cache_*`; `kv_offload_cpu_cache_usage_perc` as a
+  fraction, like `paged_jax_kv_cache_usage_fraction`). All 0 without a tier."""
+  from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # pylint: disable=import-outside-toplevel
+  yield GaugeMetricFamily("paged_jax_num_requests_swapped",
+                          "Sequences swapped out to host memory.",
+                          value=u.get("swapped", 0))
+  total = u.get("host_blocks_total", 0)
+  yield GaugeMetricFamily("paged_jax_kv_offload_host_cache_usage_fraction",
+                          "Host-tier KV blocks in use / blocks in the host tier "
+                          "(0 without one).",
+                          value=u.get("host_blocks_used", 0) / total if total else 0.0)
+  moved = CounterMetricFamily("paged_jax_kv_offload_total_bytes",
+                              "Bytes of KV blocks copied between device and host "
+                              "memory.", labels=["transfer_type"])
+  moved.add_metric(["device_to_host"], st.offload_bytes_to_host)
+  moved.add_metric(["host_to_device"], st.offload_bytes_to_device)
+  yield moved
+  swaps = CounterMetricFamily("paged_jax_swaps",
+                              "Sequences swapped out to / in from host memory.",
+                              labels=["direction"])
+  swaps.add_metric(["out"], st.swapped_out)
+  swaps.add_metric(["in"], st.swapped_in)
+  yield swaps
+  yield CounterMetricFamily("paged_jax_external_prefix_cache_queries",
+                            "Prompt tokens looked up in the host prefix-cache "
+                            "level after a device miss.",
+                            value=st.external_prefix_queried_tokens)
+  yield CounterMetricFamily("paged_jax_external_prefix_cache_hits",
+                            "Prompt tokens served from the host prefix-cache level.",
+                            value=st.external_prefix_hit_tokens)

@@ -248,7 +248,7 @@ def test_copies_round_trip_through_a_step_that_reuses_the_blocks():
             _pad(q, 0), _pad(out_ids), _pad(in_ids))
     nonlocal state, tier, cache, host
     *_, out, back = tiers.bookkeeping(pool, *args)
-    cache, host = swap_step.dispatch_copies(cache, host, out, back)
+    cache, host, _ = swap_step.dispatch_copies(cache, host, out, back)
     state, tier, *_ = _bookkeeping(state, tier, *args)
     assert_same(pool, tiers, state, tier)
     return out, back
