@@ -158,10 +158,10 @@ def main(argv=None) -> int:
           f"ours {statistics.median(cpus['ours']) / statistics.median(walls['ours']):.2f}, "
           f"transformers {statistics.median(cpus['transformers']) / statistics.median(walls['transformers']):.2f}",
           flush=True)
-  results["loadavg_after"] = os.getloadavg()
-  out = pathlib.Path(args.output)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(results, indent=1))
+    results["loadavg_after"] = os.getloadavg()
+    out = pathlib.Path(args.output)  # after each batch size: a cut run keeps its figures
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
   print(f"wrote {out}")
   return 0
 

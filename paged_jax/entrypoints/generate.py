@@ -16,7 +16,9 @@ with `--prompt TEXT` / `--prompts-file FILE` text. `--output FILE` writes
 every request's generated ids and finish reason as JSON. Temperature 0 (the
 default) is deterministic.
 
-Every flag has a finite range, checked while parsing; a bad flag or input is
+Every flag has a finite range, checked before any work: a flag that sets an
+`EngineConfig` or `SamplingParams` field by that class's own rule (one place;
+the message names the flag), the others while parsing. A bad flag or input is
 one `error: ...` line naming the flag and exit status 2, before any work
 (the KV pool is checked against the device's free memory before it is
 allocated). A run in which every request is rejected exits 1 after its report.
@@ -58,7 +60,7 @@ CHAT_DEMO = ("What is the capital of France?",
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  """The flags, each range-checked while parsing (one `error:` line, exit 2).
+  """The flags (`check_args` checks them: one `error:` line, exit 2).
 
   Where vLLM has a flag of the same meaning its name is an alias
   (`--max-num-seqs`, `--max-num-batched-tokens`); messages name the one typed.
