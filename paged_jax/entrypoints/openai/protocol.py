@@ -13,7 +13,10 @@ The rules, so that no value can harm the engine:
 - Types are strict: an integer field takes a JSON integer only (not 2.9, not
   2.0, not `true`, not "2"); a number field takes an integer or a finite float.
 - Integers are bounded to what the engine holds (int32: token ids, `top_k`,
-  `seed + n - 1`, counts); `max_tokens`, `n` and `best_of` are >= 1.
+  `n`, `best_of`, `logprobs`); `n` and `best_of` are >= 1. The ranges of the
+  fields that `SamplingParams` takes as they are (`max_tokens`, `temperature`,
+  `top_p`, `seed`, `min_tokens`, and `seed + n - 1`) are its own rules, its
+  ValueError worded in the request's field names (`sampling_error`).
 - `logit_bias` is OpenAI's: an object from token ids (strings of decimal
   digits) to biases in [-100, 100], at most `MAX_LOGIT_BIAS` entries (and at
   most the server's `--max-logit-bias`, ids inside its vocabulary:
@@ -42,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paged_jax import _cli
 from paged_jax._int32 import INT32_MAX
-from paged_jax.serving.sampling import FLOAT32_MAX, SamplingParams
+from paged_jax.serving.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16  # stop strings per request (each one is searched per delta)
 MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's bound)
@@ -221,15 +224,18 @@ class _SamplingRequest(_Strict):
   """The fields both endpoints share."""
 
   model: str | None = None
-  max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
-  temperature: float | None = Field(None, ge=0, le=FLOAT32_MAX, allow_inf_nan=False)
-  top_p: float | None = Field(None, ge=1e-30, le=1, allow_inf_nan=False)
+  # The ranges of max_tokens, temperature, top_p, seed and min_tokens are
+  # SamplingParams' rules (`sampling_error` words them); n and top_k are
+  # bounded here, n before it sizes the random seed, top_k for vLLM's -1.
+  max_tokens: int | None = None
+  temperature: float | None = Field(None, allow_inf_nan=False)
+  top_p: float | None = Field(None, allow_inf_nan=False)
   top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # vLLM: -1 or 0 keeps all
   n: int | None = Field(None, ge=1, le=INT32_MAX)
-  seed: int | None = Int32
+  seed: int | None = None
   stop: Any = None
   stop_token_ids: list[TokenId] | None = None
-  min_tokens: int | None = Int32
+  min_tokens: int | None = None
   ignore_eos: bool | None = False
   cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
   stream: bool | None = False
@@ -324,7 +330,7 @@ class ChatCompletionRequest(_SamplingRequest):
   """`POST /v1/chat/completions`."""
 
   messages: list[ChatMessage] = Field(min_length=1)
-  max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+  max_completion_tokens: int | None = None  # SamplingParams' range, as max_tokens
   logprobs: bool | None = False
   top_logprobs: int | None = Int32  # at most the server's --max-logprobs
   add_generation_prompt: bool | None = True  # vLLM
@@ -337,7 +343,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
   @property
   def requested_max_tokens(self) -> int | None:
-    return self.max_completion_tokens or self.max_tokens
+    return (self.max_completion_tokens if self.max_completion_tokens is not None
+            else self.max_tokens)
 
   @property
   def num_logprobs(self) -> int | None:
@@ -494,7 +501,7 @@ def sampling_error(error: ValueError, req: _SamplingRequest) -> RequestError:
   range with `n`, `min_tokens` within the budget, ...) as a 400 in the
   request's field names, `param` the first field it names."""
   names = dict(_PUBLIC)
-  if getattr(req, "max_completion_tokens", None):
+  if getattr(req, "max_completion_tokens", None) is not None:
     names["max_new_tokens"] = "max_completion_tokens"
   if isinstance(req, ChatCompletionRequest):
     names["logprobs"] = "top_logprobs"
@@ -546,7 +553,7 @@ def check_limits(req: _SamplingRequest, params: SamplingParams, *, prompt_len: i
                          f"tokens; the prompt has {prompt_len}", where,
                          code="context_length_exceeded")
     name = ("max_completion_tokens" if getattr(req, "max_completion_tokens", None)
-            else "max_tokens")
+            is not None else "max_tokens")
     raise RequestError(f"This model's maximum context length is {max_model_len} "
                        f"tokens; the prompt has {prompt_len} and {name} asks for "
                        f"{params.max_new_tokens} more ({prompt_len + params.max_new_tokens})",
