@@ -5,7 +5,9 @@ the same weights on both sides: ours dequantised by `paged_jax.models.gguf`,
 transformers' by its own GGUF reader (`load_gguf_checkpoint`, float32,
 torch on the CPU). The same chat prompts, greedy, EOS ignored, the same number of
 new tokens; batch 1 (one prompt) and batch 16 (sixteen prompts at once; transformers
-pads them on the left with an attention mask). After one untimed run each, runs alternate ours, theirs per batch
+pads them on the left with an attention mask, pad = EOS = 2, which SmolLM2's `generate` needs spelled out).
+torch runs on `--threads` threads (default 2, `torch.set_num_threads`); XLA CPU
+uses the machine's cores (2 on the 2-core container: the same). After one untimed run each, runs alternate ours, theirs per batch
 size, and the medians of `--reps` runs are reported as output tokens/s. Our engine
 compiles its step shapes in an untimed first run (compilation excluded); its KV pool
 holds the batch's tokens.
@@ -26,6 +28,7 @@ import statistics
 import sys
 import time
 
+PAD = 2  # SmolLM2's EOS, <|im_end|>: transformers pads the batch with it
 QUESTIONS = [
     "What is the capital of France?", "Give me three tips for a good night's sleep.",
     "Write a haiku about the sea.", "What is 12 + 7?", "Name a famous painter.",
@@ -42,6 +45,7 @@ def main(argv=None) -> int:
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--new-tokens", type=int, default=32)
   ap.add_argument("--batches", default="1,16")
+  ap.add_argument("--threads", type=int, default=2, help="torch's intra-op threads")
   ap.add_argument("--output", default=str(pathlib.Path(__file__).parent / "results"
                                           / "vs_transformers.json"))
   args = ap.parse_args(argv)
@@ -51,6 +55,10 @@ def main(argv=None) -> int:
   except ImportError as e:
     print(f"skipped: torch and transformers are needed ({e})")
     return 0
+  torch.set_num_threads(args.threads)
+  import os  # pylint: disable=import-outside-toplevel
+  load_before = os.getloadavg()
+  started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
   from paged_jax.models import loader  # pylint: disable=import-outside-toplevel
   from paged_jax.serving.llm import LLM  # pylint: disable=import-outside-toplevel
   from paged_jax.serving.sampling import SamplingParams  # pylint: disable=import-outside-toplevel
@@ -97,18 +105,19 @@ def main(argv=None) -> int:
 
   def run_hf(ps):
     width = max(len(p) for p in ps)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in ps])
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in ps])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
     t0, c0 = time.perf_counter(), time.process_time()
     with torch.no_grad():
       g = hf.generate(ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new,
-                      do_sample=False, eos_token_id=None, pad_token_id=0)
+                      do_sample=False, eos_token_id=None, pad_token_id=PAD)
     wall = time.perf_counter() - t0
     cpu.append(time.process_time() - c0)
     return wall, [row[width:].tolist() for row in g]
 
   results = {"model": ours.name, "file": str(path), "new_tokens": n_new,
-             "torch_threads": torch.get_num_threads(), "load_seconds_ours": load_ours,
+             "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+             "started": started, "loadavg_before": load_before, "load_seconds_ours": load_ours,
              "load_seconds_transformers": load_hf, "machine": "2-core CPU container, loaded",
              "batches": {}}
   for b in batches:
@@ -132,21 +141,27 @@ def main(argv=None) -> int:
         else:
           same = sum(a == c for a, c in zip(got, toks))
     tps = {k: b * n_new / statistics.median(v) for k, v in walls.items()}
+    ms_token = {k: 1e3 * statistics.median(v) / (b * n_new) for k, v in walls.items()}
+    ms_step = {k: 1e3 * statistics.median(v) / n_new for k, v in walls.items()}
     results["batches"][b] = {
         "walls": walls, "process_cpu_seconds": cpus,
-        "compile_seconds_in_timed_runs_ours": sum(recompiled), "tokens_per_s": tps, "ratio_ours_over_transformers":
+        "compile_seconds_in_timed_runs_ours": sum(recompiled), "tokens_per_s": tps,
+        "ms_per_output_token": ms_token, "ms_per_decode_step": ms_step, "loadavg": os.getloadavg(),
+        "ratio_ours_over_transformers":
         tps["ours"] / tps["transformers"], "first_run_seconds_ours": compile_s,
         "greedy_sequences_identical": f"{same}/{b}",
         "deterministic_ours": first == got}
     print(f"batch {b:>2}: ours {tps['ours']:7.1f} tok/s, transformers "
-          f"{tps['transformers']:7.1f} tok/s (x{tps['ours'] / tps['transformers']:.2f}); "
+          f"{tps['transformers']:7.1f} tok/s (x{tps['ours'] / tps['transformers']:.2f}); ms/token "
+          f"{ms_token['ours']:.1f} vs {ms_token['transformers']:.1f}; "
           f"greedy identical {same}/{b}; first run (compiling) {compile_s:.1f} s; CPU/wall "
           f"ours {statistics.median(cpus['ours']) / statistics.median(walls['ours']):.2f}, "
           f"transformers {statistics.median(cpus['transformers']) / statistics.median(walls['transformers']):.2f}",
           flush=True)
-  out = pathlib.Path(args.output)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(results, indent=1))
+    results["loadavg_after"] = os.getloadavg()
+    out = pathlib.Path(args.output)  # after each batch size: a cut run keeps its figures
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
   print(f"wrote {out}")
   return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import decimal
 import fractions
+import math
 
 
 def one_line(text: str, limit: int = 400) -> str:
@@ -72,6 +73,31 @@ def int_in(lo: int, hi: int):
 
 
 _MAX_PLACES = 30
+
+
+def integer(text: str) -> int:
+  """An argparse type: an integer of at most 30 digits, any sign. For a flag
+  that sets a field of `EngineConfig` or `SamplingParams`: the range is that
+  class's rule (one place), and the CLI reports its ValueError with the
+  flag's name (`entrypoints.engine_args.as_flags`)."""
+  digits = text.strip().lstrip("+-")
+  if not (digits.isascii() and digits.isdigit()) or len(digits) > _MAX_PLACES:
+    raise argparse.ArgumentTypeError(
+        f"expected an integer (at most {_MAX_PLACES} digits), got {shown(text)}")
+  return int(text)
+
+
+def number(text: str) -> float:
+  """An argparse type: a finite number (ASCII decimal, any sign, as a
+  float); the range is the config's rule, as for `integer`."""
+  t = text.strip()
+  try:
+    value = float(t) if t.isascii() and "_" not in t else None
+  except ValueError:
+    value = None
+  if value is None or not math.isfinite(value):
+    raise argparse.ArgumentTypeError(f"expected a finite number, got {shown(text)}")
+  return value
 
 
 def _exact_number(text: str, *, allow_ratio: bool) -> fractions.Fraction | None:

@@ -18,6 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 from paged_jax.entrypoints import generate
 from paged_jax import capacity
+from paged_jax.serving.config import MAX_MODEL_LEN, SIZE_LIMITS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENV = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
@@ -32,21 +33,26 @@ JUNK = st.one_of(
                      "9" * 5000, "\x00", "é" * 100]),
     st.text(max_size=12))
 
-# generate.py: integer flags and their ranges (parse_args is the truth; this
-# table only picks values outside them).
+# generate.py: integer flags and their ranges. Flags that set an
+# EngineConfig / SamplingParams field take their range from that class
+# (`config.SIZE_LIMITS`, int32 for the sampling fields; the batch, 16 by
+# default, bounds --n and --beam-width, the context, 256, --max-new-tokens);
+# the others are the parser's. This table only picks values outside them.
+INT32 = 2**31 - 1
 GEN_INTS = {
     "--model-seed": (0, 2**63 - 1), "--num-requests": (1, generate.MAX_REQUESTS),
-    "--workload-seed": (0, 2**63 - 1), "--max-new-tokens": (1, generate.MAX_MODEL_LEN),
-    "--top-k": (0, generate.INT31), "--n": (1, generate.MAX_SEQS),
-    "--beam-width": (1, generate.MAX_SEQS), "--seed": (0, generate.INT31),
-    "--block-size": (1, generate.MAX_BLOCK_SIZE), "--num-blocks": (1, generate.INT31),
-    "--max-batch": (1, generate.MAX_SEQS), "--max-num-seqs": (1, generate.MAX_SEQS),
-    "--max-tokens-per-step": (1, generate.MAX_TOKENS_PER_STEP),
-    "--max-num-batched-tokens": (1, generate.MAX_TOKENS_PER_STEP),
-    "--max-model-len": (2, generate.MAX_MODEL_LEN),
-    "--num-processes": (1, generate.MAX_SEQS), "--process-id": (0, generate.MAX_SEQS),
+    "--workload-seed": (0, 2**63 - 1), "--max-new-tokens": (1, 255),
+    "--top-k": (0, INT32), "--n": (1, 16), "--beam-width": (1, 16),
+    "--seed": (0, INT32), "--block-size": (1, 256),
+    "--num-blocks": (1, SIZE_LIMITS["num_blocks"]),
+    "--max-batch": (1, 128), "--max-num-seqs": (1, 128),
+    "--max-tokens-per-step": (16, SIZE_LIMITS["max_tokens_per_step"]),
+    "--max-num-batched-tokens": (16, SIZE_LIMITS["max_tokens_per_step"]),
+    "--max-model-len": (2, MAX_MODEL_LEN),
+    "--num-processes": (1, generate.MAX_PROCESSES),
+    "--process-id": (0, generate.MAX_PROCESSES),
 }
-GEN_NUMBERS = {"--temperature": (0, 10**6), "--top-p": (0, 1),
+GEN_NUMBERS = {"--temperature": (0, 10**39), "--top-p": (0, 1),  # > FLOAT32_MAX
                "--kv-budget-mb": (0, generate.MAX_KV_MB)}
 CAP_BASE = ["--layers", "2", "--kv-heads", "2", "--head-dim", "64",
             "--avg-tokens", "8", "--max-model-len", "64"]
@@ -127,7 +133,7 @@ def test_capacity_refuses_out_of_range_flags(flag_value):
 
 
 @SETTINGS
-@given(batch=st.integers(2, generate.MAX_SEQS), data=st.data())
+@given(batch=st.integers(2, SIZE_LIMITS["max_batch"]), data=st.data())
 def test_generate_refuses_inconsistent_sizes(batch, data):
   """Cross-flag rules name the flags typed (aliases included)."""
   step = data.draw(st.integers(1, batch - 1))
@@ -135,10 +141,10 @@ def test_generate_refuses_inconsistent_sizes(batch, data):
                                     ("--max-num-seqs", "--max-num-batched-tokens")]))
   err = _generate([b, str(batch), t, str(step)])
   assert err == f"error: {t} {step} must be >= {b} {batch} so every decode fits a step\n"
-  block = data.draw(st.integers(257, generate.MAX_BLOCK_SIZE))
+  block = data.draw(st.integers(257, SIZE_LIMITS["block_size"]))
   assert _generate(["--block-size", str(block)]).startswith(
       f"error: --block-size {block} must be <= --max-model-len 256")
-  n = data.draw(st.integers(17, generate.MAX_SEQS))
+  n = data.draw(st.integers(17, SIZE_LIMITS["max_batch"]))
   assert _generate(["--n", str(n)]) == (
       f"error: --n {n}: every request would be rejected: needs {n} sequences at "
       "once, --max-batch is 16\n")

@@ -27,12 +27,12 @@ MAX_SIMULATED_DEVICES = 512
 # fewer shapes for it (7 per engine instead of 15 at the default sizes).
 STEP_SHAPE_DEFAULTS = {"tiny": (1, True), "real": (4, False)}
 
-# Sane, finite ranges of the flags, checked while parsing (one line, exit 2).
+# Ranges of the flags that set no `EngineConfig` / `SamplingParams` field,
+# checked while parsing (one line, exit 2). A flag that sets a field parses
+# any integer (`_cli.integer`): its range is that class's rule, reported
+# with the flag's name (`check_engine_config`, `as_flags`).
 INT31 = 2**31 - 1
-MAX_SEQS = 2**16            # --max-batch, --n, --beam-width
-MAX_TOKENS_PER_STEP = 2**20
-MAX_MODEL_LEN = 2**24
-MAX_BLOCK_SIZE = 2**20
+MAX_PROCESSES = 2**16       # --num-processes, --process-id
 MAX_REQUESTS = 10**5
 MAX_KV_MB = 2**30           # 1 PiB
 DEFAULT_KV_TOKENS = 1024    # the KV memory when no budget is given: 64 x 16
@@ -115,10 +115,10 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_model: str = "tiny")
                    help="layers stacked under lax.scan (default), or separate and "
                    "unrolled: no per-step weight copies on CPU, a larger program")
   eng = p.add_argument_group("engine")
-  eng.add_argument("--block-size", type=count(1, MAX_BLOCK_SIZE), default=16,
+  eng.add_argument("--block-size", type=_cli.integer, default=16,
                    help="tokens per KV block; the KV memory stays the same "
                    "(the number of blocks follows) unless --num-blocks is given")
-  eng.add_argument("--num-blocks", type=count(1, INT31),
+  eng.add_argument("--num-blocks", type=_cli.integer,
                    help="KV blocks in the pool (default: from --kv-budget-mb, "
                    f"else {DEFAULT_KV_TOKENS} tokens' worth)")
   eng.add_argument("--kv-budget-mb", type=_cli.number_in(0, MAX_KV_MB, lo_open=True),
@@ -131,13 +131,13 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_model: str = "tiny")
                    "and KV head beside the 8-bit pages (about twice the tokens "
                    "per byte of bfloat16)")
   eng.add_argument("--max-batch", "--max-num-seqs", dest="max_batch",
-                   type=count(1, MAX_SEQS), default=16, action=_cli.TypedFlag,
+                   type=_cli.integer, default=16, action=_cli.TypedFlag,
                    help="sequences per step (the compiled decode batch)")
   eng.add_argument("--max-tokens-per-step", "--max-num-batched-tokens",
                    dest="max_tokens_per_step", action=_cli.TypedFlag,
-                   type=count(1, MAX_TOKENS_PER_STEP), default=128,
+                   type=_cli.integer, default=128,
                    help="token budget of a prefill/mixed step")
-  eng.add_argument("--min-bucket", type=count(1, MAX_TOKENS_PER_STEP),
+  eng.add_argument("--min-bucket", type=_cli.integer,
                    help="smallest compiled step shape: steps are padded to the "
                    "powers of two (and 1.5x midpoints) from it up to --max-batch "
                    "(decode) and --max-tokens-per-step (mixed); larger means "
@@ -160,15 +160,16 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_model: str = "tiny")
                    "cost 8-20%% of output tokens/s on the 2-core CPU, "
                    "benchmarks/RESULTS.md section 11); the contiguous "
                    "baseline never caches")
-  eng.add_argument("--admission-headroom-steps", type=count(0, MAX_MODEL_LEN),
+  eng.add_argument("--admission-headroom-steps", type=_cli.integer,
                    default=16,
                    help="block-aware admission: admit a waiting request only if "
                    "its blocks leave the running sequences room for this many "
                    "more decode steps (0: rows and token budget only, which "
                    "preempts more; EngineConfig.admission_headroom_steps)")
-  # Any integer parses: the range is EngineConfig's rule (one place), and
-  # its error names the range and the value given.
-  eng.add_argument("--num-scheduler-steps", type=count(-INT31 - 1, INT31),
+  # Flags that set an EngineConfig field parse any integer: the range is
+  # EngineConfig's rule (one place), and its error names the range and the
+  # value given (`check_engine_config`).
+  eng.add_argument("--num-scheduler-steps", type=_cli.integer,
                    default=1, metavar="K",
                    help="multi-step decode (vLLM's former flag): when nothing "
                    "waits for admission, run up to K decode steps in one device "
@@ -186,16 +187,16 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_model: str = "tiny")
                    "'recompute' drops its KV and computes it again, 'swap' "
                    "moves it to host memory and back (--swap-space-blocks; "
                    "one device, no prefix caching; EngineConfig.preemption_mode)")
-  eng.add_argument("--swap-space-blocks", type=count(-INT31 - 1, INT31), default=0,
+  eng.add_argument("--swap-space-blocks", type=_cli.integer, default=0,
                    metavar="N",
                    help="KV blocks of host memory for --preemption-mode swap "
                    "(EngineConfig.swap_space_blocks)")
-  eng.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",
+  eng.add_argument("--kv-offloading-size", type=_cli.number, default=0.0, metavar="GIB",
                    help="GiB of host memory for the prefix cache's host level "
                    "(vLLM's flag): blocks evicted from the device cache are kept "
                    "there and loaded back on a hit (needs --enable-prefix-caching; "
                    "one device; EngineConfig.kv_offloading_size)")
-  eng.add_argument("--max-model-len", type=count(2, MAX_MODEL_LEN), default=256,
+  eng.add_argument("--max-model-len", type=_cli.integer, default=256,
                    help="longest prompt + output (at least 2: one prompt and "
                    "one generated token)")
   eng.add_argument("--mesh", metavar="data=D,model=M",
@@ -227,6 +228,7 @@ FIELD_FLAGS = {
     "speculative_config": "speculative_config",
     "enable_prefix_caching": "enable_prefix_caching",
     "admission_headroom_steps": "admission_headroom_steps",
+    "num_scheduler_steps": "num_scheduler_steps",
     "preemption_mode": "preemption_mode", "swap_space_blocks": "swap_space_blocks",
     "kv_offloading_size": "kv_offloading_size",
     "max_logprobs": "max_logprobs", "max_logit_bias": "max_logit_bias",
@@ -236,14 +238,17 @@ FIELD_FLAGS = {
 }
 
 
-def as_flags(error: ValueError, args) -> ValueError:
+def as_flags(error: ValueError, args, fields: dict[str, str] | None = None) -> ValueError:
   """`error` (an `EngineConfig` or `SamplingParams` message, which names
   fields) with each field named as the flag the user typed: `max_batch=8` ->
   `--max-batch 8` (or `--max-num-seqs 8`), a bare `seed` -> `--seed`. The
-  rule, what it expected and what it got stay the config's own words."""
+  rule, what it expected and what it got stay the config's own words.
+  `fields` (field -> flag dest) overrides `FIELD_FLAGS` for a command whose
+  flag has another name (the server's `--max-tokens` sets `max_new_tokens`)."""
   text = str(error)
-  for field in sorted(FIELD_FLAGS, key=len, reverse=True):
-    name = flag(args, FIELD_FLAGS[field])
+  table = {**FIELD_FLAGS, **(fields or {})}
+  for field in sorted(table, key=len, reverse=True):
+    name = flag(args, table[field])
     text = re.sub(rf"(?<![\w.-]){field}=([^\s,)\]]+)", lambda m, n=name: f"{n} {m[1]}", text)
     text = re.sub(rf"(?<![\w.-]){field}(?![\w=(])", lambda m, n=name: n, text)
   return ValueError(text)
@@ -264,20 +269,19 @@ def check_engine_config(args) -> None:
   The pool size is not known yet (it follows from the model's KV bytes per
   token), so `--num-blocks` is checked only when given."""
   from paged_jax.serving.engine import EngineConfig  # pylint: disable=import-outside-toplevel
-  kw = dict(num_blocks=args.num_blocks or 1, block_size=args.block_size,
+  kw = dict(num_blocks=1 if args.num_blocks is None else args.num_blocks,
+            block_size=args.block_size,
             max_batch=args.max_batch, max_tokens_per_step=args.max_tokens_per_step,
             max_model_len=args.max_model_len, admission_headroom_steps=args.admission_headroom_steps,
             max_beam_width=getattr(args, "beam_width", 1),
             preemption_mode=args.preemption_mode,
             swap_space_blocks=args.swap_space_blocks,
             kv_offloading_size=args.kv_offloading_size,
-            enable_prefix_caching=args.enable_prefix_caching)
+            enable_prefix_caching=args.enable_prefix_caching,
+            num_scheduler_steps=args.num_scheduler_steps,
+            speculative_config=args.speculative_config)
   if args.min_bucket is not None:
     kw["min_bucket"] = args.min_bucket
-  if getattr(args, "speculative_config", None) is not None:  # and what it refuses
-    kw.update(speculative_config=args.speculative_config,
-              enable_prefix_caching=args.enable_prefix_caching,
-              num_scheduler_steps=args.num_scheduler_steps)
   for name in ("max_logprobs", "max_logit_bias"):  # the server's flags
     if getattr(args, name, None) is not None:
       kw[name] = getattr(args, name)

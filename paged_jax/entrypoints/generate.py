@@ -16,7 +16,9 @@ with `--prompt TEXT` / `--prompts-file FILE` text. `--output FILE` writes
 every request's generated ids and finish reason as JSON. Temperature 0 (the
 default) is deterministic.
 
-Every flag has a finite range, checked while parsing; a bad flag or input is
+Every flag has a finite range, checked before any work: a flag that sets an
+`EngineConfig` or `SamplingParams` field by that class's own rule (one place;
+the message names the flag), the others while parsing. A bad flag or input is
 one `error: ...` line naming the flag and exit status 2, before any work
 (the KV pool is checked against the device's free memory before it is
 allocated). A run in which every request is rejected exits 1 after its report.
@@ -38,9 +40,8 @@ from paged_jax.entrypoints import report
 from paged_jax.entrypoints.report import kv_cache_line  # noqa: F401
 from paged_jax.entrypoints import workload
 from paged_jax.entrypoints.engine_args import (  # noqa: F401  # the flags' ranges
-    DEFAULT_KV_TOKENS, INT31, MAX_BLOCK_SIZE, MAX_KV_MB, MAX_MODEL_LEN, MAX_REQUESTS,
-    MAX_SEQS, MAX_TOKENS_PER_STEP, add_engine_flags, check_engine_args,
-    engine_memory, kv_tokens_from_args, load_model)
+    DEFAULT_KV_TOKENS, INT31, MAX_KV_MB, MAX_PROCESSES, MAX_REQUESTS,
+    add_engine_flags, check_engine_args, engine_memory, kv_tokens_from_args, load_model)
 from paged_jax.entrypoints.prompts import (load_prompts, load_text_prompts,  # noqa: F401
                                            check_vocab, token_ids)
 from paged_jax.capacity import check_kv_memory, free_memory_bytes  # noqa: F401
@@ -59,7 +60,7 @@ CHAT_DEMO = ("What is the capital of France?",
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  """The flags, each range-checked while parsing (one `error:` line, exit 2).
+  """The flags (`check_args` checks them: one `error:` line, exit 2).
 
   Where vLLM has a flag of the same meaning its name is an alias
   (`--max-num-seqs`, `--max-num-batched-tokens`); messages name the one typed.
@@ -86,7 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    f"{WORKLOAD_DEFAULTS['real'][0]} on a real one)")
   src.add_argument("--workload-seed", type=count(0, 2**63 - 1), default=0)
   gen = p.add_argument_group("sampling")
-  gen.add_argument("--max-new-tokens", type=count(1, MAX_MODEL_LEN),
+  # The sampling flags parse any number: their ranges are SamplingParams'
+  # rules and the engine's size rule (`check_sampling_flags`).
+  gen.add_argument("--max-new-tokens", type=_cli.integer,
                    help="output budget per request (default: for the synthetic "
                    "workload drawn per request on the tiny model, "
                    f"{WORKLOAD_DEFAULTS['real'][1]} on a real one; for "
@@ -94,30 +97,30 @@ def parse_args(argv=None) -> argparse.Namespace:
   gen.add_argument("--ignore-eos", action="store_true",
                    help="generate exactly the output budget: stop tokens do "
                    "not end a sequence (fixed output lengths, for benchmarks)")
-  gen.add_argument("--temperature", type=_cli.number_in(0, 10**6), default=0.0,
+  gen.add_argument("--temperature", type=_cli.number, default=0.0,
                    help="0 = greedy")
-  gen.add_argument("--top-k", type=count(0, INT31), default=0, help="0 = off")
-  gen.add_argument("--top-p", type=_cli.number_in(0, 1, lo_open=True), default=1.0)
-  gen.add_argument("--n", type=count(1, MAX_SEQS), default=1, help="samples per prompt")
-  gen.add_argument("--beam-width", type=count(1, MAX_SEQS), default=1,
+  gen.add_argument("--top-k", type=_cli.integer, default=0, help="0 = off")
+  gen.add_argument("--top-p", type=_cli.number, default=1.0)
+  gen.add_argument("--n", type=_cli.integer, default=1, help="samples per prompt")
+  gen.add_argument("--beam-width", type=_cli.integer, default=1,
                    help="> 1: beam search")
   gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable; text prompts): the text ends "
                    "before it")
   gen.add_argument("--stop-token-ids", type=token_ids, default=(), metavar="IDS",
                    help="comma-separated token ids that also end a sequence")
-  gen.add_argument("--min-tokens", type=count(0, MAX_MODEL_LEN), default=0,
+  gen.add_argument("--min-tokens", type=_cli.integer, default=0,
                    help="no EOS or stop token before this many tokens")
-  gen.add_argument("--seed", type=count(0, INT31), default=0,
+  gen.add_argument("--seed", type=_cli.integer, default=0,
                    help="sampling seed (request i uses seed + i * n, wrapped to "
                    "stay within int32)")
   eng.add_argument("--coordinator", metavar="HOST:PORT",
                    help="several hosts: the address of process 0; every process "
                    "runs this same command with its own --process-id "
                    "(jax.distributed.initialize; see BUILD.md)")
-  eng.add_argument("--num-processes", type=count(1, MAX_SEQS), default=1,
+  eng.add_argument("--num-processes", type=count(1, MAX_PROCESSES), default=1,
                    help="processes (hosts) taking part, with --coordinator")
-  eng.add_argument("--process-id", type=count(0, MAX_SEQS), default=0,
+  eng.add_argument("--process-id", type=count(0, MAX_PROCESSES), default=0,
                    help="this process' index, with --coordinator")
   eng.add_argument("--request-rate", type=_cli.number_in(0, 10**9, lo_open=True),
                    metavar="R",
@@ -168,7 +171,8 @@ def check_sampling_flags(args) -> None:
   and `check_fits_engine`; ValueError with flag names (`ea.as_flags`).
   Without `--max-new-tokens` each request's budget is its own (min_tokens is
   then cut to it), so the budget checked is `--min-tokens` (at least 1)."""
-  new = args.max_new_tokens if args.max_new_tokens is not None else max(1, args.min_tokens)
+  new = (args.max_new_tokens if args.max_new_tokens is not None
+         else max(1, min(args.min_tokens, INT31)))
   try:
     params = SamplingParams(
         max_new_tokens=new, temperature=args.temperature, top_k=args.top_k,

@@ -12,8 +12,11 @@ from paged_jax import _cli
 
 
 def token_ids(text: str) -> tuple[int, ...]:
+  """`--stop-token-ids`: comma-separated integers (their range is
+  `SamplingParams`' rule, checked with the flag's name)."""
   parts = [t.strip() for t in text.split(",") if t.strip()]
-  if not parts or not all(t.isascii() and t.isdigit() and len(t) < 10 for t in parts):
+  if not parts or not all(t.lstrip("-").isascii() and t.lstrip("-").isdigit()
+                          and len(t) <= 30 for t in parts):
     raise argparse.ArgumentTypeError(
         f"expected comma-separated token ids, got {_cli.shown(text)}")
   return tuple(int(t) for t in parts)

@@ -20,6 +20,15 @@ from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.multistep import MAX_STEPS
 
 
+# The largest value of each size (past it a value is a mistake, not a
+# setting: each sizes arrays of every step or of the pool). Block ids are
+# int32, the batch and step sizes set rows of every compiled step.
+MAX_MODEL_LEN = 2**24
+SIZE_LIMITS = {"num_blocks": 2**31 - 1, "block_size": 2**20, "max_batch": 2**16,
+               "max_tokens_per_step": 2**20, "max_beam_width": 2**16,
+               "min_bucket": 2**20}
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """Static engine sizes (they fix the compiled shapes).
@@ -138,15 +147,16 @@ class EngineConfig:
   def __post_init__(self):
     swap_lib.check_config(self)
     prefix_offload.check_config(self)
-    for name in ("num_blocks", "block_size", "max_batch", "max_tokens_per_step",
-                 "max_beam_width", "min_bucket"):
+    for name, hi in SIZE_LIMITS.items():
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+      if value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
     # Upper bounds: past them a value is a mistake, not a setting (the
     # headroom is in decode steps, at most the longest sequence the CLIs
     # allow; the other two size per-row arrays of every step).
-    for name, hi in (("admission_headroom_steps", 2**24), ("max_logprobs", 2**16),
+    for name, hi in (("admission_headroom_steps", MAX_MODEL_LEN), ("max_logprobs", 2**16),
                      ("max_logit_bias", 2**16)):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -166,6 +176,8 @@ class EngineConfig:
                        f"max_batch={self.max_batch} so every decode fits a step")
     if self.max_model_len is not None and self.max_model_len < 2:
       raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+    if self.max_model_len is not None and self.max_model_len > MAX_MODEL_LEN:
+      raise ValueError(f"max_model_len must be <= {MAX_MODEL_LEN}, got {self.max_model_len}")
     if self.max_beam_width > self.max_batch:
       raise ValueError(f"max_beam_width={self.max_beam_width} must be <= "
                        f"max_batch={self.max_batch}")

@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import time
 from typing import Callable, NamedTuple
+import jax
 
 from jax.sharding import Mesh
 

@@ -422,7 +422,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
       if not cache_ok.all():
         pool.rollback()
         raise RuntimeError("a prefix-cache registration or hit was refused: "
-                           f"the index and the pool disagree (engine bug)")
+                           "the index and the pool disagree (engine bug)")
       refused = np.flatnonzero(~res.ok[:len(plan)])
       if not refused.size:
         pool.commit()

@@ -184,17 +184,20 @@ def make_app(loop: EngineLoop, tokenizer: Tokenizer, *, model_name: str,
       text, prompt = req.prompt, tokenizer.encode(req.prompt)
     else:
       text, prompt = None, list(req.prompt)
-    max_tokens = protocol.check_limits(
+    max_tokens = protocol.default_max_tokens(
         req, prompt_len=len(prompt), max_model_len=engine.max_model_len,
-        max_seqs=engine.config.max_batch, default_max_tokens=default_max_tokens,
-        max_logprobs=engine.max_logprobs, max_logit_bias=engine.config.max_logit_bias,
-        vocab_size=engine.model_config.vocab_size)
+        default_max_tokens=default_max_tokens)
     seed = req.seed if req.seed is not None else random.randint(
         0, INT32_MAX - req.num_seqs + 1)
-    try:
+    try:  # SamplingParams' own rules (the seed with n, min_tokens, ...)
       params = req.sampling_params(max_tokens, seed)
-    except ValueError as e:  # the schema let through what the engine refuses
-      raise RequestError(_cli.one_line(e)) from None
+    except ValueError as e:
+      raise protocol.sampling_error(e, req) from None
+    protocol.check_limits(
+        req, params, prompt_len=len(prompt), max_model_len=engine.max_model_len,
+        max_seqs=engine.config.max_batch, max_logprobs=engine.max_logprobs,
+        max_logit_bias=engine.config.max_logit_bias,
+        vocab_size=engine.model_config.vocab_size)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     return Request(rid, prompt, params, cache_salt=req.cache_salt), text, prompt
 
@@ -435,18 +438,19 @@ def parse_args(argv=None) -> argparse.Namespace:
   srv.add_argument("--port", type=_cli.int_in(0, 65535), default=8000)
   srv.add_argument("--max-waiting", type=_cli.int_in(1, 10**6), default=256,
                    help="waiting requests past which new ones get 503 + Retry-After")
-  srv.add_argument("--max-tokens", type=_cli.int_in(1, gen.MAX_MODEL_LEN), default=16,
-                   help="max_tokens of a request that gives none")
+  srv.add_argument("--max-tokens", type=_cli.integer, default=16,
+                   help="max_tokens of a request that gives none (cut to what "
+                   "the context leaves; SamplingParams.max_new_tokens)")
   srv.add_argument("--model-name", help="the model id served (default: the "
                    "model's name, or paged-jax-tiny)")
   srv.add_argument("--max-body-bytes", type=_cli.int_in(1024, 2**31 - 1),
                    default=MAX_BODY_BYTES,
                    help="a request body past it gets 413 (and the connection closes)")
-  srv.add_argument("--max-logprobs", type=_cli.int_in(0, 2**16), default=20,
+  srv.add_argument("--max-logprobs", type=_cli.integer, default=20,
                    help="most top log-probs a request may ask for (completions' "
                    "logprobs, chat's top_logprobs); the device step computes this "
                    "many per sampled row (EngineConfig.max_logprobs)")
-  srv.add_argument("--max-logit-bias", type=_cli.int_in(0, protocol.MAX_LOGIT_BIAS),
+  srv.add_argument("--max-logit-bias", type=_cli.integer,
                    default=protocol.MAX_LOGIT_BIAS,
                    help="most logit_bias entries a request may give; every step "
                    "sends 8 bytes per entry and sampled row (EngineConfig."
@@ -455,10 +459,27 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="compile step shapes on first use, not at start")
   args = p.parse_args(argv)
   try:
-    gen.check_engine_args(args)
+    check_server_args(args)
   except ValueError as e:
     p.error(str(e))
   return args
+
+
+def check_server_args(args) -> None:
+  """The engine flags through `EngineConfig` (`check_engine_args`, which
+  also takes `--max-logprobs` and `--max-logit-bias`), `--max-tokens`
+  through `SamplingParams`; ValueError naming the flags. Left here: the
+  request schema's own bound on `--max-logit-bias` (OpenAI's 300 entries,
+  `protocol.MAX_LOGIT_BIAS`: a request cannot give more)."""
+  from paged_jax.serving.sampling import SamplingParams  # pylint: disable=import-outside-toplevel
+  gen.check_engine_args(args)
+  try:
+    SamplingParams(max_new_tokens=args.max_tokens)
+  except ValueError as e:
+    raise engine_args.as_flags(e, args, {"max_new_tokens": "max_tokens"}) from None
+  if args.max_logit_bias > protocol.MAX_LOGIT_BIAS:
+    raise ValueError(f"--max-logit-bias must be <= {protocol.MAX_LOGIT_BIAS} (a request's "
+                     f"logit_bias holds at most that many entries), got {args.max_logit_bias}")
 
 
 def build(args):

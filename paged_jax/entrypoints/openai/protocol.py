@@ -13,7 +13,10 @@ The rules, so that no value can harm the engine:
 - Types are strict: an integer field takes a JSON integer only (not 2.9, not
   2.0, not `true`, not "2"); a number field takes an integer or a finite float.
 - Integers are bounded to what the engine holds (int32: token ids, `top_k`,
-  `seed + n - 1`, counts); `max_tokens`, `n` and `best_of` are >= 1.
+  `n`, `best_of`, `logprobs`); `n` and `best_of` are >= 1. The ranges of the
+  fields that `SamplingParams` takes as they are (`max_tokens`, `temperature`,
+  `top_p`, `seed`, `min_tokens`, and `seed + n - 1`) are its own rules, its
+  ValueError worded in the request's field names (`sampling_error`).
 - `logit_bias` is OpenAI's: an object from token ids (strings of decimal
   digits) to biases in [-100, 100], at most `MAX_LOGIT_BIAS` entries (and at
   most the server's `--max-logit-bias`, ids inside its vocabulary:
@@ -24,8 +27,10 @@ The rules, so that no value can harm the engine:
   is ignored silently (`user` is metadata and is accepted).
 
 Limits that depend on the server (its model's name, context length and batch)
-are checked by `check_limits`. Every value that reaches `SamplingParams` has
-passed both, and `SamplingParams` checks again what the engine can hold.
+are checked by `check_limits`, the context and batch by asking the engine's
+own rule (`scheduler.size_rejection`). Rules across `SamplingParams` fields
+(the seed with `n`, `min_tokens` within the budget) are `SamplingParams`'
+alone; `sampling_error` words its ValueError in the request's field names.
 """
 
 from __future__ import annotations
@@ -38,8 +43,9 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from paged_jax import _cli
 from paged_jax._int32 import INT32_MAX
-from paged_jax.serving.sampling import FLOAT32_MAX, SamplingParams
+from paged_jax.serving.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16  # stop strings per request (each one is searched per delta)
 MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's bound)
@@ -218,15 +224,18 @@ class _SamplingRequest(_Strict):
   """The fields both endpoints share."""
 
   model: str | None = None
-  max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
-  temperature: float | None = Field(None, ge=0, le=FLOAT32_MAX, allow_inf_nan=False)
-  top_p: float | None = Field(None, ge=1e-30, le=1, allow_inf_nan=False)
+  # The ranges of max_tokens, temperature, top_p, seed and min_tokens are
+  # SamplingParams' rules (`sampling_error` words them); n and top_k are
+  # bounded here, n before it sizes the random seed, top_k for vLLM's -1.
+  max_tokens: int | None = None
+  temperature: float | None = Field(None, allow_inf_nan=False)
+  top_p: float | None = Field(None, allow_inf_nan=False)
   top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # vLLM: -1 or 0 keeps all
   n: int | None = Field(None, ge=1, le=INT32_MAX)
-  seed: int | None = Int32
+  seed: int | None = None
   stop: Any = None
   stop_token_ids: list[TokenId] | None = None
-  min_tokens: int | None = Int32
+  min_tokens: int | None = None
   ignore_eos: bool | None = False
   cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
   stream: bool | None = False
@@ -268,9 +277,6 @@ class _SamplingRequest(_Strict):
     for name, (neutral, why) in _NEUTRAL.items():
       if name in type(self).model_fields and not neutral(getattr(self, name)):
         raise RequestError(why, name, code="unsupported_parameter")
-    if self.seed is not None and self.seed + self.num_seqs - 1 > INT32_MAX:
-      raise RequestError(f"seed + {self.num_seqs - 1} must be < 2**31 (sample i uses "
-                         f"seed + i), got seed {self.seed}", "seed")
     if self.stream_options is not None and not self.stream:
       raise RequestError("stream_options needs stream: true", "stream_options")
 
@@ -324,7 +330,7 @@ class ChatCompletionRequest(_SamplingRequest):
   """`POST /v1/chat/completions`."""
 
   messages: list[ChatMessage] = Field(min_length=1)
-  max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+  max_completion_tokens: int | None = None  # SamplingParams' range, as max_tokens
   logprobs: bool | None = False
   top_logprobs: int | None = Int32  # at most the server's --max-logprobs
   add_generation_prompt: bool | None = True  # vLLM
@@ -337,7 +343,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
   @property
   def requested_max_tokens(self) -> int | None:
-    return self.max_completion_tokens or self.max_tokens
+    return (self.max_completion_tokens if self.max_completion_tokens is not None
+            else self.max_tokens)
 
   @property
   def num_logprobs(self) -> int | None:
@@ -475,18 +482,56 @@ def check_model(req: _SamplingRequest, model_name: str) -> None:
                        code="model_not_found")
 
 
-def check_limits(req: _SamplingRequest, *, prompt_len: int, max_model_len: int,
-                 max_seqs: int, default_max_tokens: int,
+def default_max_tokens(req: _SamplingRequest, *, prompt_len: int, max_model_len: int,
+                       default_max_tokens: int) -> int:
+  """`max_tokens` of the request, else the server's default cut to what the
+  context leaves (at least 1: a prompt that fills the context is then
+  refused by `check_limits`, naming the prompt)."""
+  if req.requested_max_tokens is not None:
+    return req.requested_max_tokens
+  return max(1, min(default_max_tokens, max_model_len - prompt_len))
+
+
+# SamplingParams' field names -> the request's (the ones that differ).
+_PUBLIC = {"max_new_tokens": "max_tokens"}
+
+
+def sampling_error(error: ValueError, req: _SamplingRequest) -> RequestError:
+  """A `SamplingParams` ValueError (the one place its rules live: the seed's
+  range with `n`, `min_tokens` within the budget, ...) as a 400 in the
+  request's field names, `param` the first field it names."""
+  names = dict(_PUBLIC)
+  if getattr(req, "max_completion_tokens", None) is not None:
+    names["max_new_tokens"] = "max_completion_tokens"
+  if isinstance(req, ChatCompletionRequest):
+    names["logprobs"] = "top_logprobs"
+  text = _cli.one_line(error)
+  word = lambda f: rf"(?<![\w.-]){f}(?![\w(])"  # noqa: E731
+  fields = sorted(SamplingParams.__dataclass_fields__, key=len, reverse=True)
+  named = [(m.start(), f) for f in fields for m in [re.search(word(f), text)] if m]
+  for field in fields:
+    text = re.sub(word(field), names.get(field, field), text)
+  first = min(named)[1] if named else None
+  return RequestError(text, names.get(first, first))
+
+
+def check_limits(req: _SamplingRequest, params: SamplingParams, *, prompt_len: int,
+                 max_model_len: int, max_seqs: int,
                  max_logprobs: int | None = None, max_logit_bias: int | None = None,
-                 vocab_size: int | None = None) -> int:
-  """The server's limits; returns `max_tokens` (the request's, else the
-  default cut to what the context leaves).
+                 vocab_size: int | None = None) -> None:
+  """The server's limits on a request whose `SamplingParams` are `params`.
+
+  The context and the batch are the engine's own rule
+  (`scheduler.size_rejection`, asked here before the request is queued, so
+  that the answer can be OpenAI's `context_length_exceeded` naming the
+  field); the words are the server's.
 
   Raises:
     RequestError: 400 past the context, the batch, `max_logprobs` (the
       engine's `EngineConfig.max_logprobs`, the server's `--max-logprobs`),
       `max_logit_bias` (likewise) or the vocabulary (`logit_bias` ids).
   """
+  from paged_jax.serving.scheduler import size_rejection  # pylint: disable=import-outside-toplevel
   bias = req.logit_bias or {}
   if max_logit_bias is not None and len(bias) > max_logit_bias:
     raise RequestError(f"logit_bias must hold at most {max_logit_bias} entries (this "
@@ -499,26 +544,21 @@ def check_limits(req: _SamplingRequest, *, prompt_len: int, max_model_len: int,
     name = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
     raise RequestError(f"{name} must be <= {max_logprobs} (this server's "
                        f"--max-logprobs), got {asked}", name)
-  where = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
-  if prompt_len >= max_model_len:
-    raise RequestError(f"This model's maximum context length is {max_model_len} "
-                       f"tokens; the prompt has {prompt_len}", where,
-                       code="context_length_exceeded")
-  max_tokens = req.requested_max_tokens
-  if max_tokens is None:
-    max_tokens = min(default_max_tokens, max_model_len - prompt_len)
-  elif prompt_len + max_tokens > max_model_len:
+  # The engine's length rule alone (any batch), then its batch rule alone.
+  if size_rejection(params, prompt_len, max_batch=params.num_seqs,
+                    max_model_len=max_model_len):
+    where = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    if req.requested_max_tokens is None or prompt_len >= max_model_len:
+      raise RequestError(f"This model's maximum context length is {max_model_len} "
+                         f"tokens; the prompt has {prompt_len}", where,
+                         code="context_length_exceeded")
     name = ("max_completion_tokens" if getattr(req, "max_completion_tokens", None)
-            else "max_tokens")
+            is not None else "max_tokens")
     raise RequestError(f"This model's maximum context length is {max_model_len} "
                        f"tokens; the prompt has {prompt_len} and {name} asks for "
-                       f"{max_tokens} more ({prompt_len + max_tokens})", name,
-                       code="context_length_exceeded")
-  if req.min_tokens and req.min_tokens > max_tokens:  # (the default one too)
-    raise RequestError(f"min_tokens ({req.min_tokens}) must be <= max_tokens "
-                       f"({max_tokens})", "min_tokens")
-  if req.num_seqs > max_seqs:
+                       f"{params.max_new_tokens} more ({prompt_len + params.max_new_tokens})",
+                       name, code="context_length_exceeded")
+  if size_rejection(params, prompt_len, max_batch=max_seqs, max_model_len=None):
     name = "best_of" if getattr(req, "best_of", None) and req.best_of > (req.n or 1) else "n"
     raise RequestError(f"{name} ({req.num_seqs}) exceeds the {max_seqs} sequences "
                        "this server runs at once", name)
-  return max_tokens

@@ -60,6 +60,94 @@ def test_each_rule_fires_from_the_api_and_the_cli(rule, api, api_match, argv, li
   assert _cli(argv, capsys) == line, rule
 
 
+E = lambda **kw: lambda: EngineConfig(**{"num_blocks": 1, **kw})  # noqa: E731
+S = lambda **kw: lambda: SamplingParams(**kw)  # noqa: E731
+G, SRV = generate.parse_and_check, api_server.parse_args
+
+# Every flag that sets an `EngineConfig` or `SamplingParams` field parses any
+# integer / number; its range is the class's rule: (flags, command, the
+# API call that raises, the CLI's line = the API's message, fields as flags).
+FLAG_RULES = [
+    (["--num-blocks", "0"], G, E(num_blocks=0), "--num-blocks must be a positive int, got 0"),
+    (["--num-blocks", str(2**31)], G, E(num_blocks=2**31),
+     "--num-blocks must be <= 2147483647, got 2147483648"),
+    (["--block-size", "0"], G, E(block_size=0), "--block-size must be a positive int, got 0"),
+    (["--block-size", str(2**21)], SRV, E(block_size=2**21),
+     "--block-size must be <= 1048576, got 2097152"),
+    (["--max-batch", "0"], G, E(max_batch=0), "--max-batch must be a positive int, got 0"),
+    (["--max-num-seqs", "70000"], SRV, E(max_batch=70000),
+     "--max-num-seqs must be <= 65536, got 70000"),
+    (["--max-tokens-per-step", "0"], G, E(max_tokens_per_step=0),
+     "--max-tokens-per-step must be a positive int, got 0"),
+    (["--max-num-batched-tokens", str(2**21)], G, E(max_tokens_per_step=2**21),
+     "--max-num-batched-tokens must be <= 1048576, got 2097152"),
+    (["--min-bucket", "0"], G, E(min_bucket=0), "--min-bucket must be a positive int, got 0"),
+    (["--max-model-len", "1"], SRV, E(max_model_len=1), "--max-model-len must be >= 2, got 1"),
+    (["--max-model-len", str(2**25)], G, E(max_model_len=2**25),
+     "--max-model-len must be <= 16777216, got 33554432"),
+    (["--admission-headroom-steps", "-1"], G, E(admission_headroom_steps=-1),
+     "--admission-headroom-steps must be an int >= 0, got -1"),
+    (["--num-scheduler-steps", "0"], G, E(num_scheduler_steps=0),
+     "--num-scheduler-steps must be an int in [1, 64], got 0"),
+    (["--swap-space-blocks", "-1"], SRV, E(swap_space_blocks=-1),
+     "--swap-space-blocks must be an int >= 0, got -1"),
+    (["--max-logprobs", "-1"], SRV, E(max_logprobs=-1),
+     "--max-logprobs must be an int >= 0, got -1"),
+    (["--max-logprobs", "70000"], SRV, E(max_logprobs=70000),
+     "--max-logprobs must be <= 65536, got 70000"),
+    (["--max-logit-bias", "-1"], SRV, E(max_logit_bias=-1),
+     "--max-logit-bias must be an int >= 0, got -1"),
+    (["--beam-width", "0"], G, E(max_beam_width=0), "--beam-width must be a positive int, got 0"),
+    (["--max-new-tokens", "0"], G, S(max_new_tokens=0), "--max-new-tokens must be >= 1, got 0"),
+    (["--max-tokens", "0"], SRV, S(max_new_tokens=0), "--max-tokens must be >= 1, got 0"),
+    (["--n", "0"], G, S(n=0), "--n must be >= 1, got 0"),
+    (["--n", str(2**31)], G, S(n=2**31), "--n must be >= 1 and < 2**31, got 2147483648"),
+    (["--seed", "-1"], G, S(seed=-1), "--seed must be an int in [0, 2**31), got -1"),
+    (["--seed", str(2**31)], G, S(seed=2**31),
+     "--seed must be an int in [0, 2**31), got 2147483648"),
+    (["--temperature", "-0.5"], G, S(temperature=-0.5),
+     "--temperature must be >= 0 and finite, got -0.5"),
+    (["--temperature", "1e39"], G, S(temperature=1e39),
+     "--temperature must be <= 3.403e+38 (float32), got 1e+39"),
+    (["--top-p", "0"], G, S(top_p=0.0), "--top-p must be in (0, 1], got 0.0"),
+    (["--top-p", "1.5"], G, S(top_p=1.5), "--top-p must be in (0, 1], got 1.5"),
+    (["--top-k", "-1"], G, S(top_k=-1), "--top-k must be >= 0, got -1"),
+    (["--min-tokens", "-1"], G, S(min_tokens=-1), "--min-tokens must be >= 0, got -1"),
+    (["--min-tokens", str(2**31)], G, S(min_tokens=2**31, max_new_tokens=2**31 - 1),
+     "--min-tokens must be >= 0 and < 2**31, got 2147483648"),
+    (["--stop-token-ids", "1," + str(2**40)], G, S(stop_token_ids=(1, 2**40)),
+     "--stop-token-ids must hold int32 token ids, got 1099511627776"),
+]
+
+
+def _field_words(text: str) -> str:
+  """A CLI line's flags back in field names, to compare with the API's."""
+  import re  # pylint: disable=import-outside-toplevel
+  names = {"num-blocks": "num_blocks", "max-num-seqs": "max_batch",
+           "max-num-batched-tokens": "max_tokens_per_step", "beam-width": "max_beam_width",
+           "max-tokens": "max_new_tokens"}
+  return re.sub(r"--([a-z-]+)", lambda m: names.get(m[1], m[1].replace("-", "_")), text)
+
+
+@pytest.mark.parametrize("argv,parse,api,line", FLAG_RULES,
+                         ids=[" ".join(r[0]) for r in FLAG_RULES])
+def test_each_flag_reports_its_fields_rule(argv, parse, api, line, capsys):
+  """One `error:` line naming the flag, in the library's own words: the
+  same message the API raises for that value."""
+  with pytest.raises(ValueError) as e:
+    api()
+  assert str(e.value) == _field_words(line)
+  assert _cli(argv, capsys, parse=parse).endswith(f"error: {line}\n")
+
+
+def test_the_server_keeps_its_own_bound_on_logit_bias(capsys):
+  """--max-logit-bias past what a request may give (OpenAI's 300 entries,
+  the request schema's bound) is the server's rule, not EngineConfig's."""
+  assert _cli(["--max-logit-bias", "301"], capsys, parse=SRV).endswith(
+      "error: --max-logit-bias must be <= 300 (a request's logit_bias holds at most "
+      "that many entries), got 301\n")
+
+
 def test_the_server_reports_engine_config_rules_too(capsys):
   err = _cli(["--max-num-seqs", "8", "--max-num-batched-tokens", "4"], capsys,
              parse=api_server.parse_args)
