@@ -74,8 +74,8 @@ from __future__ import annotations
 
 import time
 from typing import Callable, NamedTuple
-import jax
 
+import jax
 from jax.sharding import Mesh
 
 from paged_jax import block_manager as bm
