@@ -114,8 +114,10 @@ def _is_int(x) -> bool:
 
 
 def check_vocab(prompts, vocab_size: int):
+  """Raises ValueError naming the first prompt with an id outside the
+  vocabulary (the engine's rule, `scheduler.vocab_rejection`)."""
+  from paged_jax.serving.scheduler import vocab_rejection  # pylint: disable=import-outside-toplevel
   for i, prompt in enumerate(prompts):
-    for t in prompt:
-      if not 0 <= t < vocab_size:
-        raise ValueError(f"prompt {i}: token id {t} is outside the vocabulary "
-                         f"[0, {vocab_size})")
+    why = vocab_rejection(prompt, vocab_size)
+    if why:
+      raise ValueError(f"prompt {i}: {why}")

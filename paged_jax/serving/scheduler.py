@@ -66,6 +66,17 @@ from paged_jax.serving.swap import Swapping
 
 __all__ = ["Bookkeeping", "Pending", "Scheduler", "register_rows"]
 
+def vocab_rejection(prompt, vocab_size: int) -> str | None:
+  """Why the engine rejects `prompt` (token ids) for its vocabulary, or None:
+  every id an int in `[0, vocab_size)`. `Scheduler._rejection` runs it for
+  every request; `paged-jax generate` asks it of a prompt file's entries
+  before loading a model (`entrypoints/prompts.check_vocab`)."""
+  bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size]
+  if bad:
+    return f"prompt token {bad[0]!r} is outside the vocabulary [0, {vocab_size})"
+  return None
+
+
 def size_rejection(params, prompt_len: int, *, max_batch: int,
                    max_model_len: int | None) -> str | None:
   """Why the engine rejects a request of `prompt_len` tokens and these
@@ -175,9 +186,9 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     if request.cache_salt is not None and not isinstance(request.cache_salt, (str, bytes)):
       return f"cache_salt must be a str or bytes, got {request.cache_salt!r}"
     vocab = self.model_config.vocab_size
-    bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
-    if bad:
-      return f"prompt token {bad[0]!r} is outside the vocabulary [0, {vocab})"
+    why = vocab_rejection(prompt, vocab)
+    if why:
+      return why
     why = size_rejection(p, len(prompt), max_batch=c.max_batch,
                          max_model_len=self.max_model_len)
     if why:

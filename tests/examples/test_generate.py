@@ -196,7 +196,7 @@ def test_bad_input_is_one_error_line(args, match, capsys):
 
 
 @pytest.mark.parametrize("content,match", [
-    ("[[1, 2], [3, 99999]]", "error: prompt 1: token id 99999 is outside the vocabulary"),
+    ("[[1, 2], [3, 99999]]", "error: prompt 1: prompt token 99999 is outside the vocabulary"),
     ("[[1, 2.0]]", "prompt 0, token 1: expected an int token id, got 2.0 (float)"),
     ("[[true, 2]]", "prompt 0, token 0: expected an int token id, got True (bool)"),
     ("[[1e400]]", "prompt 0, token 0: expected an int token id, got inf (float)"),
