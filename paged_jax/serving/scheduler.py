@@ -77,6 +77,27 @@ def vocab_rejection(prompt, vocab_size: int) -> str | None:
   return None
 
 
+def limits_rejection(params, *, max_logprobs: int, max_logit_bias: int,
+                     vocab_size: int) -> str | None:
+  """Why the engine rejects these `SamplingParams` for its per-row limits,
+  or None: top log-probs up to `max_logprobs` (the engine's, at most the
+  vocabulary), `logit_bias` up to `max_logit_bias` entries with ids in the
+  vocabulary. `Scheduler._rejection` runs it for every request; the OpenAI
+  server asks it before queueing one (`protocol.check_limits`), in its field
+  names."""
+  p = params
+  if p.logprobs is not None and p.logprobs > max_logprobs:
+    return (f"logprobs must be <= {max_logprobs} (the engine's max_logprobs), "
+            f"got {p.logprobs}")
+  if len(p.logit_bias) > max_logit_bias:
+    return (f"logit_bias must hold at most {max_logit_bias} entries (the "
+            f"engine's max_logit_bias), got {len(p.logit_bias)}")
+  if p.logit_bias and p.logit_bias[-1][0] >= vocab_size:  # (sorted by id)
+    return (f"logit_bias token id {p.logit_bias[-1][0]} is outside the "
+            f"vocabulary [0, {vocab_size})")
+  return None
+
+
 def size_rejection(params, prompt_len: int, *, max_batch: int,
                    max_model_len: int | None) -> str | None:
   """Why the engine rejects a request of `prompt_len` tokens and these
@@ -195,15 +216,10 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
       return why
     if p.beam_width > c.max_beam_width:
       return f"beam_width={p.beam_width} exceeds the engine's max_beam_width={c.max_beam_width}"
-    max_lp = min(c.max_logprobs, vocab)
-    if p.logprobs is not None and p.logprobs > max_lp:
-      return (f"logprobs={p.logprobs} exceeds the engine's max_logprobs={max_lp}")
-    if len(p.logit_bias) > c.max_logit_bias:
-      return (f"logit_bias has {len(p.logit_bias)} entries, the engine's "
-              f"max_logit_bias is {c.max_logit_bias}")
-    if p.logit_bias and p.logit_bias[-1][0] >= vocab:  # (sorted by id)
-      return (f"logit_bias token id {p.logit_bias[-1][0]} is outside the "
-              f"vocabulary [0, {vocab})")
+    why = limits_rejection(p, max_logprobs=min(c.max_logprobs, vocab),
+                           max_logit_bias=c.max_logit_bias, vocab_size=vocab)
+    if why:
+      return why
     stops = p.stop_ids(self.model_config.eos_token_ids)
     if p.min_tokens and len(stops) > sampling_lib.MAX_BANNED:
       return (f"min_tokens needs at most {sampling_lib.MAX_BANNED} EOS and stop "

@@ -521,29 +521,25 @@ def check_limits(req: _SamplingRequest, params: SamplingParams, *, prompt_len: i
                  vocab_size: int | None = None) -> None:
   """The server's limits on a request whose `SamplingParams` are `params`.
 
-  The context and the batch are the engine's own rule
-  (`scheduler.size_rejection`, asked here before the request is queued, so
-  that the answer can be OpenAI's `context_length_exceeded` naming the
-  field); the words are the server's.
+  Top log-probs and `logit_bias` are the engine's rule
+  (`scheduler.limits_rejection`, in the request's field names); the context
+  and the batch are too (`scheduler.size_rejection`, asked here before the
+  request is queued, so that the answer can be OpenAI's
+  `context_length_exceeded` naming the field, in the server's words).
 
   Raises:
     RequestError: 400 past the context, the batch, `max_logprobs` (the
       engine's `EngineConfig.max_logprobs`, the server's `--max-logprobs`),
       `max_logit_bias` (likewise) or the vocabulary (`logit_bias` ids).
   """
-  from paged_jax.serving.scheduler import size_rejection  # pylint: disable=import-outside-toplevel
-  bias = req.logit_bias or {}
-  if max_logit_bias is not None and len(bias) > max_logit_bias:
-    raise RequestError(f"logit_bias must hold at most {max_logit_bias} entries (this "
-                       f"server's --max-logit-bias), got {len(bias)}", "logit_bias")
-  if vocab_size is not None and bias and max(bias) >= vocab_size:
-    raise RequestError(f"logit_bias token id {max(bias)} is outside the vocabulary "
-                       f"[0, {vocab_size})", "logit_bias")
-  asked = req.num_logprobs
-  if max_logprobs is not None and asked is not None and asked > max_logprobs:
-    name = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
-    raise RequestError(f"{name} must be <= {max_logprobs} (this server's "
-                       f"--max-logprobs), got {asked}", name)
+  from paged_jax.serving.scheduler import limits_rejection, size_rejection  # pylint: disable=import-outside-toplevel
+  unbounded = 2**31  # a limit not given is not checked
+  why = limits_rejection(
+      params, max_logprobs=unbounded if max_logprobs is None else max_logprobs,
+      max_logit_bias=unbounded if max_logit_bias is None else max_logit_bias,
+      vocab_size=unbounded if vocab_size is None else vocab_size)
+  if why:  # the engine's rule, in the request's field names
+    raise sampling_error(ValueError(why), req)
   # The engine's length rule alone (any batch), then its batch rule alone.
   if size_rejection(params, prompt_len, max_batch=params.num_seqs,
                     max_model_len=max_model_len):

@@ -71,7 +71,7 @@ def test_top_logprobs_match_the_model(engine, oracle):
 
 def test_logprobs_past_the_limit_is_rejected(engine):
   out = engine.add_request(Request("x", [1, 2], SamplingParams(logprobs=9)))
-  assert out is not None and "logprobs=9 exceeds the engine's max_logprobs=8" in out.rejected
+  assert out is not None and "logprobs must be <= 8 (the engine's max_logprobs), got 9" in out.rejected
   engine.run_until_done()
 
 
@@ -111,14 +111,14 @@ def test_logit_bias_forces_and_bans_and_leaves_neighbours_alone(engine):
 
 
 def test_logit_bias_the_engine_cannot_hold_is_rejected(engine, model):
-  for bias, why in (({t: 1.0 for t in range(9)}, "logit_bias has 9 entries, the engine's "
-                     "max_logit_bias is 8"),
+  for bias, why in (({t: 1.0 for t in range(9)}, "logit_bias must hold at most 8 entries "
+                     "(the engine's max_logit_bias), got 9"),
                     ({512: 1.0}, r"logit_bias token id 512 is outside the vocabulary")):
     out = engine.add_request(Request("x", [1, 2], SamplingParams(logit_bias=bias)))
     assert out is not None and why in out.rejected, out
   off = Engine(model, EngineConfig(num_blocks=64, **SIZES))  # max_logit_bias 0
   out = off.add_request(Request("y", [1, 2], SamplingParams(logit_bias={3: 1.0})))
-  assert "max_logit_bias is 0" in out.rejected
+  assert "at most 0 entries (the engine's max_logit_bias)" in out.rejected
   pool = off._pools[0]  # pylint: disable=protected-access
   slots = off._runner.slots  # pylint: disable=protected-access
   assert slots.bias_ids.shape == (pool.max_seqs, 0) == slots.bias_values.shape

@@ -75,8 +75,8 @@ def test_chat_top_logprobs(server):
 @pytest.mark.parametrize("chat", [False, True])
 def test_above_max_logprobs_is_400(server, chat):
   c = server.client
-  with pytest.raises(openai.BadRequestError, match=r"must be <= 8 \(this server's "
-                     r"--max-logprobs\), got 9") as e:
+  with pytest.raises(openai.BadRequestError, match=r"must be <= 8 \(the engine's "
+                     r"max_logprobs\), got 9") as e:
     if chat:
       c.chat.completions.create(messages=MSG, logprobs=True, top_logprobs=9, **GREEDY)
     else:
@@ -108,7 +108,7 @@ def test_logit_bias_past_the_servers_bound(model):
   s = Server(model, max_logit_bias=2)
   try:
     with pytest.raises(openai.BadRequestError, match=r"logit_bias must hold at most 2 "
-                       r"entries \(this server's --max-logit-bias\), got 3") as e:
+                       r"entries \(the engine's max_logit_bias\), got 3") as e:
       s.client.completions.create(prompt="ab", logit_bias={"1": 1, "2": 1, "3": 1},
                                   **GREEDY)
     assert e.value.param == "logit_bias"
