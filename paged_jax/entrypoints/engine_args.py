@@ -190,6 +190,14 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_model: str = "tiny")
                    metavar="N",
                    help="KV blocks of host memory for --preemption-mode swap "
                    "(EngineConfig.swap_space_blocks)")
+  eng.add_argument("--sliding-window-reclamation",
+                   action=argparse.BooleanOptionalAction, default=None,
+                   help="give back the KV blocks a sliding-window model's "
+                   "future queries cannot see (default: on where the model "
+                   "and the other flags allow it, else off with a log line; "
+                   "given, it refuses what it does not support: prefix "
+                   "caching, swap, speculation, multi-step, a mesh, hybrid "
+                   "local/global models; EngineConfig.sliding_window_reclamation)")
   eng.add_argument("--max-model-len", type=count(2, MAX_MODEL_LEN), default=256,
                    help="longest prompt + output (at least 2: one prompt and "
                    "one generated token)")
@@ -223,6 +231,7 @@ FIELD_FLAGS = {
     "enable_prefix_caching": "enable_prefix_caching",
     "admission_headroom_steps": "admission_headroom_steps",
     "preemption_mode": "preemption_mode", "swap_space_blocks": "swap_space_blocks",
+    "sliding_window_reclamation": "sliding_window_reclamation",
     "max_logprobs": "max_logprobs", "max_logit_bias": "max_logit_bias",
     "max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_k": "top_k",
     "top_p": "top_p", "seed": "seed", "n": "n", "beam_width": "beam_width",
@@ -267,6 +276,10 @@ def check_engine_config(args) -> None:
             enable_prefix_caching=args.enable_prefix_caching)
   if args.min_bucket is not None:
     kw["min_bucket"] = args.min_bucket
+  if args.sliding_window_reclamation is not None:  # and what it refuses
+    kw.update(sliding_window_reclamation=args.sliding_window_reclamation,
+              num_scheduler_steps=args.num_scheduler_steps,
+              speculative_config=getattr(args, "speculative_config", None))
   if getattr(args, "speculative_config", None) is not None:  # and what it refuses
     kw.update(speculative_config=args.speculative_config,
               enable_prefix_caching=args.enable_prefix_caching,

@@ -13,6 +13,7 @@ import dataclasses
 
 from paged_jax.speculative import SpeculativeConfig
 from paged_jax.serving import buckets as buckets_lib
+from paged_jax.serving import reclamation
 from paged_jax.serving import spec_host
 from paged_jax.serving import swap as swap_lib
 from paged_jax.serving.buckets import Bucket
@@ -106,6 +107,11 @@ class EngineConfig:
       measurement (RESULTS.md section 14c: on the 2-core CPU swap computed
       21% fewer token rows but was not faster, XLA CPU's scatter being slow).
     swap_space_blocks: KV blocks in the host tier for "swap" (>= 1 there).
+    sliding_window_reclamation: give back the blocks that a sliding-window
+      model's future queries cannot see (`reclamation.py`,
+      `paged_jax.window_reclaim`): None (default) on where the model and
+      the other settings allow it, else off with a log line; True: on, or a
+      ValueError naming what prevents it; False: off.
   """
 
   num_blocks: int
@@ -128,6 +134,7 @@ class EngineConfig:
   speculative_config: SpeculativeConfig | None = None
   preemption_mode: str = "recompute"
   swap_space_blocks: int = 0
+  sliding_window_reclamation: bool | None = None
 
   def __post_init__(self):
     swap_lib.check_config(self)
@@ -163,6 +170,7 @@ class EngineConfig:
       raise ValueError(f"max_beam_width={self.max_beam_width} must be <= "
                        f"max_batch={self.max_batch}")
     spec_host.check_config(self)
+    reclamation.check_config(self)
 
   @property
   def buckets(self) -> tuple[Bucket, ...]:

@@ -80,6 +80,7 @@ from jax.sharding import Mesh
 from paged_jax import block_manager as bm
 from paged_jax import sharding
 from paged_jax.serving import buckets as buckets_lib
+from paged_jax.serving import reclamation
 from paged_jax.serving import slot_state
 from paged_jax.serving import spec_host
 from paged_jax.serving.buckets import Bucket
@@ -150,15 +151,18 @@ class Engine:
     self.buckets = config.buckets
     data = 1 if mesh is None else mesh.shape[sharding.DATA]
     blocks_per_seq = -(-max_len // bs)
+    # Sliding-window block reclamation, where it applies (`reclamation.py`).
+    self.reclamation = reclamation.decide(config, model.config, mesh)
     initial = bm.init(num_blocks=config.num_blocks, block_size=bs,
                       max_seqs=self.max_seqs,
                       max_blocks_per_seq=blocks_per_seq,
-                      prefix_caching=config.enable_prefix_caching)
+                      prefix_caching=config.enable_prefix_caching,
+                      window=self.reclamation.window)
     self._pools = [Scheduler(config, model.config, max_len, self.stats, initial)
                    for _ in range(data)]
     self._runner = Runner(model, config, blocks_per_seq=blocks_per_seq,
                           max_seqs=self.max_seqs, num_logprobs=self.num_logprobs,
-                          mesh=mesh)
+                          mesh=mesh, window=self.reclamation.window)
     # The dispatched step whose results have not been applied yet.
     self._pending: InFlight | None = None
 

@@ -65,10 +65,13 @@ class Runner:
     max_seqs: sequence slots per pool.
     num_logprobs: top log-probs returned per sample row (static).
     mesh: optional `(data, model)` mesh.
+    window: sliding-window block reclamation's window, or None
+      (`BlockState.window`; one device only).
   """
 
   def __init__(self, model, config, *, blocks_per_seq: int, max_seqs: int,
-               num_logprobs: int, mesh: Mesh | None = None):
+               num_logprobs: int, mesh: Mesh | None = None,
+               window: int | None = None):
     self.config = config
     self.mesh = mesh
     self.num_logprobs = num_logprobs
@@ -80,7 +83,8 @@ class Runner:
     if mesh is None:
       self.state = bm.init(num_blocks=config.num_blocks, block_size=bs,
                            max_seqs=max_seqs, max_blocks_per_seq=blocks_per_seq,
-                           prefix_caching=config.enable_prefix_caching)
+                           prefix_caching=config.enable_prefix_caching,
+                           window=window)
       self.cache = model.make_cache(config.num_blocks, bs, config.cache_dtype)
       self.last_tokens = jnp.zeros(max_seqs, jnp.int32)
       self.slots = jax.tree.map(

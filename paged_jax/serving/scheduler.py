@@ -46,6 +46,7 @@ import numpy as np
 
 from paged_jax import block_manager as bm
 from paged_jax import prefix_cache
+from paged_jax import window_reclaim
 from paged_jax.serving import sampling as sampling_lib
 from paged_jax.serving import spec_host
 from paged_jax.serving.buckets import Bucket
@@ -197,7 +198,8 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
     # Beam groups are preempted whole, so all beams must fit together (at
     # worst each beam owns all its blocks; retired beams are released before
     # the next forks and reservations).
-    need = p.beam_width * _cdiv(total, c.block_size)
+    need = p.beam_width * window_reclaim.blocks_needed(
+        total, c.block_size, self._pool.window, c.max_tokens_per_step)
     if need > c.num_blocks:
       return (f"needs {need} blocks of {c.block_size} tokens at its longest, "
               f"the pool has {c.num_blocks}")

@@ -477,7 +477,8 @@ def build(args):
       admission_headroom_steps=args.admission_headroom_steps,
       num_scheduler_steps=args.num_scheduler_steps, max_logprobs=args.max_logprobs, max_logit_bias=args.max_logit_bias,
       speculative_config=args.speculative_config,
-      preemption_mode=args.preemption_mode, swap_space_blocks=args.swap_space_blocks)
+      preemption_mode=args.preemption_mode, swap_space_blocks=args.swap_space_blocks,
+      sliding_window_reclamation=args.sliding_window_reclamation)
   engine = Engine(model, config, mesh=mesh)
   if not args.no_warmup:
     engine.warmup()

@@ -1,0 +1,132 @@
+"""Where the engine reclaims sliding-window blocks (`paged_jax.window_reclaim`).
+
+`EngineConfig.sliding_window_reclamation` (`--sliding-window-reclamation /
+--no-sliding-window-reclamation`):
+
+* None (the default): on for a model whose layers all attend within one
+  sliding window (Mistral with `sliding_window`), unless the engine runs a
+  feature reclamation does not support; then off, the reason in one log line
+  and in `Engine.reclamation`.
+* True: on, and a `ValueError` (naming the feature) where it cannot be.
+* False: off (every block kept, local layers masked and skipped by the
+  kernels).
+
+Not supported, and why:
+
+* prefix caching: a hit on a window model needs the last window's blocks of
+  a cached prefix, and blocks slid out could not be cached;
+* swap preemption: the swap tier copies `ceil(L / bs)` blocks per sequence;
+* speculative decoding: its rollback (`block_manager.truncate`) would need
+  blocks already given back;
+* multi-step decode (`num_scheduler_steps > 1`): its steps reserve on the
+  device with no reclamation between them;
+* a mesh: the sharded step runs its own bookkeeping;
+* hybrid models (Gemma 2, Gemma 3: local and global layers in one pool):
+  global layers need every block; reclaiming for their local layers needs a
+  pool per window (not implemented).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+_LOG = logging.getLogger("paged_jax.serving")
+
+
+@dataclasses.dataclass(frozen=True)
+class Reclamation:
+  """The engine's decision.
+
+  Attributes:
+    window: the sliding window blocks are reclaimed for (every layer's), or
+      None (off).
+    reason: why it is off ("" when on).
+  """
+  window: int | None
+  reason: str = ""
+
+  def describe(self) -> str:
+    if self.window is not None:
+      return f"sliding-window reclamation on (window {self.window} tokens)"
+    return f"sliding-window reclamation off: {self.reason}"
+
+
+def config_conflict(config) -> str | None:
+  """The first engine feature in `config` that reclamation does not support
+  (a phrase naming its field), or None."""
+  if config.enable_prefix_caching:
+    return "enable_prefix_caching=True is not supported with it"
+  if config.preemption_mode == "swap":
+    return "preemption_mode='swap' is not supported with it"
+  if config.speculative_config is not None:
+    return "speculative_config (speculative decoding) is not supported with it"
+  if config.num_scheduler_steps > 1:
+    return (f"num_scheduler_steps={config.num_scheduler_steps} (multi-step "
+            "decode) is not supported with it")
+  return None
+
+
+def check_config(config) -> None:
+  """`EngineConfig.__post_init__`'s part: the field's type, and an explicit
+  True against an unsupported feature.
+
+  Raises:
+    ValueError: naming the value or the conflicting field.
+  """
+  value = config.sliding_window_reclamation
+  if value is not None and not isinstance(value, bool):
+    raise ValueError(f"sliding_window_reclamation must be None (auto) or a "
+                     f"bool, got {value!r}")
+  if value:
+    why = config_conflict(config)
+    if why:
+      raise ValueError(f"sliding_window_reclamation=True: {why}")
+
+
+def _specs(model_config) -> tuple:
+  """The model's `layers.LayerSpec`s (none for a model without them)."""
+  return tuple(getattr(model_config, "layer_specs", None) or ())
+
+
+def model_window(model_config) -> tuple[int | None, str]:
+  """`(window, "")` when every layer attends within one sliding window,
+  else `(None, why not)`."""
+  windows = {s.sliding_window for s in _specs(model_config)}
+  if windows <= {None}:
+    return None, "the model has no sliding-window layers"
+  if None in windows or len(windows) > 1:
+    return None, (f"the model mixes attention windows {sorted(windows, key=str)} "
+                  "(hybrid local/global layers need a pool per window: not "
+                  "implemented)")
+  (w,) = windows
+  return w, ""
+
+
+def decide(config, model_config, mesh=None) -> Reclamation:
+  """The decision for an engine of `config` serving `model_config` on
+  `mesh`, logged in one line when reclamation could apply.
+
+  Raises:
+    ValueError: with `sliding_window_reclamation=True` where it cannot run
+      (the model has no single window, or a mesh).
+  """
+  asked = config.sliding_window_reclamation
+  if asked is False:
+    return Reclamation(None, "sliding_window_reclamation=False")
+  window, why = model_window(model_config)
+  if not why:
+    if mesh is not None:
+      why = "a device mesh is not supported with it"
+    else:
+      why = config_conflict(config) or ""
+  if why:
+    if asked:
+      raise ValueError(f"sliding_window_reclamation=True: {why}")
+    decision = Reclamation(None, why)
+    if any(s.sliding_window for s in _specs(model_config)):
+      _LOG.info(decision.describe())  # a window model served without it
+    return decision
+  decision = Reclamation(window)
+  _LOG.info(decision.describe())
+  return decision
