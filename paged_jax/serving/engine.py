@@ -80,7 +80,9 @@ from jax.sharding import Mesh
 from paged_jax import block_manager as bm
 from paged_jax import sharding
 from paged_jax.serving import buckets as buckets_lib
+from paged_jax.serving import pooled_step
 from paged_jax.serving import reclamation
+from paged_jax.serving import window_pool
 from paged_jax.serving import slot_state
 from paged_jax.serving import spec_host
 from paged_jax.serving.buckets import Bucket
@@ -158,11 +160,19 @@ class Engine:
                       max_blocks_per_seq=blocks_per_seq,
                       prefix_caching=config.enable_prefix_caching,
                       window=self.reclamation.window)
+    if self.reclamation.pools is not None:  # hybrid: a pool per window
+      initial = pooled_step.init(
+          window_pool.pool_sizes(
+              config.num_blocks, [s.sliding_window for s in model.config.layer_specs],
+              block_size=bs, max_model_len=max_len,
+              max_tokens_per_step=config.max_tokens_per_step),
+          self.reclamation.pools, block_size=bs, max_seqs=self.max_seqs,
+          max_blocks_per_seq=blocks_per_seq)
     self._pools = [Scheduler(config, model.config, max_len, self.stats, initial)
                    for _ in range(data)]
     self._runner = Runner(model, config, blocks_per_seq=blocks_per_seq,
                           max_seqs=self.max_seqs, num_logprobs=self.num_logprobs,
-                          mesh=mesh, window=self.reclamation.window)
+                          mesh=mesh, initial_state=initial)
     # The dispatched step whose results have not been applied yet.
     self._pending: InFlight | None = None
 
@@ -214,12 +224,14 @@ class Engine:
 
   @property
   def block_state(self):
-    """The `BlockState` (on a mesh: the data shards' states, stacked)."""
+    """The `BlockState` (on a mesh: the data shards' states, stacked; a
+    hybrid model's pools: a `pooled_step.PooledState`)."""
     return self._runner.state
 
   @property
   def cache(self):
-    """The `KVCache` (donated to every step: do not hold on to it)."""
+    """The `KVCache` (donated to every step: do not hold on to it; a tuple
+    of one per pool for a `pooled_step.PooledState`)."""
     return self._runner.cache
 
   @property

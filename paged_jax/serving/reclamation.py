@@ -20,10 +20,12 @@ Not supported, and why:
   blocks already given back;
 * multi-step decode (`num_scheduler_steps > 1`): its steps reserve on the
   device with no reclamation between them;
-* a mesh: the sharded step runs its own bookkeeping;
-* hybrid models (Gemma 2, Gemma 3: local and global layers in one pool):
-  global layers need every block; reclaiming for their local layers needs a
-  pool per window (not implemented).
+* a mesh: the sharded step runs its own bookkeeping.
+
+Hybrid models (Gemma 2, Gemma 3: local and global layers) get one pool per
+distinct window (`window_pool.py`, `pooled_step.py`): global layers keep
+every block in theirs, local layers reclaim in theirs. Reclamation off, they
+share one pool, every block kept.
 """
 
 from __future__ import annotations
@@ -39,16 +41,26 @@ class Reclamation:
   """The engine's decision.
 
   Attributes:
-    window: the sliding window blocks are reclaimed for (every layer's), or
-      None (off).
+    window: the sliding window blocks are reclaimed for (every layer's:
+      one pool), or None.
+    pools: a hybrid model's pool per distinct window (`pooled.pool_windows`
+      order, None = global), or None (one pool).
     reason: why it is off ("" when on).
   """
   window: int | None
   reason: str = ""
+  pools: tuple | None = None
+
+  @property
+  def on(self) -> bool:
+    return self.window is not None or self.pools is not None
 
   def describe(self) -> str:
     if self.window is not None:
       return f"sliding-window reclamation on (window {self.window} tokens)"
+    if self.pools is not None:
+      return (f"sliding-window reclamation on (a KV pool per window: "
+              f"{self.pools})")
     return f"sliding-window reclamation off: {self.reason}"
 
 
@@ -89,18 +101,17 @@ def _specs(model_config) -> tuple:
   return tuple(getattr(model_config, "layer_specs", None) or ())
 
 
-def model_window(model_config) -> tuple[int | None, str]:
-  """`(window, "")` when every layer attends within one sliding window,
-  else `(None, why not)`."""
-  windows = {s.sliding_window for s in _specs(model_config)}
-  if windows <= {None}:
-    return None, "the model has no sliding-window layers"
-  if None in windows or len(windows) > 1:
-    return None, (f"the model mixes attention windows {sorted(windows, key=str)} "
-                  "(hybrid local/global layers need a pool per window: not "
-                  "implemented)")
-  (w,) = windows
-  return w, ""
+def model_window(model_config) -> tuple[int | None, tuple | None, str]:
+  """`(window, None, "")` when every layer attends within one sliding
+  window, `(None, pools, "")` for a hybrid model (its distinct windows, first
+  appearance first), else `(None, None, why not)`."""
+  windows = [s.sliding_window for s in _specs(model_config)]
+  distinct = tuple(dict.fromkeys(windows))
+  if set(distinct) <= {None}:
+    return None, None, "the model has no sliding-window layers"
+  if len(distinct) > 1:
+    return None, distinct, ""
+  return distinct[0], None, ""
 
 
 def decide(config, model_config, mesh=None) -> Reclamation:
@@ -114,7 +125,7 @@ def decide(config, model_config, mesh=None) -> Reclamation:
   asked = config.sliding_window_reclamation
   if asked is False:
     return Reclamation(None, "sliding_window_reclamation=False")
-  window, why = model_window(model_config)
+  window, pools, why = model_window(model_config)
   if not why:
     if mesh is not None:
       why = "a device mesh is not supported with it"
@@ -127,6 +138,6 @@ def decide(config, model_config, mesh=None) -> Reclamation:
     if any(s.sliding_window for s in _specs(model_config)):
       _LOG.info(decision.describe())  # a window model served without it
     return decision
-  decision = Reclamation(window)
+  decision = Reclamation(window, pools=pools)
   _LOG.info(decision.describe())
   return decision

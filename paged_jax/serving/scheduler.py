@@ -46,11 +46,10 @@ import numpy as np
 
 from paged_jax import block_manager as bm
 from paged_jax import prefix_cache
-from paged_jax import window_reclaim
 from paged_jax.serving import sampling as sampling_lib
 from paged_jax.serving import spec_host
+from paged_jax.serving import window_pool
 from paged_jax.serving.buckets import Bucket
-from paged_jax.serving.host_pool import HostPool
 from paged_jax.serving.multistep_host import MultiStep
 from paged_jax.serving.packing import Bookkeeping, Entry, InputPacking
 from paged_jax.serving.prefix import (Candidate, PrefixCaching, Registration,
@@ -101,7 +100,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
     # The exact NumPy model of this pool's block state: the bookkeeping the
     # device runs, applied on the host to the same inputs (see `_fit`); on
     # several hosts each process keeps its own.
-    self._pool = HostPool(initial_state)
+    self._pool = window_pool.host_model(initial_state)  # one pool, or per window
     self._fingerprint = self._pool.fingerprint()  # after the last fitted step
     self._waiting: list[Seq] = []  # sorted by order
     self._running: list[Seq] = []  # sorted by order
@@ -198,12 +197,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
     # Beam groups are preempted whole, so all beams must fit together (at
     # worst each beam owns all its blocks; retired beams are released before
     # the next forks and reservations).
-    need = p.beam_width * window_reclaim.blocks_needed(
-        total, c.block_size, self._pool.window, c.max_tokens_per_step)
-    if need > c.num_blocks:
-      return (f"needs {need} blocks of {c.block_size} tokens at its longest, "
-              f"the pool has {c.num_blocks}")
-    return None
+    return window_pool.block_rejection(self._pool, total, p.beam_width, c)
 
   def has_unfinished(self) -> bool:
     return bool(self._waiting or self._running or self._swapped)
@@ -216,9 +210,9 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, Results, MultiStep):
     kept for prefix-cache hits) / total, running and waiting sequences (from
     the last step)."""
     pool = self._pool
-    used = self.config.num_blocks - pool.num_free - pool.num_cached
+    used = pool.num_blocks - pool.num_free - pool.num_cached
     return {"blocks_used": used, "blocks_cached": pool.num_cached,
-            "blocks_total": self.config.num_blocks,
+            "blocks_total": pool.num_blocks,
             "running": len(self._running), "waiting": len(self._waiting)}
 
   @property

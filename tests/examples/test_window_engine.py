@@ -1,10 +1,11 @@
 """Sliding-window block reclamation in the engine
-(`EngineConfig.sliding_window_reclamation`, `paged_jax.window_reclaim`): a
-Mistral-shaped model whose window slides inside the test gives the greedy
+(`EngineConfig.sliding_window_reclamation`, `paged_jax.window_reclaim`; for
+hybrid models one pool per window, `window_pool.py`): Mistral- and
+Gemma-3-shaped models whose window slides inside the test give the greedy
 outputs of an engine that keeps every block, with every reclaimed and free
 block NaN-poisoned after every step, the host model equal to the device
 state at every step, each sequence holding at most `ceil(w / bs) + 1`
-blocks, every block back at the end, each step shape traced once; and the
+blocks in every local pool, every block back at the end, each step shape traced once; and the
 switch's refusals and fallbacks."""
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from paged_jax.serving.sampling import SamplingParams
 from paged_jax.speculative import SpeculativeConfig
 from tests.examples.conftest import (assert_mirror_is_the_device_state,
                                      random_requests)
-from tests.examples.test_prefix_engine import _poison_unowned_blocks
+from paged_jax.serving import pooled_step
+from tests.examples.test_prefix_engine import _poison, _poison_unowned_blocks
 
 WINDOW, BS = 10, 4
 # Two step shapes (decode 4, mixed 16): each compiles once per engine kind.
@@ -54,12 +56,33 @@ def _requests(seed=0, count=8):
   return random_requests(seed, count, prompt=(30, 61), new=(6, 20))
 
 
-def _held(engine) -> np.ndarray:
-  """Blocks each sequence slot holds (reclaimed entries excluded)."""
+def _states(engine) -> list:
+  """The engine's block states: one, or one per pool."""
   state = engine.block_state
-  tables, lens = np.asarray(state.block_tables), np.asarray(state.seq_lens)
-  inside = np.arange(tables.shape[1])[None, :] < -(-lens // BS)[:, None]
-  return np.sum(inside & (tables >= 0), axis=1)
+  return list(state.states) if isinstance(state, pooled_step.PooledState) else [state]
+
+
+def _held(engine) -> np.ndarray:
+  """Blocks each sequence slot holds in each local pool (reclaimed entries
+  excluded), `[local pools, max_seqs]`."""
+  out = []
+  for state in _states(engine):
+    if state.window is None:
+      continue
+    tables, lens = np.asarray(state.block_tables), np.asarray(state.seq_lens)
+    inside = np.arange(tables.shape[1])[None, :] < -(-lens // BS)[:, None]
+    out.append(np.sum(inside & (tables >= 0), axis=1))
+  return np.stack(out)
+
+
+def _poison_free_blocks(engine):
+  """Every block no sequence holds, in every pool, all NaN."""
+  if not isinstance(engine.block_state, pooled_step.PooledState):
+    _poison_unowned_blocks(engine)
+    return
+  runner = engine._runner  # pylint: disable=protected-access
+  runner.cache = tuple(_poison(c, np.asarray(s.refcounts) == 0)
+                       for c, s in zip(runner.cache, engine.block_state.states))
 
 
 def _run(engine, requests, *, checked: bool) -> dict:
@@ -74,11 +97,12 @@ def _run(engine, requests, *, checked: bool) -> dict:
       outs[o.request_id] = o
     if checked:
       assert_mirror_is_the_device_state(engine)
-      bm.check_invariants(engine.block_state)
+      for state in _states(engine):
+        bm.check_invariants(state)
       held = _held(engine)
       peak = max(peak, int(held.max()))
       assert held.max() <= MAX_HELD, held
-      _poison_unowned_blocks(engine)
+      _poison_free_blocks(engine)
   engine.flush()
   for o in engine._take_outputs():  # pylint: disable=protected-access
     outs[o.request_id] = o
@@ -88,37 +112,55 @@ def _run(engine, requests, *, checked: bool) -> dict:
           for k, o in outs.items()}
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
+def _all_free(engine) -> bool:
+  return all(int(s.num_free) == s.num_blocks for s in _states(engine))
+
+
+@pytest.mark.parametrize("kind, async_scheduling", [
+    ("mistral", True), ("mistral", False), ("gemma3", True), ("gemma3", False)])
 def test_reclamation_gives_the_outputs_of_keeping_every_block(
-    mistral, async_scheduling):
+    request, kind, async_scheduling):
+  model = request.getfixturevalue(kind)
   requests = _requests()
-  keep = _engine(mistral, 256, sliding_window_reclamation=False)
-  assert keep.reclamation.window is None
+  keep = _engine(model, 256, sliding_window_reclamation=False)
+  assert not keep.reclamation.on
   want = _run(keep, requests, checked=False)
   chex.clear_trace_counter()
-  # 24 blocks: 8 sequences of up to 80 tokens would need 160 without
-  # reclamation; with it, ~4 each.
-  small = _engine(mistral, 24, check_traces=True, admission_headroom_steps=0,
-                  async_scheduling=async_scheduling)
-  assert small.reclamation.window == WINDOW
+  # 8 sequences of up to 80 tokens would need 160 blocks without
+  # reclamation; with it, ~4 each in a local pool (Gemma 3: the global
+  # pool, 1 layer in 6, gets most of the 40 blocks' memory).
+  small = _engine(model, 24 if kind == "mistral" else 40, check_traces=True,
+                  admission_headroom_steps=0, async_scheduling=async_scheduling)
+  if kind == "mistral":
+    assert small.reclamation.window == WINDOW
+  else:
+    assert small.reclamation.pools == (WINDOW, None)
+    # Same KV bytes: 40 blocks x 6 layers = 5 local layers x 26 + 1 x 105.
+    assert [s.num_blocks for s in small.block_state.states] == [26, 105]
   assert _run(small, requests, checked=True) == want
   assert small.stats.preemptions == 0
   assert small.stats.running.peak == 4  # max_batch: the pool was no limit
-  assert int(small.block_state.num_free) == 24  # every block back
-  bm.check_invariants(small.block_state)
+  assert _all_free(small)  # every block back in every pool
   assert_mirror_is_the_device_state(small)
+  if kind == "gemma3":  # without reclamation the same memory preempts
+    off = _engine(model, 40, admission_headroom_steps=0,
+                  sliding_window_reclamation=False)
+    assert _run(off, requests, checked=False) == want
+    assert off.stats.preemptions > 0
 
 
-def test_reclamation_under_preemption(mistral):
-  """A pool too small even with reclamation: preemptions (recompute) and
+@pytest.mark.parametrize("kind, num_blocks", [("mistral", 12), ("gemma3", 20)])
+def test_reclamation_under_preemption(request, kind, num_blocks):
+  """Pools too small even with reclamation: preemptions (recompute) and
   the same outputs."""
+  model = request.getfixturevalue(kind)
   requests = _requests(seed=1)
-  want = _run(_engine(mistral, 256, sliding_window_reclamation=False), requests,
+  want = _run(_engine(model, 256, sliding_window_reclamation=False), requests,
               checked=False)
-  tight = _engine(mistral, 12, admission_headroom_steps=0)
+  tight = _engine(model, num_blocks, admission_headroom_steps=0)
   assert _run(tight, requests, checked=True) == want
   assert tight.stats.preemptions > 0
-  assert int(tight.block_state.num_free) == 12
+  assert _all_free(tight)
 
 
 def test_without_reclamation_the_same_pool_preempts(mistral):
@@ -151,15 +193,22 @@ def test_beams_and_samples_fork_reclaimed_tables(mistral):
 # ------------------------------------------------------------ the switch
 
 
-def test_auto_is_off_for_models_without_one_window(model, gemma3, caplog):
+def test_auto_is_off_without_windows_and_on_with_them(model, gemma3, mistral,
+                                                     caplog):
   assert _engine(model, 64).reclamation == reclamation.Reclamation(
       None, "the model has no sliding-window layers")
+  assert _engine(model, 64).block_state.window is None
   with caplog.at_level(logging.INFO, logger="paged_jax.serving"):
+    assert _engine(mistral, 64).block_state.window == WINDOW
     hybrid = _engine(gemma3, 64)
-  assert hybrid.reclamation.window is None
-  assert "mixes attention windows" in hybrid.reclamation.reason
-  assert "sliding-window reclamation off" in caplog.text
-  assert hybrid.block_state.window is None
+  assert hybrid.reclamation.pools == (WINDOW, None)
+  assert hybrid.block_state.windows == (WINDOW, None)
+  assert ("sliding-window reclamation on (a KV pool per window: (10, None))"
+          in caplog.text)
+  with pytest.raises(ValueError, match=r"num_blocks=8 split over the windows' "
+                     r"pools gives the window-10 pool 7 blocks, less than one "
+                     r"sequence of max_model_len=96 tokens needs \(8\)"):
+    _engine(gemma3, 8)
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -169,23 +218,21 @@ def test_auto_is_off_for_models_without_one_window(model, gemma3, caplog):
      "speculative_config"),
     (dict(num_scheduler_steps=4), "num_scheduler_steps=4"),
 ])
-def test_unsupported_features_turn_it_off_or_refuse(mistral, caplog, kw, field):
+def test_unsupported_features_turn_it_off_or_refuse(gemma3, caplog, kw, field):
   with caplog.at_level(logging.INFO, logger="paged_jax.serving"):
-    engine = _engine(mistral, 64, **kw)
-  assert engine.reclamation.window is None
+    engine = _engine(gemma3, 64, **kw)
+  assert not engine.reclamation.on
+  assert not isinstance(engine.block_state, pooled_step.PooledState)
   assert field in engine.reclamation.reason
   assert f"sliding-window reclamation off: {field}" in caplog.text
   with pytest.raises(ValueError, match=rf"sliding_window_reclamation=True: .*{field}"):
     EngineConfig(num_blocks=64, sliding_window_reclamation=True, **kw)
 
 
-def test_explicit_true_refuses_a_model_or_mesh_it_cannot_serve(model, gemma3,
-                                                               mistral):
+def test_explicit_true_refuses_a_model_or_mesh_it_cannot_serve(model, mistral):
   with pytest.raises(ValueError, match="sliding_window_reclamation=True: the "
                      "model has no sliding-window layers"):
     _engine(model, 64, sliding_window_reclamation=True)
-  with pytest.raises(ValueError, match="mixes attention windows"):
-    _engine(gemma3, 64, sliding_window_reclamation=True)
   config = EngineConfig(num_blocks=64, sliding_window_reclamation=True)
   with pytest.raises(ValueError, match="a device mesh is not supported"):
     reclamation.decide(config, mistral.config, mesh=object())
