@@ -80,7 +80,6 @@ from jax.sharding import Mesh
 from paged_jax import block_manager as bm
 from paged_jax import sharding
 from paged_jax.serving import buckets as buckets_lib
-from paged_jax.serving import pooled_step
 from paged_jax.serving import reclamation
 from paged_jax.serving import window_pool
 from paged_jax.serving import slot_state
@@ -161,13 +160,10 @@ class Engine:
                       prefix_caching=config.enable_prefix_caching,
                       window=self.reclamation.window)
     if self.reclamation.pools is not None:  # hybrid: a pool per window
-      initial = pooled_step.init(
-          window_pool.pool_sizes(
-              config.num_blocks, [s.sliding_window for s in model.config.layer_specs],
-              block_size=bs, max_model_len=max_len,
-              max_tokens_per_step=config.max_tokens_per_step),
-          self.reclamation.pools, block_size=bs, max_seqs=self.max_seqs,
-          max_blocks_per_seq=blocks_per_seq)
+      self.reclamation, pooled = window_pool.plan(
+          config, model.config, self.reclamation, max_model_len=max_len,
+          max_seqs=self.max_seqs, max_blocks_per_seq=blocks_per_seq)
+      initial = pooled or initial
     self._pools = [Scheduler(config, model.config, max_len, self.stats, initial)
                    for _ in range(data)]
     self._runner = Runner(model, config, blocks_per_seq=blocks_per_seq,

@@ -136,8 +136,13 @@ def decide(config, model_config, mesh=None) -> Reclamation:
       raise ValueError(f"sliding_window_reclamation=True: {why}")
     decision = Reclamation(None, why)
     if any(s.sliding_window for s in _specs(model_config)):
-      _LOG.info(decision.describe())  # a window model served without it
+      log(decision)  # a window model served without it
     return decision
   decision = Reclamation(window, pools=pools)
-  _LOG.info(decision.describe())
+  log(decision)
   return decision
+
+
+def log(decision: Reclamation) -> None:
+  """The decision's one log line (`paged_jax.serving`, INFO)."""
+  _LOG.info(decision.describe())

@@ -30,6 +30,7 @@ from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import window_reclaim
 from paged_jax.models.llama import pooled as pooled_model
 from paged_jax.serving import pooled_step
+from paged_jax.serving import reclamation
 from paged_jax.serving.host_pool import HostPool
 
 
@@ -62,6 +63,32 @@ def pool_sizes(num_blocks: int, layer_windows, *, block_size: int,
           f"max_model_len={max_model_len} tokens needs ({need}); give more "
           "blocks or sliding_window_reclamation=False")
   return sizes
+
+
+def plan(config, model_config, decision, *, max_model_len: int, max_seqs: int,
+         max_blocks_per_seq: int):
+  """`(decision, PooledState | None)`: the empty pools of a hybrid model
+  (`decision.pools`), sized by `pool_sizes`. Where they cannot hold one
+  sequence, with `sliding_window_reclamation` None (auto) the decision
+  becomes off (logged, the reason kept) and the state None.
+
+  Raises:
+    ValueError: from `pool_sizes`, with `sliding_window_reclamation=True`.
+  """
+  try:
+    sizes = pool_sizes(
+        config.num_blocks, [s.sliding_window for s in model_config.layer_specs],
+        block_size=config.block_size, max_model_len=max_model_len,
+        max_tokens_per_step=config.max_tokens_per_step)
+  except ValueError as e:
+    if config.sliding_window_reclamation:
+      raise
+    decision = reclamation.Reclamation(None, str(e))
+    reclamation.log(decision)
+    return decision, None
+  return decision, pooled_step.init(
+      sizes, decision.pools, block_size=config.block_size, max_seqs=max_seqs,
+      max_blocks_per_seq=max_blocks_per_seq)
 
 
 def make_caches(model_config, sizes, *, block_size: int, dtype) -> tuple:

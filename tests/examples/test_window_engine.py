@@ -11,6 +11,7 @@ switch's refusals and fallbacks."""
 from __future__ import annotations
 
 import logging
+import re
 
 import chex
 import numpy as np
@@ -205,10 +206,16 @@ def test_auto_is_off_without_windows_and_on_with_them(model, gemma3, mistral,
   assert hybrid.block_state.windows == (WINDOW, None)
   assert ("sliding-window reclamation on (a KV pool per window: (10, None))"
           in caplog.text)
-  with pytest.raises(ValueError, match=r"num_blocks=8 split over the windows' "
-                     r"pools gives the window-10 pool 7 blocks, less than one "
-                     r"sequence of max_model_len=96 tokens needs \(8\)"):
-    _engine(gemma3, 8)
+  # Pools that cannot hold one sequence: auto falls back, True refuses.
+  why = (r"num_blocks=8 split over the windows' pools gives the window-10 pool "
+         r"7 blocks, less than one sequence of max_model_len=96 tokens needs \(8\)")
+  with caplog.at_level(logging.INFO, logger="paged_jax.serving"):
+    fallback = _engine(gemma3, 8)
+  assert not fallback.reclamation.on
+  assert re.search(why, fallback.reclamation.reason)
+  assert re.search("sliding-window reclamation off: " + why, caplog.text)
+  with pytest.raises(ValueError, match=why):
+    _engine(gemma3, 8, sliding_window_reclamation=True)
 
 
 @pytest.mark.parametrize("kw, field", [
