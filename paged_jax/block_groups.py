@@ -169,7 +169,7 @@ def reclaimable(window: int | None, lens, block_size: int):
   (0 for a global group)."""
   if window is None:
     return jnp.zeros_like(lens)
-  return jnp.maximum(lens - window + 1, 0) // block_size
+  return bm.reclaimable_columns(window, lens, block_size)
 
 
 def _drop_prefix(state: GroupedBlockState, sid, lens, ok):

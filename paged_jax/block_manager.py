@@ -150,6 +150,11 @@ class BlockState:
     lru_len: `i32[]` ring slots in use (cached blocks plus tombstones).
     num_cached: `i32[]` cached blocks (refcount 0, content kept, evictable).
     block_size: tokens per block (static).
+    window: None, or a sliding window of `window` tokens that every layer
+      attends within (static): the engine then gives back, after each step,
+      the leading blocks that no future query of a sequence can see
+      (`paged_jax.window_reclaim`), their entries `NULL_BLOCK` inside
+      `seq_lens`. `release` and `fork` skip such entries.
   """
 
   block_tables: jax.Array
@@ -164,6 +169,7 @@ class BlockState:
   lru_len: jax.Array | None
   num_cached: jax.Array | None
   block_size: int = flax.struct.field(pytree_node=False)
+  window: int | None = flax.struct.field(pytree_node=False, default=None)
 
   @property
   def prefix_caching(self) -> bool:
@@ -229,7 +235,8 @@ class Reservation:
 
 
 def init(*, num_blocks: int, block_size: int, max_seqs: int,
-         max_blocks_per_seq: int, prefix_caching: bool = False) -> BlockState:
+         max_blocks_per_seq: int, prefix_caching: bool = False,
+         window: int | None = None) -> BlockState:
   """An empty pool: every block free, every sequence slot empty.
 
   Sizes are keyword-only, as in `KVCache.create`: their orders differ.
@@ -244,6 +251,8 @@ def init(*, num_blocks: int, block_size: int, max_seqs: int,
       `share`). Off (the default), the cache fields are `None`, `register`
       and `share` refuse the state, and the other operations cost what they
       cost without prefix caching.
+    window: None, or the sliding window (tokens, >= 1) of every layer, for
+      block reclamation (`BlockState.window`); not with prefix caching.
 
   Returns:
     A `BlockState`. Blocks are handed out lowest id first from a fresh pool.
@@ -255,7 +264,8 @@ def init(*, num_blocks: int, block_size: int, max_seqs: int,
       (`max_blocks_per_seq * block_size` tokens), the pool's flat slots
       (`num_blocks * block_size`), `max_seqs` or, with prefix caching, the
       cached-block ring (`2 * num_blocks` slots) would not fit int32
-      (< 2**31); if `prefix_caching` is not a bool.
+      (< 2**31); if `prefix_caching` is not a bool; if `window` is not None
+      or a positive int, or is given with prefix caching.
   """
   num_blocks = _int32.positive_int("num_blocks", num_blocks)
   block_size = _int32.positive_int("block_size", block_size)
@@ -269,6 +279,11 @@ def init(*, num_blocks: int, block_size: int, max_seqs: int,
   _int32.check_fits("sequence ids", max_seqs=max_seqs)
   if not isinstance(prefix_caching, (bool, np.bool_)):
     raise ValueError(f"prefix_caching must be a bool, got {prefix_caching!r}")
+  if window is not None:
+    window = _int32.positive_int("window", window)
+    if prefix_caching:
+      raise ValueError(f"window={window} (block reclamation) does not support "
+                       "prefix_caching=True")
   cache = dict.fromkeys(("cacheable", "lru", "lru_pos", "lru_head", "lru_len",
                          "num_cached"))
   if prefix_caching:
@@ -289,6 +304,7 @@ def init(*, num_blocks: int, block_size: int, max_seqs: int,
       free_stack=jnp.arange(num_blocks - 1, -1, -1, dtype=jnp.int32),
       num_free=jnp.asarray(num_blocks, jnp.int32),
       block_size=block_size,
+      window=window,
       **cache,
   )
 
@@ -526,7 +542,8 @@ def release(state: BlockState, seq_ids) -> tuple[BlockState, jax.Array]:
         & _first_occurrence(seq_ids))
   rows = state.block_tables[sid]  # [n, width]
   cols = jnp.arange(width, dtype=jnp.int32)
-  owned = ok[:, None] & (cols[None, :] < _cdiv(length, bs)[:, None])
+  # `rows >= 0`: a reclaimed entry (`window`) holds no reference.
+  owned = ok[:, None] & (cols[None, :] < _cdiv(length, bs)[:, None]) & (rows >= 0)
   state = _unref(state, rows, owned)
   write = jnp.where(ok, sid, max_seqs)
   tables = state.block_tables.at[write].set(NULL_BLOCK, mode="drop")
@@ -755,7 +772,7 @@ def fork(state: BlockState, parent_ids, child_ids
         & (parent_ids != child_ids) & _first_occurrence(child_ids))
   rows = state.block_tables[pid]
   cols = jnp.arange(width, dtype=jnp.int32)
-  owned = ok[:, None] & (cols[None, :] < _cdiv(length, bs)[:, None])
+  owned = ok[:, None] & (cols[None, :] < _cdiv(length, bs)[:, None]) & (rows >= 0)
   refs = _scatter_add(state.refcounts, rows, owned, 1)
   write = jnp.where(ok, cid, max_seqs)
   tables = state.block_tables.at[write].set(rows, mode="drop")
@@ -974,13 +991,29 @@ def usage(state: BlockState) -> dict:
   }
 
 
+def reclaimable_columns(window: int | None, lens, block_size: int):
+  """Leading block-table columns that no query at a position `>= lens` can
+  see with a sliding window of `window` tokens (0 without one). A query at
+  `p` sees keys `p - window + 1 .. p`, so column `j` is invisible once
+  `(j + 1) * block_size <= lens - window + 1`. The one rule: the engine's
+  reclamation (`paged_jax.window_reclaim`), its host model and
+  `paged_jax.block_groups` use it. Works on Python ints, NumPy and JAX
+  arrays alike."""
+  if window is None:
+    return lens * 0
+  d = lens - window + 1
+  return (d + abs(d)) // 2 // block_size  # max(d, 0) for ints and arrays
+
+
 def check_invariants(state: BlockState) -> None:
   """Checks the pool's bookkeeping on the host (tests and debugging).
 
   Checked: every block is exactly one of free, cached or referenced; refcounts
   equal the number of table references; no block
   appears twice in one row or twice in the free list; each row holds exactly
-  `ceil(seq_len / block_size)` blocks followed by `NULL_BLOCK`; lengths lie
+  `ceil(seq_len / block_size)` blocks followed by `NULL_BLOCK` (with a
+  `window`, after a `NULL_BLOCK` prefix of at most `reclaimable_columns`
+  columns); lengths lie
   within the table's capacity; every array is int32 with the pool's shapes.
   With prefix caching, the cached set: each cached block has refcount 0, is cacheable and sits at
   its `lru_pos` slot inside the ring's window; the window holds no other
@@ -1027,6 +1060,13 @@ def check_invariants(state: BlockState) -> None:
   counts = np.zeros(n, np.int64)
   for s, row in enumerate(tables):
     used, rest = row[:need[s]], row[need[s]:]
+    if state.window is not None:  # a reclaimed prefix: at most what is invisible
+      limit = reclaimable_columns(state.window, int(lens[s]), bs)
+      prefix = int(np.argmax(used >= 0)) if np.any(used >= 0) else len(used)
+      assert prefix <= limit, (
+          f"slot {s}: {prefix} leading NULL_BLOCK columns, but only {limit} "
+          f"are invisible to window {state.window} at seq_len {lens[s]}: {row}")
+      used = used[prefix:]
     assert np.all(rest == NULL_BLOCK), (
         f"slot {s}: entries past its {need[s]} blocks are not NULL_BLOCK: {row}")
     assert np.all((used >= 0) & (used < n)), f"slot {s}: bad block ids {used}"

@@ -196,6 +196,14 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_model: str = "tiny")
                    "(vLLM's flag): blocks evicted from the device cache are kept "
                    "there and loaded back on a hit (needs --enable-prefix-caching; "
                    "one device; EngineConfig.kv_offloading_size)")
+  eng.add_argument("--sliding-window-reclamation",
+                   action=argparse.BooleanOptionalAction, default=None,
+                   help="give back the KV blocks a sliding-window model's "
+                   "future queries cannot see (default: on where the model "
+                   "and the other flags allow it, else off with a log line; "
+                   "given, it refuses what it does not support: prefix "
+                   "caching, swap, speculation, multi-step, a mesh, hybrid "
+                   "local/global models; EngineConfig.sliding_window_reclamation)")
   eng.add_argument("--max-model-len", type=_cli.integer, default=256,
                    help="longest prompt + output (at least 2: one prompt and "
                    "one generated token)")
@@ -231,6 +239,7 @@ FIELD_FLAGS = {
     "num_scheduler_steps": "num_scheduler_steps",
     "preemption_mode": "preemption_mode", "swap_space_blocks": "swap_space_blocks",
     "kv_offloading_size": "kv_offloading_size",
+    "sliding_window_reclamation": "sliding_window_reclamation",
     "max_logprobs": "max_logprobs", "max_logit_bias": "max_logit_bias",
     "max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_k": "top_k",
     "top_p": "top_p", "seed": "seed", "n": "n", "beam_width": "beam_width",
@@ -282,6 +291,7 @@ def check_engine_config(args) -> None:
             speculative_config=args.speculative_config)
   if args.min_bucket is not None:
     kw["min_bucket"] = args.min_bucket
+  kw["sliding_window_reclamation"] = args.sliding_window_reclamation
   for name in ("max_logprobs", "max_logit_bias"):  # the server's flags
     if getattr(args, name, None) is not None:
       kw[name] = getattr(args, name)

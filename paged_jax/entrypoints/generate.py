@@ -434,7 +434,8 @@ def main(argv=None) -> int:
                   speculative_config=args.speculative_config,
                   preemption_mode=args.preemption_mode,
                   swap_space_blocks=args.swap_space_blocks,
-                  kv_offloading_size=args.kv_offloading_size)
+                  kv_offloading_size=args.kv_offloading_size,
+                  sliding_window_reclamation=args.sliding_window_reclamation)
     sizes = {n: v for n, v in common.items() if n not in ("progress", "mesh")}
     if args.request_rate is not None:
       common["arrival_times"] = poisson_arrivals(

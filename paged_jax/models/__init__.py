@@ -39,9 +39,10 @@ The API (every function returns a `ServingModel`, today always a
         llama3 RoPE scaling, SmolLM2), Qwen2ForCausalLM, Qwen3ForCausalLM,
         MistralForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (text;
         local and global layers from `layer_types` or
-        `sliding_window_pattern`). The engine serves Gemma with every block
-        kept (local layers masked and skipped by the kernels);
-        `paged_jax.block_groups` reclaims, not wired in yet.
+        `sliding_window_pattern`). The engine reclaims the blocks a local
+        layer can no longer see (`EngineConfig.sliding_window_reclamation`,
+        on by default: Mistral in its one pool, Gemma with a KV pool per
+        window, `paged_jax.serving.window_pool`).
 
 Errors: `ValueError` (or `FileNotFoundError` for a missing path or file) with
 one line naming what was expected and what was given, raised before any

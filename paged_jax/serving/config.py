@@ -13,6 +13,7 @@ import dataclasses
 
 from paged_jax.speculative import SpeculativeConfig
 from paged_jax.serving import buckets as buckets_lib
+from paged_jax.serving import reclamation
 from paged_jax.serving import spec_host
 from paged_jax.serving import prefix_offload
 from paged_jax.serving import swap as swap_lib
@@ -120,6 +121,11 @@ class EngineConfig:
       level (vLLM's `--kv-offloading-size`; `prefix_offload.py`): blocks the
       device cache evicts are kept there and loaded back on a hit. 0 (the
       default): none. Needs prefix caching, one device, recompute.
+    sliding_window_reclamation: give back the blocks that a sliding-window
+      model's future queries cannot see (`reclamation.py`,
+      `paged_jax.window_reclaim`): None (default) on where the model and
+      the other settings allow it, else off with a log line; True: on, or a
+      ValueError naming what prevents it; False: off.
   """
 
   num_blocks: int
@@ -143,6 +149,7 @@ class EngineConfig:
   preemption_mode: str = "recompute"
   swap_space_blocks: int = 0
   kv_offloading_size: float = 0.0
+  sliding_window_reclamation: bool | None = None
 
   def __post_init__(self):
     swap_lib.check_config(self)
@@ -182,6 +189,7 @@ class EngineConfig:
       raise ValueError(f"max_beam_width={self.max_beam_width} must be <= "
                        f"max_batch={self.max_batch}")
     spec_host.check_config(self)
+    reclamation.check_config(self)
 
   @property
   def buckets(self) -> tuple[Bucket, ...]:

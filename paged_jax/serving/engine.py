@@ -83,6 +83,8 @@ from paged_jax import sharding
 from paged_jax.serving import buckets as buckets_lib
 from paged_jax.serving import out_pack, prefix_offload, slot_state
 from paged_jax.serving import resize as resize_lib
+from paged_jax.serving import reclamation
+from paged_jax.serving import window_pool
 from paged_jax.serving import spec_host
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.config import EngineConfig  # re-exported: its home before
@@ -152,15 +154,23 @@ class Engine:
     self.buckets = config.buckets
     data = 1 if mesh is None else mesh.shape[sharding.DATA]
     blocks_per_seq = -(-max_len // bs)
+    # Sliding-window block reclamation, where it applies (`reclamation.py`).
+    self.reclamation = reclamation.decide(config, model.config, mesh)
     initial = bm.init(num_blocks=config.num_blocks, block_size=bs,
                       max_seqs=self.max_seqs,
                       max_blocks_per_seq=blocks_per_seq,
-                      prefix_caching=config.enable_prefix_caching)
+                      prefix_caching=config.enable_prefix_caching,
+                      window=self.reclamation.window)
+    if self.reclamation.pools is not None:  # hybrid: a pool per window
+      self.reclamation, pooled = window_pool.plan(
+          config, model.config, self.reclamation, max_model_len=max_len,
+          max_seqs=self.max_seqs, max_blocks_per_seq=blocks_per_seq)
+      initial = pooled or initial
     self._pools = [Scheduler(config, model.config, max_len, self.stats, initial)
                    for _ in range(data)]
     self._runner = Runner(model, config, blocks_per_seq=blocks_per_seq,
                           max_seqs=self.max_seqs, num_logprobs=self.num_logprobs,
-                          mesh=mesh)
+                          mesh=mesh, initial_state=initial)
     for p in self._pools if config.kv_offloading_size else ():  # `prefix_offload.py`
       p.init_prefix_offload(self._runner.prefix_host_blocks)
     # The dispatched step whose results have not been applied yet.
@@ -215,12 +225,14 @@ class Engine:
 
   @property
   def block_state(self):
-    """The `BlockState` (on a mesh: the data shards' states, stacked)."""
+    """The `BlockState` (on a mesh: the data shards' states, stacked; a
+    hybrid model's pools: a `pooled_step.PooledState`)."""
     return self._runner.state
 
   @property
   def cache(self):
-    """The `KVCache` (donated to every step: do not hold on to it)."""
+    """The `KVCache` (donated to every step: do not hold on to it; a tuple
+    of one per pool for a `pooled_step.PooledState`)."""
     return self._runner.cache
 
   @property

@@ -42,6 +42,7 @@ import dataclasses
 import numpy as np
 
 from paged_jax import block_manager as bm
+from paged_jax import window_reclaim
 
 NULL = bm.NULL_BLOCK
 _MASK = 0xFFFFFFFF
@@ -84,6 +85,7 @@ class HostPool:
 
   def __init__(self, state: bm.BlockState):
     self.block_size = state.block_size
+    self.window = state.window  # sliding-window reclamation (`window_reclaim`)
     self.caching = state.prefix_caching
     self.tables = np.array(state.block_tables, np.int32)
     self.lens = np.array(state.seq_lens, np.int32)
@@ -188,7 +190,7 @@ class HostPool:
     return bm.BlockState(block_tables=self.tables.copy(), seq_lens=self.lens.copy(),
                          refcounts=self.refs.copy(), free_stack=self.stack.copy(),
                          num_free=np.int32(self.num_free),
-                         block_size=self.block_size, **cache)
+                         block_size=self.block_size, window=self.window, **cache)
 
   # ------------------------------------------------------------ operations
 
@@ -234,6 +236,9 @@ class HostPool:
       return ok
     rows, cols = self._owned(s)
     blocks = self.tables[s[rows], cols]
+    if self.window is not None:  # reclaimed entries hold no reference
+      held = blocks >= 0
+      rows, cols, blocks = rows[held], cols[held], blocks[held]
     self._add_refs(blocks, -1)
     ids = np.unique(blocks)
     freed = ids[self.refs[ids] == 0]  # ascending block ids
@@ -297,7 +302,8 @@ class HostPool:
     if not p.size:
       return ok
     rows, cols = self._owned(p)
-    self._add_refs(self.tables[p[rows], cols], 1)
+    blocks = self.tables[p[rows], cols]
+    self._add_refs(blocks[blocks >= 0] if self.window is not None else blocks, 1)
     self._set(self.tables, c, self.tables[p])
     self._set(self.lens, c, self.lens[p])
     return ok
@@ -479,7 +485,9 @@ class HostPool:
                   share_blocks, share_counts, seq_ids, q_lens):
     """`step.bookkeeping` on the model, in place (the same order: register ->
     release -> fork -> release -> share -> reserve; arguments in
-    `step.BOOKKEEPING_FIELDS` order).
+    `step.BOOKKEEPING_FIELDS` order), then, with a `window`, the reclamation
+    the device step runs after its model (`window_reclaim.reclaim`): the
+    model is the pool as the step leaves it.
 
     Returns:
       `(fork_ok bool[max_batch], HostReservation, cache_ok bool[R + H])`.
@@ -493,4 +501,7 @@ class HostPool:
     if self.caching:
       share_ok = self.share(share_seqs, share_blocks, np.maximum(share_counts, 1))
       cache_ok = np.concatenate([cache_ok, share_ok | (share_seqs < 0)])
-    return fork_ok, self.reserve(seq_ids, q_lens), cache_ok
+    res = self.reserve(seq_ids, q_lens)
+    if self.window is not None:
+      window_reclaim.reclaim_host(self, seq_ids, q_lens, res.ok)
+    return fork_ok, res, cache_ok

@@ -220,11 +220,3 @@ class Seq:
   @property
   def generated(self) -> list[int]:
     return self.tokens[self.group.prompt_len:]
-
-
-def blocks_at_longest(params, prompt_len: int, block_size: int) -> int:
-  """Blocks a request needs at its longest: beam groups are preempted whole,
-  so all beams must fit together (at worst each beam owns all its blocks;
-  retired beams are released before the next forks and reservations)."""
-  total = prompt_len + params.max_new_tokens
-  return params.beam_width * -(-total // block_size)

@@ -20,7 +20,8 @@ without restarting and without losing a running sequence (issue #24 item 4).
 
 Requests keep their slots, tokens and outputs: a run with a resize in the
 middle gives the same greedy tokens as one without (tested). Not on a mesh,
-not with preemption by swap and not with the prefix cache's host level
+not with sliding-window reclamation (a pool per window), not with
+preemption by swap and not with the prefix cache's host level
 (`kv_offloading_size`; the host tiers' copies name device blocks): refused
 by name.
 """
@@ -37,8 +38,8 @@ import numpy as np
 from paged_jax import block_manager as bm
 from paged_jax import compaction
 from paged_jax import kv_cache as kv_cache_lib
+from paged_jax.serving import window_pool
 from paged_jax.serving.host_pool import HostPool
-from paged_jax.serving.requests import blocks_at_longest
 
 if TYPE_CHECKING:
   from paged_jax.serving.engine import Engine
@@ -58,6 +59,10 @@ def check(engine: "Engine", num_blocks) -> int:
   if engine.config.preemption_mode == "swap":
     raise ValueError("resize_kv_cache is not supported with "
                      "preemption_mode='swap'")
+  if engine.reclamation.on:
+    raise ValueError("resize_kv_cache is not supported with sliding-window "
+                     "block reclamation (sliding_window_reclamation=False turns "
+                     "it off)")
   if engine.config.kv_offloading_size:
     raise ValueError("resize_kv_cache is not supported with "
                      "kv_offloading_size (the prefix cache's host level "
@@ -110,10 +115,10 @@ class PoolResizing:
   def largest_need(self) -> int:
     """Blocks the largest unfinished request needs at its longest (the
     admission rule of `_refusal`): a pool smaller than that never finishes it."""
-    bs = self.config.block_size
-    return max((blocks_at_longest(s.group.params, s.group.prompt_len, bs)
-                for s in self._waiting + self._running + self._swapped),
-               default=0)
+    return max((need for s in self._waiting + self._running + self._swapped
+                for need, _ in window_pool.pool_needs(
+                    self._pool, s.group.prompt_len + s.group.params.max_new_tokens,
+                    s.group.params.beam_width, self.config)), default=0)
 
   def follow_resize(self, config, state: bm.BlockState, new_ids: np.ndarray,
                     evicted: np.ndarray):

@@ -33,6 +33,8 @@ from paged_jax import kv_offload
 from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import sharding
 from paged_jax.serving import compiler
+from paged_jax.serving import pooled_step
+from paged_jax.serving import window_pool
 from paged_jax.serving import slot_state as slot_state_lib
 from paged_jax.serving import step as step_lib
 from paged_jax.serving import out_pack, swap_step
@@ -52,6 +54,11 @@ _write_slots_jit = jax.jit(slot_state_lib.write, donate_argnums=(0,))
 _write_slots_mesh_jit = jax.jit(jax.vmap(slot_state_lib.write), donate_argnums=(0,))
 _bookkeeping_jit = jax.jit(out_pack.packs(step_lib.bookkeeping_step), donate_argnums=(0,),
                           static_argnames=("num_logprobs",))
+# A hybrid model's pool per window (`pooled_step.py`).
+_pooled_step_jit = jax.jit(pooled_step.device_step, static_argnums=(0,),
+                           donate_argnums=_DONATE, static_argnames=_STATIC)
+_pooled_bookkeeping_jit = jax.jit(pooled_step.bookkeeping_step, donate_argnums=(0,),
+                                  static_argnames=("num_logprobs",))
 _MULTI_STATIC = ("num_steps", "num_logprobs")
 _multistep_jit = jax.jit(out_pack.packs(multistep_device_step), static_argnums=(0,),
                          donate_argnums=_DONATE, static_argnames=_MULTI_STATIC)
@@ -67,10 +74,15 @@ class Runner:
     max_seqs: sequence slots per pool.
     num_logprobs: top log-probs returned per sample row (static).
     mesh: optional `(data, model)` mesh.
+    initial_state: one device: the initial block state (`BlockState`,
+      its `window` for reclamation, or a hybrid model's
+      `pooled_step.PooledState`: one cache per pool, the pooled step);
+      default an empty plain pool.
   """
 
   def __init__(self, model, config, *, blocks_per_seq: int, max_seqs: int,
-               num_logprobs: int, mesh: Mesh | None = None):
+               num_logprobs: int, mesh: Mesh | None = None,
+               initial_state=None):
     self.config = config
     self.mesh = mesh
     self.num_logprobs = num_logprobs
@@ -80,14 +92,20 @@ class Runner:
     self._params = jax.tree.leaves(params)  # flat: cheap to pass every step
     mc = model.config
     if mesh is None:
-      self.state = bm.init(num_blocks=config.num_blocks, block_size=bs,
-                           max_seqs=max_seqs, max_blocks_per_seq=blocks_per_seq,
-                           prefix_caching=config.enable_prefix_caching)
-      self.cache = model.make_cache(config.num_blocks, bs, config.cache_dtype)
+      self.state = initial_state if initial_state is not None else bm.init(
+          num_blocks=config.num_blocks, block_size=bs, max_seqs=max_seqs,
+          max_blocks_per_seq=blocks_per_seq,
+          prefix_caching=config.enable_prefix_caching)
+      if self._pooled():
+        self.cache = window_pool.make_caches(
+            mc, [s.num_blocks for s in self.state.states], block_size=bs,
+            dtype=config.cache_dtype)
+      else:
+        self.cache = model.make_cache(config.num_blocks, bs, config.cache_dtype)
       self.last_tokens = jnp.zeros(max_seqs, jnp.int32)
       self.slots = jax.tree.map(
           jnp.asarray, slot_state_lib.empty(max_seqs, config.max_logit_bias))
-      self._jit = _step_jit
+      self._jit = _pooled_step_jit if self._pooled() else _step_jit
       self._x_sharding = None
     else:
       self.state = sharding.init_block_states(
@@ -151,6 +169,7 @@ class Runner:
     step_fn = device_step if self.mesh is None else functools.partial(
         mesh_device_step, mesh=self.mesh)
     step_fn = swap_step.device_step if self.tier is not None else step_fn
+    step_fn = pooled_step.device_step if self._pooled() else step_fn
     if self.mesh is None:  # one device: outputs fetched as one buffer
       step_fn = out_pack.packs(step_fn)
 
@@ -172,6 +191,10 @@ class Runner:
     self.__dict__.pop("_spec_steps", None)  # `spec_step.compile_spec`'s
     self._key = self._key[:-1] + (compiler.signature(
         self._params, self.cache, self.state, self.last_tokens, self.tier),)
+
+  def _pooled(self) -> bool:
+    """A hybrid model's pool per window (`pooled_step.PooledState`)."""
+    return isinstance(self.state, pooled_step.PooledState)
 
   def _donated(self) -> tuple:
     """The arrays donated to every step, in the step's argument order (then
@@ -352,8 +375,9 @@ class Runner:
     if self.tier is not None:
       raise ValueError("a bookkeeping-only step does not carry swaps")
     if self.mesh is None:
-      self.state, out = _bookkeeping_jit(self.state, self.place(xs),
-                                         num_logprobs=self.num_logprobs)
+      jit = _pooled_bookkeeping_jit if self._pooled() else _bookkeeping_jit
+      self.state, out = jit(self.state, self.place(xs),
+                            num_logprobs=self.num_logprobs)
       return out
     if self._mesh_bookkeeping is None:
       self._mesh_bookkeeping = jax.jit(

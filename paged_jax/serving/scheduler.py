@@ -48,15 +48,15 @@ from paged_jax import block_manager as bm
 from paged_jax import prefix_cache
 from paged_jax.serving import sampling as sampling_lib
 from paged_jax.serving import spec_host
+from paged_jax.serving import window_pool
 from paged_jax.serving.buckets import Bucket
-from paged_jax.serving.host_pool import HostPool
 from paged_jax.serving.multistep_host import MultiStep
 from paged_jax.serving.packing import Bookkeeping, Entry, InputPacking
 from paged_jax.serving.prefix_offload import PrefixOffload
 from paged_jax.serving.prefix import (Candidate, PrefixCaching, Registration,
                                       register_rows)
 from paged_jax.serving.requests import (Group, Request, RequestDelta,
-                                        RequestOutput, Seq, blocks_at_longest)
+                                        RequestOutput, Seq)
 from paged_jax.serving.resize import PoolResizing
 from paged_jax.serving.results import Pending, Results
 from paged_jax.serving.slot_state import HostSlots
@@ -135,7 +135,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     # The exact NumPy model of this pool's block state: the bookkeeping the
     # device runs, applied on the host to the same inputs (see `_fit`); on
     # several hosts each process keeps its own.
-    self._pool = HostPool(initial_state)
+    self._pool = window_pool.host_model(initial_state)  # one pool, or per window
     self._fingerprint = self._pool.fingerprint()  # after the last fitted step
     self._waiting: list[Seq] = []  # sorted by order
     self._running: list[Seq] = []  # sorted by order
@@ -224,11 +224,8 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     if p.min_tokens and len(stops) > sampling_lib.MAX_BANNED:
       return (f"min_tokens needs at most {sampling_lib.MAX_BANNED} EOS and stop "
               f"token ids, got {len(stops)}")
-    need = blocks_at_longest(p, len(prompt), c.block_size)
-    if need > c.num_blocks:
-      return (f"needs {need} blocks of {c.block_size} tokens at its longest, "
-              f"the pool has {c.num_blocks}")
-    return None
+    return window_pool.block_rejection(self._pool, len(prompt) + p.max_new_tokens,
+                                       p.beam_width, c)
 
   def has_unfinished(self) -> bool:
     return bool(self._waiting or self._running or self._swapped)
@@ -241,9 +238,9 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     kept for prefix-cache hits) / total, running and waiting sequences, and
     the host tier's (`swap.Swapping.host_usage`), from the last step."""
     pool = self._pool
-    used = self.config.num_blocks - pool.num_free - pool.num_cached
+    used = pool.num_blocks - pool.num_free - pool.num_cached
     return {"blocks_used": used, "blocks_cached": pool.num_cached,
-            "blocks_total": self.config.num_blocks,
+            "blocks_total": pool.num_blocks,
             "running": len(self._running), "waiting": len(self._waiting),
             **self.host_usage()}
 

@@ -11,7 +11,8 @@ order is
   the input tokens (the host's, or the last token sampled for a slot) ->
   `step_metadata` (once for every layer) -> `model.paged_forward` -> logits of
   the rows to sample -> `logit_bias`, bans -> sampling and top log-probs ->
-  the sampled tokens stored per slot.
+  the sampled tokens stored per slot -> with `state.window`, the blocks no
+  future query can see given back (`window_reclaim`).
 
 Storing the sampled tokens on the device is what makes the engine's steps
 asynchronous: the host builds and dispatches step N+1 before step N's tokens
@@ -41,6 +42,7 @@ from paged_jax import block_manager as bm
 from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import sharding
 from paged_jax import step_metadata as step_metadata_lib
+from paged_jax import window_reclaim
 from paged_jax.serving import sampling
 from paged_jax.serving import slot_state as slot_state_lib
 
@@ -142,6 +144,9 @@ def device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
       state, x.seq_ids, x.q_lens, num_tokens=x.tokens.shape[0], active=res.ok,
       decode_only=decode_only)
   hidden, cache = model.paged_forward(input_tokens(last_tokens, x), meta, cache)
+  if state.window is not None:  # blocks no future query sees go back
+    state = window_reclaim.reclaim(state, x.seq_ids, x.q_lens, res.ok,
+                                   max_new_tokens=x.tokens.shape[0])
   tokens, top_lp, top_ids, token_lp = _sample(model.logits(hidden[x.sample_rows]),
                                               sample_rows(slots, state, x),
                                               num_logprobs)

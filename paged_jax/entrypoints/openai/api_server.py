@@ -500,7 +500,8 @@ def build(args):
       num_scheduler_steps=args.num_scheduler_steps, max_logprobs=args.max_logprobs, max_logit_bias=args.max_logit_bias,
       speculative_config=args.speculative_config,
       preemption_mode=args.preemption_mode, swap_space_blocks=args.swap_space_blocks,
-      kv_offloading_size=args.kv_offloading_size)
+      kv_offloading_size=args.kv_offloading_size,
+      sliding_window_reclamation=args.sliding_window_reclamation)
   engine = Engine(model, config, mesh=mesh)
   if not args.no_warmup:
     engine.warmup()

@@ -1,0 +1,121 @@
+"""Sliding-window block reclamation in the engine, on vs off, same KV bytes (CPU).
+
+    PYTHONPATH=. python benchmarks/hybrid_reclaim.py          # ~5-10 min, loaded CPU
+    PYTHONPATH=. python benchmarks/hybrid_reclaim.py --quick  # smoke test
+
+A Gemma-3-shaped random model (6 layers: 5 local of window 64 to 1 global;
+hidden 64, 4 query / 2 KV heads of 16, float32) serves 24 greedy requests
+(prompts 256-640 tokens, 32-64 new) with up to 16 sequences per step, blocks
+of 16, on the KV memory of 160 blocks of every layer (2,560 tokens: about 4
+of the requests without reclamation). Reclamation on (`window_pool`: one
+pool per window, the same layer-blocks split by `pool_sizes`) against off
+(one pool, every block kept), `admission_headroom_steps=0`, each engine
+warmed up (and one untimed run of 4 requests: the first run paid ~5 s of
+one-off host costs in both modes), then interleaved runs (on, off, on, off, ...). Per mode: the
+median wall, output tokens/s, peak and mean running sequences, preemptions,
+token rows computed; the greedy outputs are checked equal. The ideal is
+`hybrid_capacity.plan_hybrid`'s ratio at the requests' mean length. Results
+in benchmarks/results/hybrid_reclaim.json.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import numpy as np
+
+from benchmarks import common
+from paged_jax import hybrid_capacity
+from paged_jax.models.llama import model as model_lib
+from paged_jax.serving.engine import Engine, EngineConfig
+from paged_jax.serving.requests import Request
+from paged_jax.serving.sampling import SamplingParams
+from paged_jax.serving.stats import Gauge
+
+WINDOW, BS, NUM_BLOCKS = 64, 16, 160
+TYPES = ("sliding_attention",) * 5 + ("full_attention",)
+
+
+def _requests(rng, count, prompt=(256, 641)):
+  return [(rng.integers(3, 500, size=int(rng.integers(*prompt))).tolist(),
+           int(rng.integers(32, 65))) for _ in range(count)]
+
+
+def _serve(engine, reqs, tag):
+  for i, (prompt, new) in enumerate(reqs):
+    assert engine.add_request(Request(f"{tag}-{i}", prompt,
+                                      SamplingParams(max_new_tokens=new))) is None
+  t0 = time.perf_counter()
+  outs = engine.run_until_done()
+  wall = time.perf_counter() - t0
+  return wall, {o.request_id.split("-", 1)[1]: o.completions[0].token_ids for o in outs}
+
+
+def main():
+  p = common.parser(__doc__.splitlines()[0])
+  p.add_argument("--repeats", type=int, default=2)
+  args = p.parse_args()
+  quick = args.quick
+  cfg = model_lib.LlamaConfig.tiny(num_layers=6, sliding_window=WINDOW,
+                                   layer_types=TYPES, max_position_embeddings=1024)
+  model = model_lib.init_model(cfg, seed=0)
+  reqs = _requests(np.random.default_rng(0), 6 if quick else 24)
+  base = dict(num_blocks=NUM_BLOCKS, block_size=BS, max_batch=16,
+              max_tokens_per_step=256, max_model_len=704,
+              admission_headroom_steps=0, min_bucket=16, bucket_midpoints=False)
+  engines = {"on": Engine(model, EngineConfig(**base)),
+             "off": Engine(model, EngineConfig(**base, sliding_window_reclamation=False))}
+  assert engines["on"].reclamation.pools == (WINDOW, None)
+  pools = [s.num_blocks for s in engines["on"].block_state.states]
+  layer_blocks_on = 5 * pools[0] + pools[1]
+  for k, e in engines.items():
+    e.warmup()
+    _serve(e, reqs[:4], f"warm-{k}")  # first-run costs outside the timed runs
+  walls = {k: [] for k in engines}
+  counts, outputs = {}, {}
+  fields = ("steps", "computed_tokens", "preemptions", "recomputed_tokens",
+            "generated_tokens", "compile_seconds")
+  for r in range(1 if quick else args.repeats):
+    for k, e in engines.items():
+      before = {f: getattr(e.stats, f) for f in fields}
+      e.stats.running = Gauge()  # this run's gauge
+      wall, outs = _serve(e, reqs, f"{r}")
+      walls[k].append(wall)
+      counts[k] = {f: getattr(e.stats, f) - v for f, v in before.items()}
+      counts[k].update(peak_running=e.stats.running.peak,
+                       mean_running=round(e.stats.running.mean, 2),
+                       tokens_per_s=counts[k]["generated_tokens"] / wall)
+      outputs.setdefault(k, outs)
+  assert outputs["on"] == outputs["off"], "greedy outputs differ"
+  mean_len = int(np.mean([len(q) + n for q, n in reqs]))
+  plan = hybrid_capacity.plan_hybrid(
+      kv_pool_bytes=NUM_BLOCKS * BS * hybrid_capacity.capacity.kv_head_token_bytes(
+          "float32", cfg.head_dim) * 2 * cfg.num_kv_heads * cfg.num_layers,
+      groups=hybrid_capacity.groups_from_windows([s.sliding_window for s in cfg.layer_specs]),
+      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=BS,
+      context=mean_len, kv_dtype="float32")
+  out = {"model": "gemma3-shaped tiny: 6 layers (5 local w=64 : 1 global), hidden 64, "
+                  "2 KV heads x 16, f32",
+         "requests": len(reqs), "config": base, "pools_on": pools,
+         "layer_blocks": {"on": layer_blocks_on, "off": NUM_BLOCKS * 6},
+         "repeats": len(walls["on"]), "load_average": os.getloadavg(),
+         "mean_request_len": mean_len,
+         "ideal_ratio": plan.ratio, "ideal_max_seqs": [plan.max_seqs,
+                                                       plan.max_seqs_without_reclamation]}
+  for k in engines:
+    med = statistics.median(walls[k])
+    out[k] = {"wall_s": walls[k], "median_wall_s": med,
+              "median_tokens_per_s": counts[k]["generated_tokens"] / med, **counts[k]}
+  out["tokens_per_s_ratio"] = out["on"]["median_tokens_per_s"] / out["off"]["median_tokens_per_s"]
+  out["mean_running_ratio"] = out["on"]["mean_running"] / out["off"]["mean_running"]
+  print({k: (round(out[k]["median_wall_s"], 2), counts[k]) for k in engines})
+  print("on / off tokens/s:", round(out["tokens_per_s_ratio"], 3),
+        "mean running ratio:", round(out["mean_running_ratio"], 3),
+        "ideal:", round(plan.ratio, 3), "load:", os.getloadavg())
+  print("wrote", common.write_json(args.out, "hybrid_reclaim", out, quick=quick))
+
+
+if __name__ == "__main__":
+  main()

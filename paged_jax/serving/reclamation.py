@@ -1,0 +1,148 @@
+"""Where the engine reclaims sliding-window blocks (`paged_jax.window_reclaim`).
+
+`EngineConfig.sliding_window_reclamation` (`--sliding-window-reclamation /
+--no-sliding-window-reclamation`):
+
+* None (the default): on for a model whose layers all attend within one
+  sliding window (Mistral with `sliding_window`), unless the engine runs a
+  feature reclamation does not support; then off, the reason in one log line
+  and in `Engine.reclamation`.
+* True: on, and a `ValueError` (naming the feature) where it cannot be.
+* False: off (every block kept, local layers masked and skipped by the
+  kernels).
+
+Not supported, and why:
+
+* prefix caching: a hit on a window model needs the last window's blocks of
+  a cached prefix, and blocks slid out could not be cached;
+* swap preemption: the swap tier copies `ceil(L / bs)` blocks per sequence;
+* speculative decoding: its rollback (`block_manager.truncate`) would need
+  blocks already given back;
+* multi-step decode (`num_scheduler_steps > 1`): its steps reserve on the
+  device with no reclamation between them;
+* a mesh: the sharded step runs its own bookkeeping.
+
+Hybrid models (Gemma 2, Gemma 3: local and global layers) get one pool per
+distinct window (`window_pool.py`, `pooled_step.py`): global layers keep
+every block in theirs, local layers reclaim in theirs. Reclamation off, they
+share one pool, every block kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+_LOG = logging.getLogger("paged_jax.serving")
+
+
+@dataclasses.dataclass(frozen=True)
+class Reclamation:
+  """The engine's decision.
+
+  Attributes:
+    window: the sliding window blocks are reclaimed for (every layer's:
+      one pool), or None.
+    pools: a hybrid model's pool per distinct window (`pooled.pool_windows`
+      order, None = global), or None (one pool).
+    reason: why it is off ("" when on).
+  """
+  window: int | None
+  reason: str = ""
+  pools: tuple | None = None
+
+  @property
+  def on(self) -> bool:
+    return self.window is not None or self.pools is not None
+
+  def describe(self) -> str:
+    if self.window is not None:
+      return f"sliding-window reclamation on (window {self.window} tokens)"
+    if self.pools is not None:
+      return (f"sliding-window reclamation on (a KV pool per window: "
+              f"{self.pools})")
+    return f"sliding-window reclamation off: {self.reason}"
+
+
+def config_conflict(config) -> str | None:
+  """The first engine feature in `config` that reclamation does not support
+  (a phrase naming its field), or None."""
+  if config.enable_prefix_caching:
+    return "enable_prefix_caching=True is not supported with it"
+  if config.preemption_mode == "swap":
+    return "preemption_mode='swap' is not supported with it"
+  if config.speculative_config is not None:
+    return "speculative_config (speculative decoding) is not supported with it"
+  if config.num_scheduler_steps > 1:
+    return (f"num_scheduler_steps={config.num_scheduler_steps} (multi-step "
+            "decode) is not supported with it")
+  return None
+
+
+def check_config(config) -> None:
+  """`EngineConfig.__post_init__`'s part: the field's type, and an explicit
+  True against an unsupported feature.
+
+  Raises:
+    ValueError: naming the value or the conflicting field.
+  """
+  value = config.sliding_window_reclamation
+  if value is not None and not isinstance(value, bool):
+    raise ValueError(f"sliding_window_reclamation must be None (auto) or a "
+                     f"bool, got {value!r}")
+  if value:
+    why = config_conflict(config)
+    if why:
+      raise ValueError(f"sliding_window_reclamation=True: {why}")
+
+
+def _specs(model_config) -> tuple:
+  """The model's `layers.LayerSpec`s (none for a model without them)."""
+  return tuple(getattr(model_config, "layer_specs", None) or ())
+
+
+def model_window(model_config) -> tuple[int | None, tuple | None, str]:
+  """`(window, None, "")` when every layer attends within one sliding
+  window, `(None, pools, "")` for a hybrid model (its distinct windows, first
+  appearance first), else `(None, None, why not)`."""
+  windows = [s.sliding_window for s in _specs(model_config)]
+  distinct = tuple(dict.fromkeys(windows))
+  if set(distinct) <= {None}:
+    return None, None, "the model has no sliding-window layers"
+  if len(distinct) > 1:
+    return None, distinct, ""
+  return distinct[0], None, ""
+
+
+def decide(config, model_config, mesh=None) -> Reclamation:
+  """The decision for an engine of `config` serving `model_config` on
+  `mesh`, logged in one line when reclamation could apply.
+
+  Raises:
+    ValueError: with `sliding_window_reclamation=True` where it cannot run
+      (the model has no single window, or a mesh).
+  """
+  asked = config.sliding_window_reclamation
+  if asked is False:
+    return Reclamation(None, "sliding_window_reclamation=False")
+  window, pools, why = model_window(model_config)
+  if not why:
+    if mesh is not None:
+      why = "a device mesh is not supported with it"
+    else:
+      why = config_conflict(config) or ""
+  if why:
+    if asked:
+      raise ValueError(f"sliding_window_reclamation=True: {why}")
+    decision = Reclamation(None, why)
+    if any(s.sliding_window for s in _specs(model_config)):
+      log(decision)  # a window model served without it
+    return decision
+  decision = Reclamation(window, pools=pools)
+  log(decision)
+  return decision
+
+
+def log(decision: Reclamation) -> None:
+  """The decision's one log line (`paged_jax.serving`, INFO)."""
+  _LOG.info(decision.describe())

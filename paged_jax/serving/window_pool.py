@@ -1,0 +1,197 @@
+"""One KV pool per attention window: sizing, caches and the host model.
+
+A hybrid model (Gemma 2, Gemma 3) has global layers, which keep every block
+of a sequence, and local layers of window `w`, which after reclamation keep
+at most `ceil(w / bs) + 1` (`window_reclaim`). Reclaiming frees memory only
+if a local layer's blocks hold that layer's K/V alone, so the engine gives
+each distinct window its own pool: a `BlockState` (`pooled_step.
+PooledState`), a `KVCache` of that group's layers and, on the host, a
+`HostPool` (`PooledHost` holds them). Every sequence lives in every pool at
+the same length; a step's entry is served only if every pool grants it.
+
+Sizing (`pool_sizes`): the engine's `num_blocks` says how much KV memory
+there is, in blocks of every layer (`num_blocks * num_layers` layer-blocks).
+Each local pool first gets the blocks a step's prefill chunk may take before
+its reclamation (`ceil(max_tokens_per_step / bs) + 1`); the rest is split in
+proportion to what one sequence of `max_model_len` tokens needs per group
+(`hybrid_capacity.local_blocks`, plus one block of decode growth in local
+groups): so at `max_model_len` the pools run out together, and the same
+bytes hold `hybrid_capacity.plan_hybrid(...).ratio` times the sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from paged_jax import hybrid_capacity
+from paged_jax import kv_cache as kv_cache_lib
+from paged_jax import window_reclaim
+from paged_jax.models.llama import pooled as pooled_model
+from paged_jax.serving import pooled_step
+from paged_jax.serving import reclamation
+from paged_jax.serving.host_pool import HostPool
+
+
+def pool_sizes(num_blocks: int, layer_windows, *, block_size: int,
+               max_model_len: int, max_tokens_per_step: int) -> tuple[int, ...]:
+  """Blocks per pool (`pooled.pool_windows` order) in the memory of
+  `num_blocks` blocks of every layer (see the module docstring).
+
+  Raises:
+    ValueError: if a pool could not hold one sequence of `max_model_len`
+      tokens.
+  """
+  layer_windows = list(layer_windows)
+  groups = hybrid_capacity.groups_from_windows(layer_windows)
+  budget = num_blocks * len(layer_windows)  # layer-blocks
+  chunk = -(-max_tokens_per_step // block_size) + 1
+  extra = [0 if g.window is None else chunk for g in groups]
+  per_seq = [hybrid_capacity.local_blocks(g.window, max_model_len, block_size)
+             + (g.window is not None) for g in groups]
+  left = budget - sum(g.num_layers * e for g, e in zip(groups, extra))
+  weight = sum(g.num_layers * b for g, b in zip(groups, per_seq))
+  sizes = tuple(e + max(left, 0) * b // weight for e, b in zip(extra, per_seq))
+  for g, n in zip(groups, sizes):
+    need = window_reclaim.blocks_needed(max_model_len, block_size, g.window,
+                                        max_tokens_per_step)
+    if n < need:
+      raise ValueError(
+          f"num_blocks={num_blocks} split over the windows' pools gives the "
+          f"window-{g.window} pool {n} blocks, less than one sequence of "
+          f"max_model_len={max_model_len} tokens needs ({need}); give more "
+          "blocks or sliding_window_reclamation=False")
+  return sizes
+
+
+def plan(config, model_config, decision, *, max_model_len: int, max_seqs: int,
+         max_blocks_per_seq: int):
+  """`(decision, PooledState | None)`: the empty pools of a hybrid model
+  (`decision.pools`), sized by `pool_sizes`. Where they cannot hold one
+  sequence, with `sliding_window_reclamation` None (auto) the decision
+  becomes off (logged, the reason kept) and the state None.
+
+  Raises:
+    ValueError: from `pool_sizes`, with `sliding_window_reclamation=True`.
+  """
+  try:
+    sizes = pool_sizes(
+        config.num_blocks, [s.sliding_window for s in model_config.layer_specs],
+        block_size=config.block_size, max_model_len=max_model_len,
+        max_tokens_per_step=config.max_tokens_per_step)
+  except ValueError as e:
+    if config.sliding_window_reclamation:
+      raise
+    decision = reclamation.Reclamation(None, str(e))
+    reclamation.log(decision)
+    return decision, None
+  return decision, pooled_step.init(
+      sizes, decision.pools, block_size=config.block_size, max_seqs=max_seqs,
+      max_blocks_per_seq=max_blocks_per_seq)
+
+
+def make_caches(model_config, sizes, *, block_size: int, dtype) -> tuple:
+  """One zeroed `KVCache` per pool, of that pool's layers."""
+  windows = [s.sliding_window for s in model_config.layer_specs]
+  pool_of, _ = pooled_model.layer_pools(windows)
+  c = model_config
+  return tuple(kv_cache_lib.KVCache.create(
+      num_layers=pool_of.count(g), num_kv_heads=c.num_kv_heads, num_blocks=n,
+      block_size=block_size, head_dim=c.head_dim,
+      dtype=kv_cache_lib.cache_dtype(dtype, c.jnp_dtype))
+                for g, n in enumerate(sizes))
+
+
+class PooledHost:
+  """The exact NumPy model of every pool (one `HostPool` each), read by the
+  scheduler as one pool: `bookkeeping` runs every pool's on the same inputs
+  and grants an entry only where all did (the scheduler then takes back an
+  admission or preempts and tries again, rolling every pool back)."""
+
+  caching = False
+  window = None
+  num_cached = 0
+
+  def __init__(self, state: pooled_step.PooledState):
+    self.pools = [HostPool(s) for s in state.states]
+    first = self.pools[0]
+    self.block_size, self.width = first.block_size, first.width
+    self.max_seqs = first.max_seqs
+    self.num_blocks = sum(p.num_blocks for p in self.pools)
+
+  def begin(self):
+    for p in self.pools:
+      p.begin()
+
+  def commit(self):
+    for p in self.pools:
+      p.commit()
+
+  def rollback(self):
+    for p in self.pools:
+      p.rollback()
+
+  @property
+  def num_free(self) -> int:
+    return sum(p.num_free for p in self.pools)
+
+  @property
+  def num_available(self) -> int:
+    """The fewest blocks any pool has left (a prompt chunk takes the same
+    number of new blocks in each: the admission estimate's bound)."""
+    return min(p.num_available for p in self.pools)
+
+  @property
+  def lens(self) -> np.ndarray:
+    return self.pools[0].lens
+
+  def fingerprint(self) -> np.ndarray:
+    """`u32[num_pools, 5]`, as `pooled_step.fingerprint`."""
+    return np.stack([p.fingerprint() for p in self.pools])
+
+  def to_state(self) -> pooled_step.PooledState:
+    return pooled_step.PooledState(tuple(p.to_state() for p in self.pools))
+
+  def bookkeeping(self, *args):
+    """`HostPool.bookkeeping` on every pool; `ok` where every pool granted."""
+    outs = [p.bookkeeping(*args) for p in self.pools]
+    fork_ok, res, cache_ok = outs[0]
+    ok = res.ok.copy()
+    fork_ok = fork_ok.copy()
+    for f, r, _ in outs[1:]:
+      ok &= r.ok
+      fork_ok &= f
+    return fork_ok, dataclasses.replace(res, ok=ok), cache_ok
+
+
+def host_model(state):
+  """The scheduler's model of the device pools: a `HostPool`, or a
+  `PooledHost` for a `pooled_step.PooledState`."""
+  if isinstance(state, pooled_step.PooledState):
+    return PooledHost(state)
+  return HostPool(state)
+
+
+def pool_needs(pool, total: int, beam_width: int, config) -> list[tuple[int, int]]:
+  """Per pool: `(blocks a request of up to `total` tokens and `beam_width`
+  beams needs at its longest, the pool's blocks)`. Beam groups are preempted
+  whole, so all beams must fit together (at worst each beam owns all its
+  blocks; retired beams are released before the next forks and
+  reservations); with a window, what reclamation lets a sequence hold
+  (`window_reclaim.blocks_needed`)."""
+  pools = pool.pools if isinstance(pool, PooledHost) else [pool]
+  return [(beam_width * window_reclaim.blocks_needed(
+      total, config.block_size, p.window, config.max_tokens_per_step), p.num_blocks)
+          for p in pools]
+
+
+def block_rejection(pool, total: int, beam_width: int, config) -> str | None:
+  """Why a request of up to `total` tokens and `beam_width` beams can never
+  fit the pools alone (None if it can)."""
+  for need, have in pool_needs(pool, total, beam_width, config):
+    if need > have:
+      return (f"needs {need} blocks of {config.block_size} tokens at its "
+              f"longest, the pool has {have}")
+  return None
+

@@ -1,0 +1,159 @@
+"""Sliding-window block reclamation on one pool (`BlockState.window`).
+
+When every layer of a model attends within a sliding window of `w` tokens
+(Mistral with `sliding_window`), a block that no future query of a sequence
+can see is dead weight: the engine gives it back to the pool after each step,
+and its table entry becomes `NULL_BLOCK`, which every attention backend skips
+(`pallas_kernels.contract`: a `NULL_BLOCK` inside `kv_len` contributes no
+tokens and is never read). The rule is `block_manager.reclaimable_columns`:
+after a step a sequence of `L` tokens gives back its leading
+`max(L - w + 1, 0) // block_size` columns, so between steps it holds the
+blocks covering `L - w + 1 .. L - 1`, at most `ceil((w - 1) / bs) + 1`
+(<= `ceil(w / bs) + 1`), whatever its length.
+
+Why after the step and not before the next reservation: a prefill chunk's
+own queries read its early tokens, so nothing of the chunk can go before the
+step has run; after it, the whole chunk's invisible prefix goes at once, and
+the pool sees the freed blocks when it plans the next step (admissions
+included), not one step later.
+
+Two implementations of the one transition, judged against each other by the
+engine's fingerprint at every step (`step.state_fingerprint`):
+
+* `reclaim` (device, pure, jittable), run by `step.device_step` after the
+  model has written and read the step's tokens;
+* `reclaim_host` on the scheduler's exact NumPy model of the pool
+  (`host_pool.HostPool.bookkeeping` runs it after its `reserve`).
+
+Both touch only the columns that became invisible in this step: between
+`reclaimable_columns(L - q)` and `reclaimable_columns(L)` for an entry that
+grew by `q` tokens, at most `q // bs + 1`, so the work is O(batch x
+num_tokens / block_size), not O(batch x max_blocks_per_seq). Freed blocks go
+on the free stack in ascending block id, as `block_manager.release` pushes
+them, so both sides hand out the same ids next.
+
+Not with prefix caching (a hit would need the last window's blocks of a
+cached prefix; `block_manager.init` refuses the pair), nor with speculative
+decoding (its rollback would need the reclaimed blocks back), multi-step
+decode (blocks reserved on the device, no per-step reclaim), swap preemption
+or a mesh: `paged_jax.serving.reclamation` decides where it runs.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from paged_jax import block_manager as bm
+  >>> state = bm.init(num_blocks=8, block_size=4, max_seqs=1,
+  ...                 max_blocks_per_seq=8, window=5)
+  >>> state, res = bm.reserve(state, jnp.array([0]), jnp.array([20]))
+  >>> state = reclaim(state, jnp.array([0]), jnp.array([20]), res.ok,
+  ...                 max_new_tokens=20)
+  >>> state.block_tables[0, :5].tolist(), int(state.num_free)  # keeps 16..19
+  ([-1, -1, -1, -1, 4], 7)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax import block_manager as bm
+
+NULL_BLOCK = bm.NULL_BLOCK
+
+
+def max_new_columns(max_new_tokens: int, block_size: int) -> int:
+  """Columns one entry growing by at most `max_new_tokens` can make
+  invisible in one step (floors of `x / bs` and `(x + q) / bs` differ by at
+  most `q // bs + 1`)."""
+  return max_new_tokens // block_size + 1
+
+
+def blocks_needed(num_tokens: int, block_size: int, window: int | None,
+                  max_new_tokens: int) -> int:
+  """The most blocks one sequence of up to `num_tokens` tokens, growing by
+  at most `max_new_tokens` per step, ever holds (within a step, before the
+  step's reclamation), with reclamation for `window` (None: every block).
+
+  Before a step a sequence of `L` tokens holds columns `[r(L), ceil(L /
+  bs))`, `r = block_manager.reclaimable_columns`; growing by `q` it holds
+  `ceil((L + q) / bs) - r(L) <= (q + w - 3) // bs + 2` (and one more
+  while it copies a shared partial block: the shared one stays with its
+  other holder, which the caller counts)."""
+  full = -(-num_tokens // block_size)
+  if window is None:
+    return full
+  return min(full, (max_new_tokens + window - 3) // block_size + 3)
+
+
+def reclaim(state: bm.BlockState, seq_ids: jax.Array, num_new: jax.Array,
+            ok: jax.Array, *, max_new_tokens: int) -> bm.BlockState:
+  """Gives back the blocks that this step's entries made invisible.
+
+  Call it after the step's `block_manager.reserve(state, seq_ids, num_new)`
+  and after the model ran (its queries read the step's blocks). Entries where
+  `ok` is False (refused, padding) change nothing; a block shared with a fork
+  stays until its last holder drops it.
+
+  Args:
+    state: a `BlockState` with `window` set.
+    seq_ids: `i32[n]` the reservation's sequence slots (-1 padding).
+    num_new: `i32[n]` the tokens each one grew by.
+    ok: `bool[n]` the reservation's `ok`.
+    max_new_tokens: static; an upper bound on `num_new` (the step's token
+      rows).
+
+  Returns:
+    The state, the reclaimed entries `NULL_BLOCK`.
+
+  Raises:
+    ValueError: if `state.window` is None.
+  """
+  if state.window is None:
+    raise ValueError("reclaim needs a state with a window (block_manager.init("
+                     "..., window=w)), got window=None")
+  bs, max_seqs, width = state.block_size, state.max_seqs, state.max_blocks_per_seq
+  k = min(width, max_new_columns(max_new_tokens, bs))
+  sid = jnp.clip(seq_ids, 0, max_seqs - 1)
+  lens = state.seq_lens[sid]
+  live = ok & (seq_ids >= 0)
+  start = bm.reclaimable_columns(state.window, jnp.maximum(lens - num_new, 0), bs)
+  stop = bm.reclaimable_columns(state.window, lens, bs)
+  cols = start[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]  # [n, k]
+  take = live[:, None] & (cols < stop[:, None])
+  cols = jnp.clip(cols, 0, width - 1)
+  rows = jnp.take_along_axis(state.block_tables[sid], cols, axis=1)
+  state = bm._unref(state, rows, take & (rows >= 0))  # pylint: disable=protected-access
+  where = jnp.where(take, sid[:, None], max_seqs)  # past the end: dropped
+  return state.replace(block_tables=state.block_tables.at[where, cols].set(
+      NULL_BLOCK, mode="drop"))
+
+
+def reclaim_host(pool, seq_ids: np.ndarray, num_new: np.ndarray,
+                 ok: np.ndarray) -> None:
+  """`reclaim` on a `host_pool.HostPool` (in place, journaled): the same
+  entries, the same blocks freed, pushed on the stack in the same order."""
+  seq_ids, num_new = np.asarray(seq_ids), np.asarray(num_new)
+  real = np.flatnonzero(np.asarray(ok) & (seq_ids >= 0))
+  if not real.size:
+    return
+  s = seq_ids[real]
+  lens = pool.lens[s].astype(np.int64)
+  bs, w = pool.block_size, pool.window
+  start = bm.reclaimable_columns(w, np.maximum(lens - num_new[real], 0), bs)
+  count = bm.reclaimable_columns(w, lens, bs) - start
+  total = int(np.sum(np.maximum(count, 0)))
+  if not total:
+    return
+  count = np.maximum(count, 0)
+  row = np.repeat(np.arange(s.size), count)
+  col = np.repeat(start, count) + (np.arange(total) - np.repeat(np.cumsum(count) - count, count))
+  blocks = pool.tables[s[row], col]
+  held = blocks[blocks >= 0]
+  pool._add_refs(held, -1)  # pylint: disable=protected-access
+  ids = np.unique(held)
+  freed = ids[pool.refs[ids] == 0]  # ascending, as `block_manager._unref`
+  if freed.size:
+    pool._set(pool.stack, np.arange(pool.num_free, pool.num_free + freed.size),  # pylint: disable=protected-access
+              freed)
+    pool.num_free += int(freed.size)
+  pool._set(pool.tables, (s[row], col), NULL_BLOCK)  # pylint: disable=protected-access

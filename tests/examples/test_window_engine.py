@@ -1,0 +1,261 @@
+"""Sliding-window block reclamation in the engine
+(`EngineConfig.sliding_window_reclamation`, `paged_jax.window_reclaim`; for
+hybrid models one pool per window, `window_pool.py`): Mistral- and
+Gemma-3-shaped models whose window slides inside the test give the greedy
+outputs of an engine that keeps every block, with every reclaimed and free
+block NaN-poisoned after every step, the host model equal to the device
+state at every step, each sequence holding at most `ceil(w / bs) + 1`
+blocks in every local pool, every block back at the end, each step shape traced once; and the
+switch's refusals and fallbacks."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import chex
+import numpy as np
+import pytest
+
+from paged_jax import block_manager as bm
+from paged_jax.models.llama import model as model_lib
+from paged_jax.serving import reclamation
+from paged_jax.serving.engine import Engine, EngineConfig
+from paged_jax.serving.requests import Request
+from paged_jax.serving.sampling import SamplingParams
+from paged_jax.speculative import SpeculativeConfig
+from tests.examples.conftest import (assert_mirror_is_the_device_state,
+                                     random_requests)
+from paged_jax.serving import pooled_step
+from tests.examples.test_prefix_engine import _poison, _poison_unowned_blocks
+
+WINDOW, BS = 10, 4
+# Two step shapes (decode 4, mixed 16): each compiles once per engine kind.
+SIZES = dict(block_size=BS, max_batch=4, max_tokens_per_step=16,
+             max_model_len=96, min_bucket=16, bucket_midpoints=False)
+MAX_HELD = -(-WINDOW // BS) + 1
+
+
+@pytest.fixture(scope="module")
+def mistral():
+  return model_lib.init_model(model_lib.LlamaConfig.tiny(sliding_window=WINDOW),
+                              seed=3)
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+  types = ("sliding_attention",) * 5 + ("full_attention",)
+  return model_lib.init_model(model_lib.LlamaConfig.tiny(
+      num_layers=6, sliding_window=WINDOW, layer_types=types), seed=4)
+
+
+def _engine(model, num_blocks, **kw) -> Engine:
+  return Engine(model, EngineConfig(num_blocks=num_blocks, **{**SIZES, **kw}))
+
+
+def _requests(seed=0, count=8):
+  return random_requests(seed, count, prompt=(30, 61), new=(6, 20))
+
+
+def _states(engine) -> list:
+  """The engine's block states: one, or one per pool."""
+  state = engine.block_state
+  return list(state.states) if isinstance(state, pooled_step.PooledState) else [state]
+
+
+def _held(engine) -> np.ndarray:
+  """Blocks each sequence slot holds in each local pool (reclaimed entries
+  excluded), `[local pools, max_seqs]`."""
+  out = []
+  for state in _states(engine):
+    if state.window is None:
+      continue
+    tables, lens = np.asarray(state.block_tables), np.asarray(state.seq_lens)
+    inside = np.arange(tables.shape[1])[None, :] < -(-lens // BS)[:, None]
+    out.append(np.sum(inside & (tables >= 0), axis=1))
+  return np.stack(out)
+
+
+def _poison_free_blocks(engine):
+  """Every block no sequence holds, in every pool, all NaN."""
+  if not isinstance(engine.block_state, pooled_step.PooledState):
+    _poison_unowned_blocks(engine)
+    return
+  runner = engine._runner  # pylint: disable=protected-access
+  runner.cache = tuple(_poison(c, np.asarray(s.refcounts) == 0)
+                       for c, s in zip(runner.cache, engine.block_state.states))
+
+
+def _run(engine, requests, *, checked: bool) -> dict:
+  """Serves `requests`; with `checked`, after every step: the host model is
+  the device state, each sequence holds at most `MAX_HELD` blocks, the
+  state's invariants hold, and every block nobody holds is NaN."""
+  for r in requests:
+    assert engine.add_request(r) is None, r
+  outs, peak = {}, 0
+  while engine.has_unfinished():
+    for o in engine.step():
+      outs[o.request_id] = o
+    if checked:
+      assert_mirror_is_the_device_state(engine)
+      for state in _states(engine):
+        bm.check_invariants(state)
+      held = _held(engine)
+      peak = max(peak, int(held.max()))
+      assert held.max() <= MAX_HELD, held
+      _poison_free_blocks(engine)
+  engine.flush()
+  for o in engine._take_outputs():  # pylint: disable=protected-access
+    outs[o.request_id] = o
+  if checked:
+    assert peak >= 2  # the sequences did hold blocks
+  return {k: [(c.token_ids, c.finish_reason) for c in o.completions]
+          for k, o in outs.items()}
+
+
+def _all_free(engine) -> bool:
+  return all(int(s.num_free) == s.num_blocks for s in _states(engine))
+
+
+@pytest.mark.parametrize("kind, async_scheduling", [
+    ("mistral", True), ("mistral", False), ("gemma3", True), ("gemma3", False)])
+def test_reclamation_gives_the_outputs_of_keeping_every_block(
+    request, kind, async_scheduling):
+  model = request.getfixturevalue(kind)
+  requests = _requests()
+  keep = _engine(model, 256, sliding_window_reclamation=False)
+  assert not keep.reclamation.on
+  want = _run(keep, requests, checked=False)
+  chex.clear_trace_counter()
+  # 8 sequences of up to 80 tokens would need 160 blocks without
+  # reclamation; with it, ~4 each in a local pool (Gemma 3: the global
+  # pool, 1 layer in 6, gets most of the 40 blocks' memory).
+  small = _engine(model, 24 if kind == "mistral" else 40, check_traces=True,
+                  admission_headroom_steps=0, async_scheduling=async_scheduling)
+  if kind == "mistral":
+    assert small.reclamation.window == WINDOW
+  else:
+    assert small.reclamation.pools == (WINDOW, None)
+    # Same KV bytes: 40 blocks x 6 layers = 5 local layers x 26 + 1 x 105.
+    assert [s.num_blocks for s in small.block_state.states] == [26, 105]
+  assert _run(small, requests, checked=True) == want
+  assert small.stats.preemptions == 0
+  assert small.stats.running.peak == 4  # max_batch: the pool was no limit
+  assert _all_free(small)  # every block back in every pool
+  assert_mirror_is_the_device_state(small)
+  if kind == "gemma3":  # without reclamation the same memory preempts
+    off = _engine(model, 40, admission_headroom_steps=0,
+                  sliding_window_reclamation=False)
+    assert _run(off, requests, checked=False) == want
+    assert off.stats.preemptions > 0
+
+
+@pytest.mark.parametrize("kind, num_blocks", [("mistral", 12), ("gemma3", 20)])
+def test_reclamation_under_preemption(request, kind, num_blocks):
+  """Pools too small even with reclamation: preemptions (recompute) and
+  the same outputs."""
+  model = request.getfixturevalue(kind)
+  requests = _requests(seed=1)
+  want = _run(_engine(model, 256, sliding_window_reclamation=False), requests,
+              checked=False)
+  tight = _engine(model, num_blocks, admission_headroom_steps=0)
+  assert _run(tight, requests, checked=True) == want
+  assert tight.stats.preemptions > 0
+  assert _all_free(tight)
+
+
+def test_without_reclamation_the_same_pool_preempts(mistral):
+  """The comparison: the same small pool keeping every block preempts (and
+  still gives the same outputs)."""
+  requests = _requests()
+  on = _engine(mistral, 40, admission_headroom_steps=0)
+  off = _engine(mistral, 40, admission_headroom_steps=0,
+                sliding_window_reclamation=False)
+  assert _run(on, requests, checked=False) == _run(off, requests, checked=False)
+  assert on.stats.preemptions == 0 < off.stats.preemptions
+
+
+def test_beams_and_samples_fork_reclaimed_tables(mistral):
+  """Forks (n > 1, beams) copy a table with a reclaimed prefix; outputs
+  equal the engine keeping every block."""
+  rng = np.random.default_rng(5)
+  params = [SamplingParams(max_new_tokens=14, n=2, temperature=0.8, seed=7)] * 3 + [
+      SamplingParams(max_new_tokens=14, beam_width=2)] * 2
+  reqs = [Request(i, rng.integers(3, 512, size=int(rng.integers(30, 50))).tolist(), p)
+          for i, p in enumerate(params)]
+  kw = dict(max_beam_width=2)
+  want = _run(_engine(mistral, 256, sliding_window_reclamation=False, **kw),
+              reqs, checked=False)
+  on = _engine(mistral, 48, **kw)
+  assert _run(on, reqs, checked=True) == want
+  assert int(on.block_state.num_free) == 48
+
+
+# ------------------------------------------------------------ the switch
+
+
+def test_auto_is_off_without_windows_and_on_with_them(model, gemma3, mistral,
+                                                     caplog):
+  assert _engine(model, 64).reclamation == reclamation.Reclamation(
+      None, "the model has no sliding-window layers")
+  assert _engine(model, 64).block_state.window is None
+  with caplog.at_level(logging.INFO, logger="paged_jax.serving"):
+    assert _engine(mistral, 64).block_state.window == WINDOW
+    hybrid = _engine(gemma3, 64)
+  assert hybrid.reclamation.pools == (WINDOW, None)
+  assert hybrid.block_state.windows == (WINDOW, None)
+  assert ("sliding-window reclamation on (a KV pool per window: (10, None))"
+          in caplog.text)
+  # Pools that cannot hold one sequence: auto falls back, True refuses.
+  why = (r"num_blocks=8 split over the windows' pools gives the window-10 pool "
+         r"7 blocks, less than one sequence of max_model_len=96 tokens needs \(8\)")
+  with caplog.at_level(logging.INFO, logger="paged_jax.serving"):
+    fallback = _engine(gemma3, 8)
+  assert not fallback.reclamation.on
+  assert re.search(why, fallback.reclamation.reason)
+  assert re.search("sliding-window reclamation off: " + why, caplog.text)
+  with pytest.raises(ValueError, match=why):
+    _engine(gemma3, 8, sliding_window_reclamation=True)
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(enable_prefix_caching=True), "enable_prefix_caching=True"),
+    (dict(preemption_mode="swap", swap_space_blocks=8), "preemption_mode='swap'"),
+    (dict(speculative_config=SpeculativeConfig(num_speculative_tokens=2)),
+     "speculative_config"),
+    (dict(num_scheduler_steps=4), "num_scheduler_steps=4"),
+])
+def test_unsupported_features_turn_it_off_or_refuse(gemma3, caplog, kw, field):
+  with caplog.at_level(logging.INFO, logger="paged_jax.serving"):
+    engine = _engine(gemma3, 64, **kw)
+  assert not engine.reclamation.on
+  assert not isinstance(engine.block_state, pooled_step.PooledState)
+  assert field in engine.reclamation.reason
+  assert f"sliding-window reclamation off: {field}" in caplog.text
+  with pytest.raises(ValueError, match=rf"sliding_window_reclamation=True: .*{field}"):
+    EngineConfig(num_blocks=64, sliding_window_reclamation=True, **kw)
+
+
+def test_explicit_true_refuses_a_model_or_mesh_it_cannot_serve(model, mistral):
+  with pytest.raises(ValueError, match="sliding_window_reclamation=True: the "
+                     "model has no sliding-window layers"):
+    _engine(model, 64, sliding_window_reclamation=True)
+  config = EngineConfig(num_blocks=64, sliding_window_reclamation=True)
+  with pytest.raises(ValueError, match="a device mesh is not supported"):
+    reclamation.decide(config, mistral.config, mesh=object())
+  auto = EngineConfig(num_blocks=64)
+  assert reclamation.decide(auto, mistral.config, mesh=object()).window is None
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0])
+def test_the_field_must_be_none_or_a_bool(bad):
+  with pytest.raises(ValueError, match=r"sliding_window_reclamation must be "
+                     rf"None \(auto\) or a bool, got {bad!r}"):
+    EngineConfig(num_blocks=8, sliding_window_reclamation=bad)
+
+
+def test_resizing_the_pool_is_refused_by_name_with_reclamation(mistral):
+  engine = _engine(mistral, 64)
+  assert engine.reclamation.on
+  with pytest.raises(ValueError, match="sliding-window block reclamation"):
+    engine.resize_kv_cache(128)

@@ -1,0 +1,137 @@
+"""`paged_jax.window_reclaim`: the device reclamation against a plain-Python
+model of what each sequence must keep, the host model (`HostPool`) equal to
+the device state after every step, the invariants, and the errors."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_jax import block_manager as bm
+from paged_jax import window_reclaim
+from paged_jax.serving import step as step_lib
+from paged_jax.serving.host_pool import HostPool
+
+BS, SEQS, WIDTH = 4, 6, 16
+
+
+@jax.jit
+def _device_step(state, release, parents, children, seq_ids, q_lens):
+  """`step.bookkeeping` then `reclaim`, as `step.device_step` runs them."""
+  empty = jnp.zeros((0,), jnp.int32)
+  state, fork_ok, res, _ = step_lib.bookkeeping(
+      state, empty, empty, release, parents, children, jnp.full_like(release, -1),
+      empty, jnp.zeros((0, WIDTH), jnp.int32), empty, seq_ids, q_lens)
+  state = window_reclaim.reclaim(state, seq_ids, q_lens, res.ok,
+                                 max_new_tokens=12)
+  return state, fork_ok, res.ok
+
+
+def _assert_equal(pool: HostPool, state: bm.BlockState):
+  for a, b in zip(jax.tree.leaves(pool.to_state()), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(pool.fingerprint(),
+                                np.asarray(step_lib.state_fingerprint(state)))
+
+
+@pytest.mark.parametrize("window, num_blocks, seed", [
+    (1, 40, 0), (5, 24, 1), (8, 20, 2), (13, 30, 3), (9, 12, 4)])
+def test_device_and_host_reclaim_alike_and_keep_the_window(window, num_blocks, seed):
+  rng = np.random.default_rng(seed)
+  state = bm.init(num_blocks=num_blocks, block_size=BS, max_seqs=SEQS,
+                  max_blocks_per_seq=WIDTH, window=window)
+  pool = HostPool(state)
+  reclaimed_any = False
+  for _ in range(25):
+    lens = np.asarray(state.seq_lens)
+    live = np.flatnonzero(lens > 0)
+    release = np.full(SEQS, -1, np.int32)
+    if live.size and rng.random() < 0.2:
+      release[0] = rng.choice(live)
+    parents = np.full(2, -1, np.int32)
+    children = np.full(2, -1, np.int32)
+    empty = np.flatnonzero(lens == 0)
+    if live.size and empty.size and rng.random() < 0.3:
+      parents[0], children[0] = rng.choice(live), rng.choice(empty)
+    k = int(rng.integers(1, SEQS + 1))
+    seq_ids = np.full(SEQS, -1, np.int32)
+    seq_ids[:k] = rng.permutation(SEQS)[:k]
+    q_lens = rng.integers(1, 13, size=SEQS).astype(np.int32)
+    args = (release, parents, children, seq_ids, q_lens)
+    fork_ok, res, _ = pool.bookkeeping(
+        np.zeros(0, np.int32), np.zeros(0, np.int32), release, parents, children,
+        np.full(SEQS, -1, np.int32), np.zeros(0, np.int32),
+        np.zeros((0, WIDTH), np.int32), np.zeros(0, np.int32), seq_ids, q_lens)
+    state, dev_fork_ok, ok = _device_step(state, *map(jnp.asarray, args))
+    np.testing.assert_array_equal(res.ok, np.asarray(ok))
+    np.testing.assert_array_equal(fork_ok, np.asarray(dev_fork_ok))
+    _assert_equal(pool, state)
+    bm.check_invariants(state)
+    # The plain rule: each live sequence of L tokens holds exactly the
+    # columns covering positions max(L - w + 1, 0) .. L - 1.
+    tables, lens = np.asarray(state.block_tables), np.asarray(state.seq_lens)
+    for s in np.flatnonzero(lens > 0):
+      first = max(int(lens[s]) - window + 1, 0) // BS
+      held = np.flatnonzero(tables[s] >= 0)
+      np.testing.assert_array_equal(held, np.arange(first, -(-int(lens[s]) // BS)))
+      assert held.size <= -(-window // BS) + 1
+      reclaimed_any |= first > 0
+  assert reclaimed_any
+  state, _ = bm.release(state, jnp.arange(SEQS))
+  assert int(state.num_free) == num_blocks  # every block back
+
+
+@functools.partial(jax.jit, static_argnames="q")
+def _grow(state, n, *, q):
+  """Slot 0 grows by `n`: the blocks held within the step, then reclaimed."""
+  state, res = bm.reserve(state, jnp.array([0]), n)
+  held = state.num_blocks - state.num_free
+  return window_reclaim.reclaim(state, jnp.array([0]), n, res.ok,
+                                max_new_tokens=q), held
+
+
+def test_blocks_needed_bounds_a_sequence_alone():
+  """A lone sequence growing by up to `q` tokens a step never holds more
+  than `blocks_needed` (the scheduler's per-request admission bound)."""
+  rng = np.random.default_rng(0)
+  for window in (1, 3, 4, 7, 10, 17):
+    for q in (1, 4, 6, 16):
+      bound = window_reclaim.blocks_needed(60, BS, window, q)
+      state = bm.init(num_blocks=64, block_size=BS, max_seqs=1,
+                      max_blocks_per_seq=WIDTH, window=window)
+      length = 0
+      while length < 60:
+        n = min(int(rng.integers(1, q + 1)), 60 - length)
+        state, held = _grow(state, jnp.array([n]), q=q)
+        assert int(held) <= bound, (window, q, length, n)
+        length += n
+  assert window_reclaim.blocks_needed(60, BS, None, 16) == 15
+
+
+def test_errors():
+  with pytest.raises(ValueError, match="window must be a positive int, got window=0"):
+    bm.init(num_blocks=4, block_size=4, max_seqs=1, max_blocks_per_seq=2, window=0)
+  with pytest.raises(ValueError, match="window=8 .* does not support prefix_caching"):
+    bm.init(num_blocks=4, block_size=4, max_seqs=1, max_blocks_per_seq=2,
+            window=8, prefix_caching=True)
+  state = bm.init(num_blocks=4, block_size=4, max_seqs=1, max_blocks_per_seq=2)
+  with pytest.raises(ValueError, match="reclaim needs a state with a window"):
+    window_reclaim.reclaim(state, jnp.array([0]), jnp.array([1]),
+                           jnp.array([True]), max_new_tokens=1)
+
+
+def test_check_invariants_refuses_a_visible_block_reclaimed():
+  state = bm.init(num_blocks=8, block_size=4, max_seqs=1, max_blocks_per_seq=4,
+                  window=6)
+  state, _ = bm.reserve(state, jnp.array([0]), jnp.array([10]))  # 3 blocks
+  bm.check_invariants(state)
+  # At length 10 a query at 10 sees 5..10: column 1 (4..7) is still visible.
+  bad = state.replace(block_tables=state.block_tables.at[0, :2].set(-1),
+                      refcounts=state.refcounts.at[:2].set(0))
+  with pytest.raises(AssertionError, match="2 leading NULL_BLOCK columns, but "
+                     "only 1 are invisible"):
+    bm.check_invariants(bad)
