@@ -165,31 +165,57 @@ def _observe_previous(engine, now: float):
     policy(engine).observe(t.key, t.kind, now - t.t0 - compiled, t.tokens)
 
 
+def wants_results(engine) -> bool:
+  """Whether the next step should wait for the step in flight: only then
+  are its rows' last tokens known, so that it can propose (with
+  `SpeculativeConfig.adaptive`, while every row sits out or the timing rule
+  skips, the engine runs asynchronously, as without speculation)."""
+  spec = engine.config.speculative_config
+  if spec is None:
+    return False
+  return not spec.adaptive or engine.__dict__.get("_spec_want", True)
+
+
 def propose(engine, plans, bucket) -> list | None:
   """Each row's drafts for this step (`[np.ndarray]` in plan order), or None
   when the step is an ordinary one (see the module docstring). Times the
-  previous decode step for the policy, and this one."""
+  previous decode step for the policy, and this one, and decides whether
+  the next step waits for this one's results (`wants_results`)."""
   spec = engine.config.speculative_config
   if spec is None:
     return None
   now = time.perf_counter()
   _observe_previous(engine, now)
-  if (len(plans) != 1 or not bucket.decode_only
-      or not spec_ok(engine._pools[0], plans[0])):  # pylint: disable=protected-access
+  engine._spec_want = True  # pylint: disable=protected-access
+  if len(plans) != 1 or not bucket.decode_only or not plans[0]:
     return None
   pol = policy(engine)
   key = bucket.num_seqs
   compile0 = engine._runner.compile_seconds  # pylint: disable=protected-access
-  plain = _Timing(key, spec_policy.PLAIN, len(plans[0]), now, compile0)
+  engine._spec_timing = _Timing(key, spec_policy.PLAIN, len(plans[0]), now,  # pylint: disable=protected-access
+                                compile0)
   sched = engine._pools[0]  # pylint: disable=protected-access
   adaptive = spec.adaptive
   may = [pol.may_propose(s.slot, s) or not adaptive for s, _ in plans[0]]
+  go = any(may) and (pol.speculate(key) or not adaptive)
   pol.tick()
-  if not any(may) or not (pol.speculate(key) or not adaptive):
-    engine._spec_timing = plain  # pylint: disable=protected-access
+  drafts = _drafts(engine, plans[0], may) if go and spec_ok(sched, plans[0]) else None
+  engine._spec_want = (not adaptive or pol.would_speculate(key) and any(  # pylint: disable=protected-access
+      pol.may_propose(s.slot, s) for s, _ in plans[0]))
+  if drafts is None:
     return None
+  engine._spec_timing = _Timing(key, spec_policy.SPEC, 0, now, compile0)  # pylint: disable=protected-access
+  return drafts
+
+
+def _drafts(engine, plan, may) -> list | None:
+  """The drafts of `plan`'s rows (those that `may` propose), or None if
+  none found any; a row that looks and finds none misses."""
+  spec = engine.config.speculative_config
+  sched, pol = engine._pools[0], policy(engine)  # pylint: disable=protected-access
+  t0 = time.perf_counter()
   drafts = []
-  for (s, _), ok in zip(plans[0], may):
+  for (s, _), ok in zip(plan, may):
     g = s.group
     n = len(s.tokens)
     room = min(spec.num_speculative_tokens,
@@ -198,13 +224,11 @@ def propose(engine, plans, bucket) -> list | None:
     d = (ngram_drafts(np.asarray(s.tokens, np.int64), k=room,
                       n_min=spec.prompt_lookup_min, n_max=spec.prompt_lookup_max)
          if room > 0 else np.zeros(0, np.int64))
+    if room > 0 and not d.size:  # found nothing: a miss
+      pol.record(s.slot, s, 0, 0)
     drafts.append(d)
-  engine.stats.spec_draft_seconds += time.perf_counter() - now
-  if not any(d.size for d in drafts):
-    engine._spec_timing = plain  # pylint: disable=protected-access
-    return None
-  engine._spec_timing = _Timing(key, spec_policy.SPEC, 0, now, compile0)  # pylint: disable=protected-access
-  return drafts
+  engine.stats.spec_draft_seconds += time.perf_counter() - t0
+  return drafts if any(d.size for d in drafts) else None
 
 
 def _inputs(x, drafts, num_draft: np.ndarray, k: int, budget: int) -> SpecInputs:
@@ -396,7 +420,8 @@ def resolve(engine, flight) -> float:
     timing.tokens = int(np.count_nonzero(real) + accepted[real].sum())
   pol = policy(engine)
   for r, t, _ in pending.records:
-    pol.record(t.slot, t, int(sp.num_draft[r]), int(accepted[r]))
+    if sp.num_draft[r]:
+      pol.record(t.slot, t, int(sp.num_draft[r]), int(accepted[r]))
   extra = 0
   tokens, logprobs = out.tokens.tolist(), out.token_logprobs.tolist()
   deltas = sched._deltas if sched.collect_deltas else None  # pylint: disable=protected-access

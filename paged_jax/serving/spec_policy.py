@@ -4,14 +4,16 @@ per-step timing rule (`SpecPolicy`; the engine keeps one, `spec_host.py`).
 Two rules, each one function:
 
 * **Sit-out** (`may_propose` / `record`): a row whose proposal had none of
-  its drafts accepted misses; after `m` misses in a row it proposes nothing
+  its drafts accepted, or that looked for drafts and found none, misses;
+  after `m` misses in a row it proposes nothing
   for `base_sit_out * 2 ** (m - 1)` steps (at most `max_sit_out`), taking a
   plain one-row slot meanwhile. Any accepted draft resets it, and so does a
   new sequence taking the slot. On plain chat most rows stop proposing
   after a few steps, so a batch of them stops paying for drafts.
 * **Timing** (`speculate` / `observe`): per decode bucket, an exponential
   moving average of the measured seconds per emitted token of the plain
-  step and of the verification step. A step speculates unless the
+  step (as the engine runs it then: asynchronously, when no row proposes)
+  and of the verification step. A step speculates unless the
   verification's cost per token exceeds the plain step's; while it does,
   one step in `probe_every` speculates anyway to measure again (costs
   change with the batch's acceptance). Before both are measured, it
@@ -23,6 +25,7 @@ inject costs and check the decisions exactly.
 Example:
   >>> policy = SpecPolicy(max_seqs=2)
   >>> policy.record(0, owner="a", proposed=3, accepted=0)
+  >>> policy.tick()
   >>> policy.may_propose(0, owner="a"), policy.may_propose(1, owner="b")
   (False, True)
 """
@@ -101,12 +104,11 @@ class SpecPolicy:
     return self.step >= self._sit_until[slot]
 
   def record(self, slot: int, owner, proposed: int, accepted: int):
-    """The outcome of a row's verification: `proposed` drafts verified,
-    `accepted` of them accepted. A miss (none accepted of some) starts or
-    doubles its sit-out; an accepted draft ends the streak."""
+    """The outcome of a row's proposal: `proposed` drafts verified
+    (0: it looked and found none), `accepted` of them accepted. A miss
+    (none accepted) starts or doubles its sit-out; an accepted draft ends
+    the streak."""
     self._claim(slot, owner)
-    if proposed <= 0:
-      return
     if accepted > 0:
       self._misses[slot] = 0
       return
@@ -143,12 +145,15 @@ class SpecPolicy:
     a = self.config.ema
     self._cost[key, kind] = per if old is None else (1 - a) * old + a * per
 
-  def speculate(self, key) -> bool:
-    """Whether a step of bucket `key` with proposals should verify them:
-    unless the verification's measured cost per token exceeds the plain
-    step's, then once every `probe_every` steps (to measure again)."""
+  def _costlier(self, key) -> bool:
     plain, spec = self.cost(key, PLAIN), self.cost(key, SPEC)
-    if plain is None or spec is None or spec <= plain:
+    return plain is not None and spec is not None and spec > plain
+
+  def speculate(self, key) -> bool:
+    """Whether a step of bucket `key` should speculate (call once per such
+    step): unless the verification's measured cost per token exceeds the
+    plain step's, then once every `probe_every` steps (to measure again)."""
+    if not self._costlier(key):
       self._skipped[key] = 0
       return True
     n = self._skipped.get(key, 0) + 1
@@ -157,3 +162,8 @@ class SpecPolicy:
       return True
     self._skipped[key] = n
     return False
+
+  def would_speculate(self, key) -> bool:
+    """What the next `speculate(key)` will answer (changes nothing)."""
+    return (not self._costlier(key)
+            or self._skipped.get(key, 0) + 1 >= self.config.probe_every)

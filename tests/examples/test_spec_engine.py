@@ -184,12 +184,18 @@ def test_a_mesh_is_refused_by_name(model):
 
 
 def test_rows_that_need_more_of_a_step_fall_back_to_plain_steps(model):
-  """Top log-probs, `logit_bias`, an active `min_tokens` mask: steps with
-  such a row are ordinary ones; the outputs stay those of plain decoding."""
+  """Top log-probs: steps with such a row are ordinary ones. An active
+  `min_tokens` mask and `logit_bias` are applied per query row by the
+  verification (the bans by position). The outputs stay those of plain
+  decoding."""
   prompt = _copying(1).prompt
+  base = _run(make_engine(model), [_copying(2)], checked=False)["c2"][0][0]
   requests = [_copying(0),
               Request("lp", prompt, SamplingParams(max_new_tokens=8, logprobs=2)),
-              Request("min", prompt, SamplingParams(max_new_tokens=10, min_tokens=6))]
+              Request("min", prompt, SamplingParams(max_new_tokens=10, min_tokens=6)),
+              Request("bias", _copying(2).prompt, SamplingParams(
+                  max_new_tokens=12, temperature=0.1,
+                  logit_bias={base[3]: -100.0, base[5]: 3.0}))]
   want = _run(make_engine(model, max_logit_bias=2), requests, checked=False)
   engine = make_engine(model, max_logit_bias=2, speculative_config=SPEC)
   assert _run(engine, requests) == want

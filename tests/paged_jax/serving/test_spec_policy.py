@@ -45,11 +45,11 @@ def test_an_accepted_draft_ends_the_streak():
   assert _sat_out(policy, 0, "a") == 1  # back to the base
 
 
-def test_a_row_that_proposed_nothing_is_not_a_miss():
-  policy = SpecPolicy(1)
+def test_a_row_that_found_no_draft_misses():
+  policy = SpecPolicy(1, SpecPolicyConfig(base_sit_out=3))
   policy.record(0, "a", proposed=0, accepted=0)
   policy.tick()
-  assert policy.may_propose(0, "a")
+  assert _sat_out(policy, 0, "a") == 3
 
 
 def test_a_new_sequence_in_the_slot_starts_afresh():
@@ -68,8 +68,12 @@ def test_the_timing_rule_speculates_until_it_measures_costlier():
   policy.observe(8, SPEC, seconds=0.12, tokens=16)  # 7.5 ms: cheaper
   assert policy.speculate(8)
   policy.observe(8, SPEC, seconds=0.12, tokens=10)  # 12 ms: costlier
-  decisions = [policy.speculate(8) for _ in range(8)]
+  peeks, decisions = [], []
+  for _ in range(8):
+    peeks.append(policy.would_speculate(8))
+    decisions.append(policy.speculate(8))
   assert decisions == [False, False, False, True] * 2  # a probe every 4
+  assert peeks == decisions  # the peek changes nothing and foretells it
   assert policy.speculate(4)  # another bucket: its own costs
   policy.observe(8, SPEC, seconds=0.09, tokens=10)  # 9 ms: cheaper again
   assert policy.speculate(8)
