@@ -68,7 +68,7 @@ def check_config(config):
                      f"num_scheduler_steps={config.num_scheduler_steps}")):
     if bad:
       raise ValueError(f"speculative_config cannot be combined with {name}; "
-                       "speculative decoding supports greedy single-sample "
+                       "speculative decoding supports single-sample "
                        "requests on one device without prefix caching")
 
 
