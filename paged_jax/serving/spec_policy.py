@@ -6,8 +6,10 @@ Two rules, each one function:
 * **Sit-out** (`may_propose` / `record`): a row whose proposal had none of
   its drafts accepted, or that looked for drafts and found none, misses;
   after `m` misses in a row it proposes nothing
-  for `base_sit_out * 2 ** (m - 1)` steps (at most `max_sit_out`), taking a
-  plain one-row slot meanwhile. Any accepted draft resets it, and so does a
+  for `base_sit_out * 2 ** (m - 1)` steps (at most `max_sit_out`; after a
+  miss that found no draft, at most `max_idle_sit_out`: such a row cost no
+  verification, and a copying answer often starts after a few tokens of
+  preamble), taking a plain one-row slot meanwhile. Any accepted draft resets it, and so does a
   new sequence taking the slot. On plain chat most rows stop proposing
   after a few steps, so a batch of them stops paying for drafts.
 * **Timing** (`speculate` / `observe`): per decode bucket, an exponential
@@ -44,6 +46,8 @@ class SpecPolicyConfig:
   Attributes:
     base_sit_out: steps a row sits out after its first miss (>= 1).
     max_sit_out: the longest sit-out, in steps (>= base_sit_out).
+    max_idle_sit_out: the longest after a miss that found no draft
+      (>= base_sit_out, <= max_sit_out).
     probe_every: while the timing rule skips speculation, one step in this
       many speculates to measure again (>= 1).
     ema: weight of a new measurement in the moving averages, in (0, 1].
@@ -54,17 +58,22 @@ class SpecPolicyConfig:
 
   base_sit_out: int = 2
   max_sit_out: int = 64
+  max_idle_sit_out: int = 4
   probe_every: int = 16
   ema: float = 0.25
 
   def __post_init__(self):
-    for name in ("base_sit_out", "max_sit_out", "probe_every"):
+    for name in ("base_sit_out", "max_sit_out", "max_idle_sit_out", "probe_every"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if self.max_sit_out < self.base_sit_out:
       raise ValueError(f"max_sit_out={self.max_sit_out} must be >= "
                        f"base_sit_out={self.base_sit_out}")
+    if not self.base_sit_out <= self.max_idle_sit_out <= self.max_sit_out:
+      raise ValueError(f"max_idle_sit_out={self.max_idle_sit_out} must be in "
+                       f"[base_sit_out={self.base_sit_out}, "
+                       f"max_sit_out={self.max_sit_out}]")
     if not 0 < self.ema <= 1:
       raise ValueError(f"ema must be in (0, 1], got {self.ema!r}")
 
@@ -114,7 +123,8 @@ class SpecPolicy:
       return
     self._misses[slot] += 1
     c = self.config
-    wait = min(c.max_sit_out, c.base_sit_out << min(int(self._misses[slot]) - 1, 30))
+    cap = c.max_sit_out if proposed > 0 else c.max_idle_sit_out
+    wait = min(cap, c.base_sit_out << min(int(self._misses[slot]) - 1, 30))
     self._sit_until[slot] = self.step + 1 + wait
 
   def sit_out_steps(self, slot: int) -> int:

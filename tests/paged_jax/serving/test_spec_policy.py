@@ -45,15 +45,22 @@ def test_an_accepted_draft_ends_the_streak():
   assert _sat_out(policy, 0, "a") == 1  # back to the base
 
 
-def test_a_row_that_found_no_draft_misses():
-  policy = SpecPolicy(1, SpecPolicyConfig(base_sit_out=3))
-  policy.record(0, "a", proposed=0, accepted=0)
+def test_a_row_that_found_no_draft_misses_with_a_shorter_cap():
+  policy = SpecPolicy(1, SpecPolicyConfig(base_sit_out=2, max_idle_sit_out=5))
+  waits = []
+  for _ in range(3):
+    policy.record(0, "a", proposed=0, accepted=0)
+    policy.tick()
+    waits.append(_sat_out(policy, 0, "a"))
+  policy.record(0, "a", proposed=2, accepted=0)  # a rejection: the long cap
   policy.tick()
-  assert _sat_out(policy, 0, "a") == 3
+  waits.append(_sat_out(policy, 0, "a"))
+  assert waits == [2, 4, 5, 16]
 
 
 def test_a_new_sequence_in_the_slot_starts_afresh():
-  policy = SpecPolicy(1, SpecPolicyConfig(base_sit_out=8, max_sit_out=8))
+  policy = SpecPolicy(1, SpecPolicyConfig(base_sit_out=8, max_sit_out=8,
+                                          max_idle_sit_out=8))
   policy.record(0, "a", 3, 0)
   policy.tick()
   assert not policy.may_propose(0, "a") and policy.sit_out_steps(0) > 0
@@ -96,6 +103,8 @@ def test_costs_are_moving_averages():
     (dict(probe_every=1.5), "probe_every must be an int >= 1, got 1.5"),
     (dict(base_sit_out=8, max_sit_out=4),
      "max_sit_out=4 must be >= base_sit_out=8"),
+    (dict(base_sit_out=2, max_idle_sit_out=1),
+     r"max_idle_sit_out=1 must be in \[base_sit_out=2, max_sit_out=64\]"),
     (dict(ema=0.0), r"ema must be in \(0, 1\], got 0.0"),
 ])
 def test_config_errors_say_expected_and_given(kw, msg):
