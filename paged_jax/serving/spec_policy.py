@@ -12,11 +12,13 @@ Two rules, each one function:
   preamble), taking a plain one-row slot meanwhile. Any accepted draft resets it, and so does a
   new sequence taking the slot. On plain chat most rows stop proposing
   after a few steps, so a batch of them stops paying for drafts.
-* **Timing** (`speculate` / `observe`): per decode bucket, an exponential
-  moving average of the measured seconds per emitted token of the plain
+* **Timing** (`speculate` / `observe`): per decode bucket, the median of
+  the last `window` measured seconds per emitted token of the plain
   step (as the engine runs it then: asynchronously, when no row proposes)
   and of the verification step. A step speculates unless the
-  verification's cost per token exceeds the plain step's; while it does,
+  verification's cost per token exceeds the plain step's (with at least
+  `min_samples` of each measured: one step that the machine's load
+  slowed does not decide it); while it does,
   one step in `probe_every` speculates anyway to measure again (costs
   change with the batch's acceptance). Before both are measured, it
   speculates.
@@ -50,7 +52,9 @@ class SpecPolicyConfig:
       (>= base_sit_out, <= max_sit_out).
     probe_every: while the timing rule skips speculation, one step in this
       many speculates to measure again (>= 1).
-    ema: weight of a new measurement in the moving averages, in (0, 1].
+    window: measurements per bucket and kind the medians are over (>= 1).
+    min_samples: measurements of each kind before the timing rule may skip
+      (>= 1, <= window).
 
   Raises:
     ValueError: naming the field, expected vs given.
@@ -60,10 +64,12 @@ class SpecPolicyConfig:
   max_sit_out: int = 64
   max_idle_sit_out: int = 4
   probe_every: int = 16
-  ema: float = 0.25
+  window: int = 8
+  min_samples: int = 3
 
   def __post_init__(self):
-    for name in ("base_sit_out", "max_sit_out", "max_idle_sit_out", "probe_every"):
+    for name in ("base_sit_out", "max_sit_out", "max_idle_sit_out", "probe_every",
+                 "window", "min_samples"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -74,8 +80,9 @@ class SpecPolicyConfig:
       raise ValueError(f"max_idle_sit_out={self.max_idle_sit_out} must be in "
                        f"[base_sit_out={self.base_sit_out}, "
                        f"max_sit_out={self.max_sit_out}]")
-    if not 0 < self.ema <= 1:
-      raise ValueError(f"ema must be in (0, 1], got {self.ema!r}")
+    if self.min_samples > self.window:
+      raise ValueError(f"min_samples={self.min_samples} must be <= "
+                       f"window={self.window}")
 
 
 PLAIN, SPEC = "plain", "spec"  # the two kinds of decode step `observe` takes
@@ -95,7 +102,7 @@ class SpecPolicy:
     self._misses = np.zeros(max_seqs, np.int64)
     self._sit_until = np.zeros(max_seqs, np.int64)
     self._owner: list = [None] * max_seqs
-    self._cost: dict = {}  # (bucket key, kind) -> EMA seconds per token
+    self._costs: dict = {}  # (bucket key, kind) -> recent seconds per token
     self._skipped: dict = {}  # bucket key -> steps skipped since a spec one
 
   # ------------------------------------------------------------- sit-out
@@ -139,9 +146,12 @@ class SpecPolicy:
   # -------------------------------------------------------------- timing
 
   def cost(self, key, kind: str) -> float | None:
-    """The moving average of seconds per token of `kind` steps of bucket
-    `key` (None: not measured)."""
-    return self._cost.get((key, kind))
+    """The median seconds per token of the last `window` `kind` steps of
+    bucket `key` (None: fewer than `min_samples` measured)."""
+    recent = self._costs.get((key, kind), ())
+    if len(recent) < self.config.min_samples:
+      return None
+    return float(np.median(recent))
 
   def observe(self, key, kind: str, seconds: float, tokens: int):
     """A measured step of bucket `key`: `kind` (`PLAIN` or `SPEC`) took
@@ -150,10 +160,9 @@ class SpecPolicy:
       raise ValueError(f"kind must be {PLAIN!r} or {SPEC!r}, got {kind!r}")
     if tokens <= 0 or not seconds > 0:
       return
-    per = seconds / tokens
-    old = self._cost.get((key, kind))
-    a = self.config.ema
-    self._cost[key, kind] = per if old is None else (1 - a) * old + a * per
+    recent = self._costs.setdefault((key, kind), [])
+    recent.append(seconds / tokens)
+    del recent[:-self.config.window]
 
   def _costlier(self, key) -> bool:
     plain, spec = self.cost(key, PLAIN), self.cost(key, SPEC)

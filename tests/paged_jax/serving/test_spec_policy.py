@@ -68,7 +68,7 @@ def test_a_new_sequence_in_the_slot_starts_afresh():
 
 
 def test_the_timing_rule_speculates_until_it_measures_costlier():
-  policy = SpecPolicy(1, SpecPolicyConfig(probe_every=4, ema=1.0))
+  policy = SpecPolicy(1, SpecPolicyConfig(probe_every=4, window=1, min_samples=1))
   assert policy.speculate(8)  # nothing measured
   policy.observe(8, PLAIN, seconds=0.08, tokens=8)  # 10 ms per token
   assert policy.speculate(8)  # the verification is not measured yet
@@ -86,13 +86,23 @@ def test_the_timing_rule_speculates_until_it_measures_costlier():
   assert policy.speculate(8)
 
 
-def test_costs_are_moving_averages():
-  policy = SpecPolicy(1, SpecPolicyConfig(ema=0.5))
+def test_costs_are_medians_of_recent_steps_so_one_slow_step_does_not_decide():
+  policy = SpecPolicy(1, SpecPolicyConfig(window=3, min_samples=2))
   policy.observe(1, PLAIN, 1.0, 1)
+  assert policy.cost(1, PLAIN) is None  # one measurement: not enough
   policy.observe(1, PLAIN, 3.0, 1)
   assert policy.cost(1, PLAIN) == pytest.approx(2.0)
+  for per in (10.0, 1.0):
+    policy.observe(1, PLAIN, per, 1)
+  assert policy.cost(1, PLAIN) == pytest.approx(3.0)  # median of 3, 10, 1
   policy.observe(1, PLAIN, 5.0, 0)  # no tokens: ignored
-  assert policy.cost(1, PLAIN) == pytest.approx(2.0) and policy.cost(1, SPEC) is None
+  assert policy.cost(1, PLAIN) == pytest.approx(3.0) and policy.cost(1, SPEC) is None
+  policy.observe(1, SPEC, 50.0, 1)  # one slow verification
+  policy.observe(1, PLAIN, 2.0, 1)
+  assert policy.speculate(1)  # SPEC has 1 < min_samples: not decided
+  policy.observe(1, SPEC, 1.5, 1)
+  policy.observe(1, SPEC, 1.5, 1)
+  assert policy.cost(1, SPEC) == pytest.approx(1.5) and policy.speculate(1)
   with pytest.raises(ValueError, match="kind must be 'plain' or 'spec', got 'x'"):
     policy.observe(1, "x", 1.0, 1)
 
@@ -105,7 +115,8 @@ def test_costs_are_moving_averages():
      "max_sit_out=4 must be >= base_sit_out=8"),
     (dict(base_sit_out=2, max_idle_sit_out=1),
      r"max_idle_sit_out=1 must be in \[base_sit_out=2, max_sit_out=64\]"),
-    (dict(ema=0.0), r"ema must be in \(0, 1\], got 0.0"),
+    (dict(window=0), "window must be an int >= 1, got 0"),
+    (dict(window=2, min_samples=3), "min_samples=3 must be <= window=2"),
 ])
 def test_config_errors_say_expected_and_given(kw, msg):
   with pytest.raises(ValueError, match=msg):
