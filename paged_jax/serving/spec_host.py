@@ -2,9 +2,12 @@
 verifies drafts, the n-gram proposals, the draft reservations on the pool
 model, and replaying the device's rollback once the results arrive.
 
-With `EngineConfig.speculative_config` set (method "ngram"), every step
-waits for the previous step's results (the proposer needs every row's
-tokens, as `multistep_host` does for its budgets). A pool's step is a
+With `EngineConfig.speculative_config` set (method "ngram"), a step waits
+for the previous step's results (the proposer needs every row's tokens, as
+`multistep_host` does for its budgets) whenever it may speculate
+(`wants_results`; with `adaptive`, while every row sits out or the timing
+rule skips, the steps run asynchronously as without speculation). A pool's
+step is a
 verification step when `spec_ok` accepts its plan (a steady decode of rows
 that need nothing else of the step: no top log-probs, no stop strings;
 greedy or sampled, `logit_bias` and `min_tokens` bans included, since the
