@@ -4,11 +4,13 @@ per-step timing rule (`SpecPolicy`; the engine keeps one, `spec_host.py`).
 Two rules, each one function:
 
 * **Sit-out** (`may_propose` / `record`): a row whose proposal had none of
-  its drafts accepted, or that looked for drafts and found none, misses;
-  after `m` misses in a row it proposes nothing
-  for `base_sit_out * 2 ** (m - 1)` steps (at most `max_sit_out`; after a
-  miss that found no draft, at most `max_idle_sit_out`: such a row cost no
-  verification, and a copying answer often starts after a few tokens of
+  its drafts accepted misses, and so does one that looked for drafts and
+  found none before any draft of its sequence was accepted (such a row
+  costs no verification, only the wait for its last token; once a sequence
+  has copied, a gap in the match does not stop it); after `m` misses in a
+  row it proposes nothing for `base_sit_out * 2 ** (m - 1)` steps (at most
+  `max_sit_out`; after a miss that found no draft at most
+  `max_idle_sit_out`: a copying answer often starts after a few tokens of
   preamble), taking a plain one-row slot meanwhile. Any accepted draft resets it, and so does a
   new sequence taking the slot. On plain chat most rows stop proposing
   after a few steps, so a batch of them stops paying for drafts.
@@ -102,6 +104,7 @@ class SpecPolicy:
     self._misses = np.zeros(max_seqs, np.int64)
     self._sit_until = np.zeros(max_seqs, np.int64)
     self._owner: list = [None] * max_seqs
+    self._hit = np.zeros(max_seqs, bool)  # some draft of the sequence accepted
     self._costs: dict = {}  # (bucket key, kind) -> recent seconds per token
     self._skipped: dict = {}  # bucket key -> steps skipped since a spec one
 
@@ -112,6 +115,7 @@ class SpecPolicy:
       self._owner[slot] = owner
       self._misses[slot] = 0
       self._sit_until[slot] = 0
+      self._hit[slot] = False
 
   def may_propose(self, slot: int, owner) -> bool:
     """Whether the row in `slot` (held by `owner`, any object identifying
@@ -122,11 +126,15 @@ class SpecPolicy:
   def record(self, slot: int, owner, proposed: int, accepted: int):
     """The outcome of a row's proposal: `proposed` drafts verified
     (0: it looked and found none), `accepted` of them accepted. A miss
-    (none accepted) starts or doubles its sit-out; an accepted draft ends
+    (none accepted; finding none counts only until the sequence's first
+    accepted draft) starts or doubles its sit-out; an accepted draft ends
     the streak."""
     self._claim(slot, owner)
     if accepted > 0:
       self._misses[slot] = 0
+      self._hit[slot] = True
+      return
+    if proposed <= 0 and self._hit[slot]:
       return
     self._misses[slot] += 1
     c = self.config

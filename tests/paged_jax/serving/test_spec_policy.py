@@ -58,6 +58,22 @@ def test_a_row_that_found_no_draft_misses_with_a_shorter_cap():
   assert waits == [2, 4, 5, 16]
 
 
+def test_finding_no_draft_after_an_accepted_one_is_not_a_miss():
+  policy = SpecPolicy(1)
+  policy.record(0, "a", proposed=3, accepted=2)
+  policy.tick()
+  policy.record(0, "a", proposed=0, accepted=0)  # a gap in the copy
+  policy.tick()
+  assert policy.may_propose(0, "a")
+  policy.record(0, "a", proposed=3, accepted=0)  # a rejection still misses
+  policy.tick()
+  assert not policy.may_propose(0, "a")
+  assert policy.may_propose(0, "b")  # a new sequence: no hit yet
+  policy.record(0, "b", proposed=0, accepted=0)
+  policy.tick()
+  assert not policy.may_propose(0, "b")
+
+
 def test_a_new_sequence_in_the_slot_starts_afresh():
   policy = SpecPolicy(1, SpecPolicyConfig(base_sit_out=8, max_sit_out=8,
                                           max_idle_sit_out=8))
