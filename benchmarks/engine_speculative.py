@@ -1,22 +1,27 @@
 """Speculative decoding with n-gram prompt lookup
 (`EngineConfig.speculative_config`), on vs off, on SmolLM2-135M-Instruct:
-acceptance rate, mean accepted length, output tokens/s and TPOT, at batch 1
-and 4, on a copying workload (repeat or lightly edit a given passage) and on
-plain chat.
+acceptance rate, mean accepted length, output tokens/s (per wall second
+and per CPU second of this process: the machine is shared) and TPOT, at
+batch 1, 4 and 16, greedy and sampled (`--temperatures`), on a copying
+workload (repeat or lightly edit a given passage) and on plain chat.
 
-Each case serves `batch` chat-templated requests at once (greedy, EOS
-ignored, `--new` output tokens each) after warm-up, spec off and on back to
-back, round after round (interleaved); medians over the rounds and the
-median of the per-round on/off ratios. Greedy outputs must be identical on
-and off (checked).
+Each case serves `batch` chat-templated requests at once (the prompts
+cycled, request `i` seeded `i`, EOS ignored, `--new` output tokens each)
+after warm-up, spec off and on back to back, round after round
+(interleaved); medians over the rounds and the median of the per-round
+on/off ratios. Outputs must be identical on and off, sampled ones too (the
+verification draws with the plain step's keys; checked). The load average
+is recorded per case.
 
   PYTHONPATH=. python benchmarks/engine_speculative.py [--rounds 2] [--new 48]
+      [--batches 1,4,16] [--temperatures 0,0.8] [--workloads copying,chat]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -50,8 +55,10 @@ def prompts(tokenizer, texts):
       [{"role": "user", "content": t}]), add_special_tokens=False) for t in texts]
 
 
-def run_case(model, prompt_ids, batch: int, new: int, spec: bool) -> dict:
-  longest = max(len(p) for p in prompt_ids[:batch]) + new
+def run_case(model, prompt_ids, batch: int, new: int, spec: bool,
+             temperature: float = 0.0) -> dict:
+  prompt_ids = [prompt_ids[i % len(prompt_ids)] for i in range(batch)]
+  longest = max(len(p) for p in prompt_ids) + new
   engine = Engine(model, EngineConfig(
       num_blocks=batch * -(-longest // BLOCK_SIZE) + 8, block_size=BLOCK_SIZE,
       max_batch=batch, max_tokens_per_step=TOKENS, max_model_len=longest,
@@ -60,15 +67,21 @@ def run_case(model, prompt_ids, batch: int, new: int, spec: bool) -> dict:
   engine.warmup()
   for i in range(batch):
     engine.add_request(Request(i, prompt_ids[i], SamplingParams(
-        max_new_tokens=new, ignore_eos=True)))
-  t0 = time.perf_counter()
+        max_new_tokens=new, ignore_eos=True, temperature=temperature, seed=i)))
+  t0, c0 = time.perf_counter(), time.process_time()
   outs = engine.run_until_done()
+  cpu = time.process_time() - c0
   st = engine.stats
   # The verification step compiles on first use (once per process, shared
   # by later engines of equal sizes): timed apart, left out.
   wall = time.perf_counter() - t0 - st.compile_seconds
   tokens = sum(len(c.token_ids) for o in outs for c in o.completions)
   return {"tokens_per_s": tokens / wall,
+          # compiling on first use runs on this process's CPU too: a share of
+          # it, as of the wall time, is left out
+          "tokens_per_cpu_s": tokens / (cpu * wall / (wall + st.compile_seconds)),
+          "spec_steps": st.spec_steps,
+          "load_average": os.getloadavg()[0],
           "tpot_ms": 1e3 * statistics.median(o.tpot for o in outs),
           "acceptance_rate": st.acceptance_rate,
           "mean_accepted_length": st.mean_accepted_length,
@@ -80,43 +93,59 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--rounds", type=int, default=2)
   ap.add_argument("--new", type=int, default=48)
-  ap.add_argument("--batches", default="1,4")
+  ap.add_argument("--batches", default="1,4,16")
+  ap.add_argument("--temperatures", default="0,0.8")
+  ap.add_argument("--workloads", default="copying,chat")
   ap.add_argument("--json", default=None, help="append the medians to this file")
   args = ap.parse_args(argv)
   loaded = loader.load("smollm2")
   work = {"copying": prompts(loaded.tokenizer, COPYING),
           "chat": prompts(loaded.tokenizer, CHAT)}
+  work = {w: work[w] for w in args.workloads.split(",")}
   batches = [int(b) for b in args.batches.split(",")]
+  temps = [float(t) for t in args.temperatures.split(",")]
   runs: dict = {}
   for rnd in range(args.rounds):
     for name, ids in work.items():
       for batch in batches:
-        off = run_case(loaded.model, ids, batch, args.new, spec=False)
-        on = run_case(loaded.model, ids, batch, args.new, spec=True)
-        assert on["outputs"] == off["outputs"], (name, batch, "outputs differ")
-        runs.setdefault((name, batch), []).append((off, on))
-        print(f"round {rnd} {name:8s} batch {batch}: off {off['tokens_per_s']:6.1f} "
-              f"tok/s ({off['steps']} steps), on {on['tokens_per_s']:6.1f} tok/s "
-              f"({on['steps']} steps), acceptance {on['acceptance_rate']:.2f}, "
-              f"mean accepted {on['mean_accepted_length']:.2f}, first-use compile "
-              f"{on['compile_s']:.1f} s", flush=True)
+        for temp in temps:
+          off = run_case(loaded.model, ids, batch, args.new, False, temp)
+          on = run_case(loaded.model, ids, batch, args.new, True, temp)
+          assert on["outputs"] == off["outputs"], (name, batch, temp, "outputs differ")
+          runs.setdefault((name, batch, temp), []).append((off, on))
+          print(f"round {rnd} {name:8s} batch {batch:2d} T={temp}: off "
+                f"{off['tokens_per_s']:6.1f} tok/s {off['tokens_per_cpu_s']:6.1f} "
+                f"tok/cpu-s ({off['steps']} steps), on {on['tokens_per_s']:6.1f} "
+                f"tok/s {on['tokens_per_cpu_s']:6.1f} tok/cpu-s ({on['steps']} "
+                f"steps, {on['spec_steps']} verifying), acceptance "
+                f"{on['acceptance_rate']:.2f}, mean accepted "
+                f"{on['mean_accepted_length']:.2f}, load {on['load_average']:.1f}",
+                flush=True)
   rows = []
-  for (name, batch), rs in runs.items():
+  for (name, batch, temp), rs in runs.items():
     med = lambda f, i: statistics.median(r[i][f] for r in rs)  # noqa: E731
-    row = {"workload": name, "batch": batch,
+    ratio = lambda f: statistics.median(r[1][f] / r[0][f] for r in rs)  # noqa: E731
+    row = {"workload": name, "batch": batch, "temperature": temp,
            "tokens_per_s_off": med("tokens_per_s", 0),
            "tokens_per_s_on": med("tokens_per_s", 1),
+           "tokens_per_cpu_s_off": med("tokens_per_cpu_s", 0),
+           "tokens_per_cpu_s_on": med("tokens_per_cpu_s", 1),
            "tpot_ms_off": med("tpot_ms", 0), "tpot_ms_on": med("tpot_ms", 1),
-           "speedup": statistics.median(r[1]["tokens_per_s"] / r[0]["tokens_per_s"]
-                                        for r in rs),
+           "speedup": ratio("tokens_per_s"),
+           "speedup_per_cpu_s": ratio("tokens_per_cpu_s"),
            "acceptance_rate": med("acceptance_rate", 1),
-           "mean_accepted_length": med("mean_accepted_length", 1)}
+           "mean_accepted_length": med("mean_accepted_length", 1),
+           "steps_off": med("steps", 0), "steps_on": med("steps", 1),
+           "spec_steps": med("spec_steps", 1),
+           "load_average": med("load_average", 1)}
     rows.append(row)
-    print(f"median {name:8s} batch {batch}: {row['tokens_per_s_off']:.1f} -> "
-          f"{row['tokens_per_s_on']:.1f} tok/s ({row['speedup']:.2f}x), TPOT "
+    print(f"median {name:8s} batch {batch:2d} T={temp}: "
+          f"{row['tokens_per_s_off']:.1f} -> {row['tokens_per_s_on']:.1f} tok/s "
+          f"({row['speedup']:.2f}x; per CPU-s {row['speedup_per_cpu_s']:.2f}x), TPOT "
           f"{row['tpot_ms_off']:.1f} -> {row['tpot_ms_on']:.1f} ms, acceptance "
           f"{row['acceptance_rate']:.2f}, mean accepted "
-          f"{row['mean_accepted_length']:.2f}", flush=True)
+          f"{row['mean_accepted_length']:.2f}, load {row['load_average']:.1f}",
+          flush=True)
   if args.json:
     with open(args.json, "a", encoding="utf-8") as f:
       for r in rows:

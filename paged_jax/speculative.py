@@ -321,11 +321,16 @@ class SpeculativeConfig:
     num_speculative_tokens: drafts per sequence and step, `k >= 1`.
     prompt_lookup_min: shortest n-gram to match (`>= 1`).
     prompt_lookup_max: longest n-gram to match (`>= prompt_lookup_min`).
+    adaptive: (paged-jax's, not vLLM's) the engine's speculation policy
+      (`serving.spec_policy`): rows whose proposals keep missing sit out,
+      and a step skips speculation while it measures costlier per token
+      than a plain step. False: every eligible step with a proposal
+      verifies it.
 
   Raises:
     ValueError: naming the field: an unknown method (the supported ones
       listed), a count that is not a positive int, `prompt_lookup_max <
-      prompt_lookup_min`.
+      prompt_lookup_min`, an `adaptive` that is not a bool.
 
   Example:
     >>> config = SpeculativeConfig.from_json(
@@ -339,6 +344,7 @@ class SpeculativeConfig:
   method: str = "ngram"
   prompt_lookup_min: int | None = None
   prompt_lookup_max: int | None = None
+  adaptive: bool = True
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -357,6 +363,8 @@ class SpeculativeConfig:
     if self.prompt_lookup_max < self.prompt_lookup_min:
       raise ValueError(f"prompt_lookup_max={self.prompt_lookup_max} must be >= "
                        f"prompt_lookup_min={self.prompt_lookup_min}")
+    if not isinstance(self.adaptive, bool):
+      raise ValueError(f"adaptive must be a bool, got {self.adaptive!r}")
 
   @classmethod
   def from_json(cls, config) -> SpeculativeConfig:

@@ -178,8 +178,8 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_model: str = "tiny")
   eng.add_argument("--speculative-config", type=_speculative_config, default=None,
                    metavar="JSON",
                    help="speculative decoding (vLLM's flag), e.g. '{\"method\": "
-                   "\"ngram\", \"num_speculative_tokens\": 3}': greedy "
-                   "requests, one device, no prefix caching or beams "
+                   "\"ngram\", \"num_speculative_tokens\": 3}': greedy or "
+                   "sampled requests, one device, no prefix caching or beams "
                    "(EngineConfig.speculative_config)")
   eng.add_argument("--preemption-mode", choices=["recompute", "swap"],
                    default="recompute",

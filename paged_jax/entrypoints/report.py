@@ -65,7 +65,8 @@ def fmt_spec(stats: dict) -> list[str]:
       f"  speculative         acceptance rate {100 * stats['acceptance_rate']:.1f}%"
       f" ({stats['spec_accepted_tokens']} of {stats['spec_proposed_tokens']} draft"
       f" tokens) in {stats['spec_steps']} verification steps; mean accepted"
-      f" length {stats['mean_accepted_length']:.2f}"]
+      f" length {stats['mean_accepted_length']:.2f}; drafting"
+      f" {stats.get('spec_draft_seconds', 0.0):.2f} s"]
 
 
 def fmt_prefix(stats: dict) -> list[str]:

@@ -291,7 +291,7 @@ class Engine:
     if self._pending is not None and (self._pending.has_beam
                                       or self._pending.multi is not None
                                       or not self.config.async_scheduling
-                                      or self.config.speculative_config):
+                                      or spec_host.wants_results(self)):
       # Beam search: its next step needs them; K steps: their token counts.
       waited += self._resolve_pending()
     plans = [p.begin_step() for p in self._pools]

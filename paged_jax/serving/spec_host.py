@@ -2,13 +2,19 @@
 verifies drafts, the n-gram proposals, the draft reservations on the pool
 model, and replaying the device's rollback once the results arrive.
 
-With `EngineConfig.speculative_config` set (method "ngram", greedy only),
-every step waits for the previous step's results (the proposer needs every
-row's tokens, as `multistep_host` does for its budgets). A pool's step is a
-verification step when `spec_ok` accepts its plan (a steady decode of
-greedy rows that need nothing else of the step: no top log-probs, no
-`logit_bias`, no `min_tokens` mask still active, no stop strings) in a
-decode bucket and some row got a draft; otherwise it is an ordinary step.
+With `EngineConfig.speculative_config` set (method "ngram"), a step waits
+for the previous step's results (the proposer needs every row's tokens, as
+`multistep_host` does for its budgets) whenever it may speculate
+(`wants_results`; with `adaptive`, while every row sits out or the timing
+rule skips, the steps run asynchronously as without speculation). A pool's
+step is a
+verification step when `spec_ok` accepts its plan (a steady decode of rows
+that need nothing else of the step: no top log-probs, no stop strings;
+greedy or sampled, `logit_bias` and `min_tokens` bans included, since the
+verification samples exactly as the plain step does) in a decode bucket,
+some row got a draft, and the `spec_policy.SpecPolicy` agrees (rows that
+keep missing sit out; a step skips speculation while it measures costlier
+per token than a plain one); otherwise it is an ordinary step.
 
 Each row of `L` cached tokens whose last token `t` is known gets up to `k`
 drafts by prompt lookup over its tokens (`ngram_drafts`, the NumPy twin of
@@ -21,9 +27,13 @@ NumPy twin of `block_manager.truncate`) replays the device's rollback to
 `L + 1 + a` from the accepted counts, and the fingerprints are compared as
 for every step.
 
+The verification layout has `S + D` token rows, `D` the smallest of the
+bucket's draft budgets (`spec_step.draft_budgets`) that holds the step's
+drafts; each budget is compiled at warm-up.
+
 Refused with speculation, by name: beam search (`max_beam_width > 1`,
-`beam_width > 1`), `n > 1`, temperature > 0, prefix caching, multi-step
-decode and a device mesh.
+`beam_width > 1`), `n > 1`, prefix caching, multi-step decode and a device
+mesh.
 """
 
 from __future__ import annotations
@@ -33,9 +43,11 @@ import time
 
 import numpy as np
 
+from paged_jax.serving import spec_policy
 from paged_jax.serving.requests import PENDING
-from paged_jax.serving.spec_step import (SpecInputs, SpecOutputs, compile_spec,
-                                         dispatch_spec, fetch_spec)
+from paged_jax.serving.spec_step import (SpecInputs, SpecOutputs, choose_budget,
+                                         compile_spec, dispatch_spec,
+                                         draft_budgets, fetch_spec)
 from paged_jax.serving.step import StepOutputs
 
 
@@ -59,7 +71,7 @@ def check_config(config):
                      f"num_scheduler_steps={config.num_scheduler_steps}")):
     if bad:
       raise ValueError(f"speculative_config cannot be combined with {name}; "
-                       "speculative decoding supports greedy single-sample "
+                       "speculative decoding supports single-sample "
                        "requests on one device without prefix caching")
 
 
@@ -76,9 +88,6 @@ def rejection(request) -> str | None:
     return f"beam_width={p.beam_width} is not supported with speculative decoding"
   if p.n > 1:
     return f"n={p.n} is not supported with speculative decoding"
-  if p.temperature > 0:
-    return (f"temperature={p.temperature} is not supported with speculative "
-            "decoding (greedy only: temperature 0)")
   return None
 
 
@@ -117,61 +126,155 @@ def ngram_drafts(tokens: np.ndarray, *, k: int, n_min: int, n_max: int
 
 def spec_ok(sched, plan) -> bool:
   """Whether `plan` (before `build_step`) may run as a verification step:
-  every entry decodes one known token of a greedy row that needs nothing
-  else of the step."""
+  every entry decodes one known token of a row that needs nothing else of
+  the step (no top log-probs, no stop strings)."""
   if not plan or sched._fork_pending:  # pylint: disable=protected-access
     return False
   for s, n in plan:
     g = s.group
     p = g.params
     if (n != 1 or g.is_beam or g.unborn or p.stop or s.fork_from >= 0
-        or p.temperature > 0 or p.logprobs or p.logit_bias
-        or s.num_cached < g.prompt_len or s.num_cached + 1 != len(s.tokens)
-        or s.tokens[-1] == PENDING
-        or len(s.tokens) < sched._slot_ban_until[s.slot]):  # pylint: disable=protected-access
+        or p.logprobs or s.num_cached < g.prompt_len
+        or s.num_cached + 1 != len(s.tokens) or s.tokens[-1] == PENDING):
       return False
   return True
 
 
+def policy(engine) -> spec_policy.SpecPolicy:
+  """The engine's `SpecPolicy` (made on first use)."""
+  pol = engine.__dict__.get("_spec_policy")
+  if pol is None:
+    pol = engine.__dict__["_spec_policy"] = spec_policy.SpecPolicy(
+        engine._pools[0].max_seqs)  # pylint: disable=protected-access
+  return pol
+
+
+@dataclasses.dataclass
+class _Timing:
+  """The decode step being timed: from one `propose` to the next (the
+  host's and the device's time per step, with results waited for)."""
+
+  key: int  # the decode bucket's rows
+  kind: str  # spec_policy.PLAIN or SPEC
+  tokens: int  # emitted (SPEC: set at resolve)
+  t0: float
+  compile0: float  # the runner's compile seconds at t0 (left out)
+
+
+def _observe_previous(engine, now: float):
+  t = engine.__dict__.pop("_spec_timing", None)
+  if t is not None:
+    compiled = engine._runner.compile_seconds - t.compile0  # pylint: disable=protected-access
+    policy(engine).observe(t.key, t.kind, now - t.t0 - compiled, t.tokens)
+
+
+def wants_results(engine) -> bool:
+  """Whether the next step should wait for the step in flight: only then
+  are its rows' last tokens known, so that it can propose (with
+  `SpeculativeConfig.adaptive`, while every row sits out or the timing rule
+  skips, the engine runs asynchronously, as without speculation)."""
+  spec = engine.config.speculative_config
+  if spec is None:
+    return False
+  return not spec.adaptive or engine.__dict__.get("_spec_want", True)
+
+
 def propose(engine, plans, bucket) -> list | None:
   """Each row's drafts for this step (`[np.ndarray]` in plan order), or None
-  when the step is an ordinary one (see the module docstring)."""
+  when the step is an ordinary one (see the module docstring). Times the
+  previous decode step for the policy, and this one, and decides whether
+  the next step waits for this one's results (`wants_results`)."""
   spec = engine.config.speculative_config
-  if (spec is None or len(plans) != 1 or not bucket.decode_only
-      or not spec_ok(engine._pools[0], plans[0])):  # pylint: disable=protected-access
+  if spec is None:
     return None
+  now = time.perf_counter()
+  _observe_previous(engine, now)
+  engine._spec_want = True  # pylint: disable=protected-access
+  if len(plans) != 1 or not bucket.decode_only or not plans[0]:
+    return None
+  pol = policy(engine)
+  key = bucket.num_seqs
+  compile0 = engine._runner.compile_seconds  # pylint: disable=protected-access
+  engine._spec_timing = _Timing(key, spec_policy.PLAIN, len(plans[0]), now,  # pylint: disable=protected-access
+                                compile0)
   sched = engine._pools[0]  # pylint: disable=protected-access
+  adaptive = spec.adaptive
+  may = [pol.may_propose(s.slot, s) or not adaptive for s, _ in plans[0]]
+  go = any(may) and (pol.speculate(key) or not adaptive)
+  pol.tick()
+  drafts = _drafts(engine, plans[0], may) if go and spec_ok(sched, plans[0]) else None
+  engine._spec_want = (not adaptive or pol.would_speculate(key) and any(  # pylint: disable=protected-access
+      pol.may_propose(s.slot, s) for s, _ in plans[0]))
+  if drafts is None:
+    return None
+  engine._spec_timing = _Timing(key, spec_policy.SPEC, 0, now, compile0)  # pylint: disable=protected-access
+  return drafts
+
+
+def _drafts(engine, plan, may) -> list | None:
+  """The drafts of `plan`'s rows (those that `may` propose), or None if
+  none found any; a row that looks and finds none misses."""
+  spec = engine.config.speculative_config
+  sched, pol = engine._pools[0], policy(engine)  # pylint: disable=protected-access
+  t0 = time.perf_counter()
   drafts = []
-  for s, _ in plans[0]:
+  for (s, _), ok in zip(plan, may):
     g = s.group
     n = len(s.tokens)
     room = min(spec.num_speculative_tokens,
                g.params.max_new_tokens - (n - g.prompt_len) - 1,
-               sched.max_model_len - n - 1)
+               sched.max_model_len - n - 1) if ok else 0
     d = (ngram_drafts(np.asarray(s.tokens, np.int64), k=room,
                       n_min=spec.prompt_lookup_min, n_max=spec.prompt_lookup_max)
          if room > 0 else np.zeros(0, np.int64))
+    if room > 0 and not d.size:  # found nothing: a miss
+      pol.record(s.slot, s, 0, 0)
     drafts.append(d)
+  engine.stats.spec_draft_seconds += time.perf_counter() - t0
   return drafts if any(d.size for d in drafts) else None
+
+
+def _inputs(x, drafts, num_draft: np.ndarray, k: int, budget: int) -> SpecInputs:
+  """The `SpecInputs` of a decode bucket's `x` with `drafts` (per entry; the
+  first `num_draft[i]` of each verified) in a layout of `S + budget` rows."""
+  S = x.seq_ids.shape[0]
+  T = S + budget
+  tokens = np.zeros(T, np.int32)
+  query_rows = np.zeros((S, 1 + k), np.int32)
+  draft_arr = np.full((S, k), -1, np.int32)
+  row_entry = np.full(T, -1, np.int32)
+  row_offset = np.zeros(T, np.int32)
+  row = 0
+  for r, dr in enumerate(drafts):
+    n = int(num_draft[r])
+    tokens[row] = x.tokens[r]  # the row's last token (known: `spec_ok`)
+    tokens[row + 1:row + 1 + n] = dr[:n]
+    draft_arr[r, :n] = dr[:n]
+    query_rows[r, :1 + n] = np.arange(row, row + 1 + n)
+    row_entry[row:row + 1 + n] = r
+    row_offset[row:row + 1 + n] = np.arange(1 + n)
+    row += 1 + n
+  return SpecInputs(drafts=draft_arr, num_draft=num_draft, tokens=tokens,
+                    query_rows=query_rows, row_entry=row_entry,
+                    row_offset=row_offset)
 
 
 def warmup(engine, buckets) -> None:
   """Compiles the verification step of every decode bucket of `buckets`
-  (all-padding inputs; runs nothing). Nothing without speculation."""
+  and each of its draft budgets (all-padding inputs; runs nothing).
+  Nothing without speculation."""
   spec = engine.config.speculative_config
   if spec is None:
     return
   k = spec.num_speculative_tokens
-  inputs = {}
+  inputs = []
   for b in buckets:
     if b.decode_only:
       x = engine._pools[0]._build([], b)[0]  # pylint: disable=protected-access
       S = x.seq_ids.shape[0]
-      inputs[b] = (x, SpecInputs(
-          drafts=np.full((S, k), -1, np.int32), num_draft=np.zeros(S, np.int32),
-          tokens=np.zeros(S * (1 + k), np.int32),
-          query_rows=np.zeros((S, 1 + k), np.int32)))
-  compile_spec(engine._runner, inputs, k)  # pylint: disable=protected-access
+      for budget in draft_budgets(S, k):
+        inputs.append((b, x, _inputs(x, [], np.zeros(S, np.int32), k, budget)))
+  compile_spec(engine._runner, inputs)  # pylint: disable=protected-access
 
 
 # ------------------------------------------------------------------ the pool
@@ -272,25 +375,13 @@ def dispatch(engine, built, bucket, drafts):
     if not (d[bad] > 0).any():
       raise RuntimeError("a reservation of 0 drafts was refused (engine bug)")
     d[bad] = 0
-  T = S * (1 + k)
-  tokens = np.zeros(T, np.int32)
-  query_rows = np.zeros((S, 1 + k), np.int32)
-  draft_arr = np.full((S, k), -1, np.int32)
-  row = 0
-  for r, dr in enumerate(drafts):
-    n = int(d[r])
-    tokens[row] = x.tokens[r]  # the row's last token (known: `spec_ok`)
-    tokens[row + 1:row + 1 + n] = dr[:n]
-    draft_arr[r, :n] = dr[:n]
-    query_rows[r, :1 + n] = np.arange(row, row + 1 + n)
-    row += 1 + n
-  si = SpecInputs(drafts=draft_arr, num_draft=d, tokens=tokens,
-                  query_rows=query_rows)
+  budget = choose_budget(draft_budgets(S, k), int(d.sum()))
+  si = _inputs(x, drafts, d, k, budget)
   out = dispatch_spec(engine._runner, bucket, x, si)  # pylint: disable=protected-access
   st = engine.stats
   st.spec_steps += 1
   st.spec_proposed += int(d.sum())
-  st.padded_rows += S * k  # the layout's rows past the decode bucket's
+  st.padded_rows += budget  # the layout's rows past the decode bucket's
   return out, [SpecPending(x.seq_ids.copy(), d)]
 
 
@@ -327,6 +418,13 @@ def resolve(engine, flight) -> float:
   st = engine.stats
   st.spec_accepted += int(accepted[real].sum())
   st.spec_rows += int(np.count_nonzero(sp.num_draft))
+  timing = engine.__dict__.get("_spec_timing")
+  if timing is not None and timing.kind == spec_policy.SPEC:
+    timing.tokens = int(np.count_nonzero(real) + accepted[real].sum())
+  pol = policy(engine)
+  for r, t, _ in pending.records:
+    if sp.num_draft[r]:
+      pol.record(t.slot, t, int(sp.num_draft[r]), int(accepted[r]))
   extra = 0
   tokens, logprobs = out.tokens.tolist(), out.token_logprobs.tolist()
   deltas = sched._deltas if sched.collect_deltas else None  # pylint: disable=protected-access

@@ -119,6 +119,7 @@ class EngineStats:
       of them that verified at least one draft.
     spec_proposed, spec_accepted: draft tokens verified, and accepted
       (`acceptance_rate`, `mean_accepted_length`).
+    spec_draft_seconds: the host's time proposing drafts.
     deferred_admissions: steps in which block-aware admission left a
       waiting request queued because its prompt's blocks would not leave
       the running sequences room to grow (`Scheduler._schedule`).
@@ -174,6 +175,7 @@ class EngineStats:
   spec_rows: int = 0
   spec_proposed: int = 0
   spec_accepted: int = 0
+  spec_draft_seconds: float = 0.0
   refused_reservations: int = 0
   finished: int = 0
   rejected: int = 0

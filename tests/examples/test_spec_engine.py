@@ -1,7 +1,9 @@
 """Speculative decoding in the engine (`EngineConfig.speculative_config`,
-method "ngram", greedy): verification steps give exactly the outputs of
-plain decoding, alone, batched and under preemption; the host's pool model
-replays every rollback; every block returns; each shape traces once."""
+method "ngram"): verification steps give exactly the outputs of plain
+decoding, greedy and sampled (temperature, top-k, top-p: the same tokens
+for the same seed), alone, batched and under preemption; the host's pool
+model replays every rollback; every block returns; each shape (bucket and
+draft budget) traces once and compiles at warm-up."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 
 from paged_jax import block_manager as bm
 from paged_jax.entrypoints import generate
-from paged_jax.serving import compiler
+from paged_jax.serving import compiler, spec_step
 from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
@@ -20,8 +22,12 @@ from tests.examples.conftest import (BIG_POOL, SIZES, SMALL_POOL,
                                      make_engine, random_requests)
 from tests.examples.test_prefix_engine import _poison_unowned_blocks
 
+# Every eligible step verifies (no sit-out, no timing rule: the counts the
+# tests check do not depend on the machine's speed); ADAPTIVE has both.
 SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
-                         prompt_lookup_max=3)
+                         prompt_lookup_max=3, adaptive=False)
+ADAPTIVE = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
+                             prompt_lookup_max=3)
 
 
 def _run(engine: Engine, requests, *, checked: bool = True) -> dict:
@@ -96,10 +102,18 @@ def test_every_verification_shape_traces_once_and_compiles_at_warmup(model):
   compiles = compiler.compiled_count()
   decode = [b for b in engine.buckets if b.decode_only]
   steps = engine._runner._spec_steps  # pylint: disable=protected-access
-  assert sorted(steps) == [(b, SPEC.num_speculative_tokens) for b in decode]
+  k = SPEC.num_speculative_tokens
+  assert sorted(steps) == sorted(
+      (b, k, d) for b in decode for d in spec_step.draft_budgets(b.num_seqs, k))
+  assert all(len(spec_step.draft_budgets(b.num_seqs, k)) <= spec_step.NUM_BUDGETS
+             for b in decode)
   requests = [_copying(i) for i in range(4)]
   _run(engine, requests[:2], checked=False)
   _run(engine, requests[2:], checked=False)  # a second round: same shapes
+  sampled = [Request(f"t{i}", r.prompt, SamplingParams(
+      max_new_tokens=12, temperature=0.8, top_k=20, seed=i))
+             for i, r in enumerate(requests)]
+  _run(engine, sampled, checked=False)  # sampled rows: the same programs
   assert engine.stats.spec_steps > 0
   assert compiler.compiled_count() == compiles and engine.stats.compile_seconds == 0
 
@@ -138,7 +152,6 @@ def test_a_config_that_is_not_a_speculative_config_is_refused():
 
 
 @pytest.mark.parametrize("params,why", [
-    (dict(temperature=0.7), "temperature=0.7 is not supported"),
     (dict(n=2), "n=2 is not supported"),
 ])
 def test_unsupported_requests_are_rejected_by_name(model, params, why):
@@ -171,14 +184,65 @@ def test_a_mesh_is_refused_by_name(model):
 
 
 def test_rows_that_need_more_of_a_step_fall_back_to_plain_steps(model):
-  """Top log-probs, `logit_bias`, an active `min_tokens` mask: steps with
-  such a row are ordinary ones; the outputs stay those of plain decoding."""
+  """Top log-probs: steps with such a row are ordinary ones. An active
+  `min_tokens` mask and `logit_bias` are applied per query row by the
+  verification (the bans by position). The outputs stay those of plain
+  decoding."""
   prompt = _copying(1).prompt
+  base = _run(make_engine(model), [_copying(2)], checked=False)["c2"][0][0]
   requests = [_copying(0),
               Request("lp", prompt, SamplingParams(max_new_tokens=8, logprobs=2)),
-              Request("min", prompt, SamplingParams(max_new_tokens=10, min_tokens=6))]
+              Request("min", prompt, SamplingParams(max_new_tokens=10, min_tokens=6)),
+              Request("bias", _copying(2).prompt, SamplingParams(
+                  max_new_tokens=12, temperature=0.1,
+                  logit_bias={base[3]: -100.0, base[5]: 3.0}))]
   want = _run(make_engine(model, max_logit_bias=2), requests, checked=False)
   engine = make_engine(model, max_logit_bias=2, speculative_config=SPEC)
   assert _run(engine, requests) == want
   assert engine.stats.spec_steps > 0  # once the others finished
+  _assert_pool_empty(engine)
+
+
+# The tiny random model's logits are flat: low temperatures and tight
+# filters give drafts a chance to be accepted (and 0.9 / 1.0 rows too).
+SAMPLED = [dict(temperature=0.05), dict(temperature=1.0, top_k=2),
+           dict(temperature=0.1, top_p=0.9), dict(temperature=0.9, top_k=50,
+                                                   top_p=0.3)]
+
+
+def _sampled(i: int, params: dict) -> Request:
+  r = _copying(i)
+  return Request(f"s{i}", r.prompt, SamplingParams(max_new_tokens=16 + i,
+                                                   seed=17 * i, **params))
+
+
+def test_sampled_outputs_are_identical_with_spec_on_and_off(model):
+  """Each query row draws with the key plain decoding uses for that
+  position, so the tokens are those of plain decoding for the same seed:
+  temperature, top-k and top-p rows, mixed with greedy ones, batched."""
+  requests = [_sampled(i, p) for i, p in enumerate(SAMPLED)] + [
+      _copying(7)] + random_requests(5, 3, prompt=(3, 20), new=(6, 20),
+                                     temperature=0.9)
+  want = _run(make_engine(model), requests, checked=False)
+  engine = make_engine(model, speculative_config=SPEC)
+  assert _run(engine, requests) == want
+  st = engine.stats
+  assert st.spec_steps > 0 and st.spec_accepted > 0
+  assert 0 < st.acceptance_rate <= 1
+  _assert_pool_empty(engine)
+  for r in requests[:2]:  # alone
+    alone = make_engine(model, speculative_config=SPEC)
+    assert _run(alone, [r]) == {r.request_id: want[r.request_id]}
+  adaptive = make_engine(model, speculative_config=ADAPTIVE)  # sit-out, timing
+  assert _run(adaptive, requests) == want
+  _assert_pool_empty(adaptive)
+
+
+def test_sampled_rows_under_preemption_give_the_same_outputs(model):
+  requests = [_sampled(i, SAMPLED[i % len(SAMPLED)]) for i in range(5)]
+  want = _run(make_engine(model), requests, checked=False)
+  engine = make_engine(model, num_blocks=SMALL_POOL + 4, admission_headroom_steps=0,
+                       speculative_config=SPEC)
+  assert _run(engine, requests) == want
+  assert engine.stats.preemptions > 0 and engine.stats.spec_accepted > 0
   _assert_pool_empty(engine)

@@ -436,7 +436,7 @@ def test_speculative_config_from_vllm_json():
      "prompt_lookup_min must be a positive int"),
     ('{"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}',
      r"unknown speculative config keys \['draft_tensor_parallel_size'\]; "
-     r"known: \['method', 'num_speculative_tokens', 'prompt_lookup_max', "
+     r"known: \['adaptive', 'method', 'num_speculative_tokens', 'prompt_lookup_max', "
      r"'prompt_lookup_min'\]"),
     ('{"method": "ngram"}', "speculative config needs num_speculative_tokens"),
     ("[2]", "speculative config must be a JSON object, got list"),
