@@ -176,7 +176,7 @@ def test_num_scheduler_steps_flag(capsys):
                         "--no-progress"])
   assert code == 2
   err = capsys.readouterr().err
-  assert f"num_scheduler_steps must be an int in [1, {MAX_STEPS}], got 0" in err
+  assert f"--num-scheduler-steps must be an int in [1, {MAX_STEPS}], got 0" in err
 
 
 def test_abort_and_stop_while_a_multistep_dispatch_runs(model):
