@@ -154,7 +154,8 @@ class BlockState:
       attends within (static): the engine then gives back, after each step,
       the leading blocks that no future query of a sequence can see
       (`paged_jax.window_reclaim`), their entries `NULL_BLOCK` inside
-      `seq_lens`. `release` and `fork` skip such entries.
+      `seq_lens`. `release` and `fork` skip such entries (without a
+      window they trace the same program as before windows existed).
   """
 
   block_tables: jax.Array
@@ -542,8 +543,9 @@ def release(state: BlockState, seq_ids) -> tuple[BlockState, jax.Array]:
         & _first_occurrence(seq_ids))
   rows = state.block_tables[sid]  # [n, width]
   cols = jnp.arange(width, dtype=jnp.int32)
-  # `rows >= 0`: a reclaimed entry (`window`) holds no reference.
-  owned = ok[:, None] & (cols[None, :] < _cdiv(length, bs)[:, None]) & (rows >= 0)
+  owned = ok[:, None] & (cols[None, :] < _cdiv(length, bs)[:, None])
+  if state.window is not None:  # a reclaimed entry holds no reference
+    owned &= rows >= 0
   state = _unref(state, rows, owned)
   write = jnp.where(ok, sid, max_seqs)
   tables = state.block_tables.at[write].set(NULL_BLOCK, mode="drop")
@@ -772,7 +774,9 @@ def fork(state: BlockState, parent_ids, child_ids
         & (parent_ids != child_ids) & _first_occurrence(child_ids))
   rows = state.block_tables[pid]
   cols = jnp.arange(width, dtype=jnp.int32)
-  owned = ok[:, None] & (cols[None, :] < _cdiv(length, bs)[:, None]) & (rows >= 0)
+  owned = ok[:, None] & (cols[None, :] < _cdiv(length, bs)[:, None])
+  if state.window is not None:  # a reclaimed entry holds no reference
+    owned &= rows >= 0
   refs = _scatter_add(state.refcounts, rows, owned, 1)
   write = jnp.where(ok, cid, max_seqs)
   tables = state.block_tables.at[write].set(rows, mode="drop")
