@@ -60,7 +60,7 @@ def _requests(seed, **params):
   return random_requests(seed, 10, prompt=(4, 20), new=(4, 14), **params)
 
 
-@pytest.mark.parametrize("caching", [False, True])
+@pytest.mark.parametrize("caching", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_grow_then_shrink_mid_run_gives_the_same_tokens(model, caching):
   want = _serve(make_engine(model, POOL, enable_prefix_caching=caching, **SHAPES),
                 _requests(0))
@@ -94,6 +94,7 @@ def test_a_shrink_below_a_waiting_requests_need_is_refused(model):
   assert len(outs[0].completions[0].token_ids) == 20
 
 
+@pytest.mark.slow  # the suite's time; the other tests grow pools too
 def test_grown_pool_serves_what_the_small_one_preempted(model):
   """More blocks after the resize: fewer preemptions, same tokens."""
   reqs = _requests(3)

@@ -118,7 +118,8 @@ def _all_free(engine) -> bool:
 
 
 @pytest.mark.parametrize("kind, async_scheduling", [
-    ("mistral", True), ("mistral", False), ("gemma3", True), ("gemma3", False)])
+    ("mistral", True), ("mistral", False), ("gemma3", True),
+    pytest.param("gemma3", False, marks=pytest.mark.slow)])  # the suite's time
 def test_reclamation_gives_the_outputs_of_keeping_every_block(
     request, kind, async_scheduling):
   model = request.getfixturevalue(kind)
