@@ -147,3 +147,18 @@ def time_in_loop(fn: Callable, args: tuple, *, repeats: int = 5,
   return {"s": med, "calls": n, "repeats": repeats, "first_s": first_s,
           "spread": (max(per_call) - min(per_call)) / med,
           "dispatch_included": upper_bound, "out": out}
+
+
+def serve_timed(engine, reqs, tag: str):
+  """Serves `reqs` (`(prompt ids, max_new_tokens)` pairs, greedy) on `engine`,
+  all at once; returns `(wall seconds, {request index: token ids})` (ids are
+  `"{tag}-{i}"`, so runs of one engine never collide)."""
+  from paged_jax.serving.requests import Request  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving.sampling import SamplingParams  # pylint: disable=import-outside-toplevel
+  for i, (prompt, new) in enumerate(reqs):
+    assert engine.add_request(Request(f"{tag}-{i}", prompt,
+                                      SamplingParams(max_new_tokens=new))) is None
+  t0 = time.perf_counter()
+  outs = engine.run_until_done()
+  wall = time.perf_counter() - t0
+  return wall, {o.request_id.split("-", 1)[1]: o.completions[0].token_ids for o in outs}

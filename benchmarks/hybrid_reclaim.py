@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 
 import numpy as np
 
@@ -30,8 +29,6 @@ from benchmarks import common
 from paged_jax import hybrid_capacity
 from paged_jax.models.llama import model as model_lib
 from paged_jax.serving.engine import Engine, EngineConfig
-from paged_jax.serving.requests import Request
-from paged_jax.serving.sampling import SamplingParams
 from paged_jax.serving.stats import Gauge
 
 WINDOW, BS, NUM_BLOCKS = 64, 16, 160
@@ -41,16 +38,6 @@ TYPES = ("sliding_attention",) * 5 + ("full_attention",)
 def _requests(rng, count, prompt=(256, 641)):
   return [(rng.integers(3, 500, size=int(rng.integers(*prompt))).tolist(),
            int(rng.integers(32, 65))) for _ in range(count)]
-
-
-def _serve(engine, reqs, tag):
-  for i, (prompt, new) in enumerate(reqs):
-    assert engine.add_request(Request(f"{tag}-{i}", prompt,
-                                      SamplingParams(max_new_tokens=new))) is None
-  t0 = time.perf_counter()
-  outs = engine.run_until_done()
-  wall = time.perf_counter() - t0
-  return wall, {o.request_id.split("-", 1)[1]: o.completions[0].token_ids for o in outs}
 
 
 def main():
@@ -72,7 +59,7 @@ def main():
   layer_blocks_on = 5 * pools[0] + pools[1]
   for k, e in engines.items():
     e.warmup()
-    _serve(e, reqs[:4], f"warm-{k}")  # first-run costs outside the timed runs
+    common.serve_timed(e, reqs[:4], f"warm-{k}")  # first-run costs outside the timed runs
   walls = {k: [] for k in engines}
   counts, outputs = {}, {}
   fields = ("steps", "computed_tokens", "preemptions", "recomputed_tokens",
@@ -81,7 +68,7 @@ def main():
     for k, e in engines.items():
       before = {f: getattr(e.stats, f) for f in fields}
       e.stats.running = Gauge()  # this run's gauge
-      wall, outs = _serve(e, reqs, f"{r}")
+      wall, outs = common.serve_timed(e, reqs, f"{r}")
       walls[k].append(wall)
       counts[k] = {f: getattr(e.stats, f) - v for f, v in before.items()}
       counts[k].update(peak_running=e.stats.running.peak,

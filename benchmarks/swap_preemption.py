@@ -17,30 +17,17 @@ equal. Results in benchmarks/results/swap_preemption.json.
 from __future__ import annotations
 
 import statistics
-import time
 
 import numpy as np
 
 from benchmarks import common
 from paged_jax.models.llama import model as model_lib
 from paged_jax.serving.engine import Engine, EngineConfig
-from paged_jax.serving.requests import Request
-from paged_jax.serving.sampling import SamplingParams
 
 
 def _requests(rng, count):
   return [(rng.integers(3, 500, size=int(rng.integers(32, 97))).tolist(),
            int(rng.integers(32, 65))) for _ in range(count)]
-
-
-def _serve(engine, reqs, tag):
-  for i, (prompt, new) in enumerate(reqs):
-    assert engine.add_request(Request(f"{tag}-{i}", prompt,
-                                      SamplingParams(max_new_tokens=new))) is None
-  t0 = time.perf_counter()
-  outs = engine.run_until_done()
-  wall = time.perf_counter() - t0
-  return wall, {o.request_id.split("-", 1)[1]: o.completions[0].token_ids for o in outs}
 
 
 def main():
@@ -68,7 +55,7 @@ def main():
       before = {f: getattr(e.stats, f) for f in (
           "steps", "computed_tokens", "preemptions", "recomputed_tokens",
           "swapped_out", "swapped_in", "swap_blocks_out", "compile_seconds")}
-      wall, outs = _serve(e, reqs, f"{r}")
+      wall, outs = common.serve_timed(e, reqs, f"{r}")
       walls[k].append(wall)
       counts[k] = {f: getattr(e.stats, f) - v for f, v in before.items()}
       outputs.setdefault(k, outs)
