@@ -28,12 +28,16 @@ def shown(text: str) -> str:
 class OneLineParser(argparse.ArgumentParser):
   """An `ArgumentParser` whose errors are one line on stderr, exit status 2.
 
+  Flags must be typed in full (`allow_abbrev=False` unless asked): argparse's
+  prefix matching read `--max-tokens 0` as `--max-tokens-per-step 0`.
+
   Args:
     error_prefix: what the line starts with, e.g. `"error: "` or
       `"python -m paged_jax.capacity: error: "`.
   """
 
   def __init__(self, *args, error_prefix: str = "error: ", **kwargs):
+    kwargs.setdefault("allow_abbrev", False)
     super().__init__(*args, **kwargs)
     self.error_prefix = error_prefix
 

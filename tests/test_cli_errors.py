@@ -189,3 +189,11 @@ def test_capacity_refuses_malformed_text(junk, choice):
   value = ("x" + junk if junk.startswith("-") else junk) + "\x00"
   base = CAP_BASE + ["--mem-gib", "80", "--weights-gib", "1"]
   _capacity(base + [choice, value])
+
+
+def test_abbreviated_flags_are_refused_not_guessed():
+  # argparse's prefix matching read `--max-tokens 0` as `--max-tokens-per-step
+  # 0` (and `--temp 2` as `--temperature 2`): every CLI takes full names only.
+  for argv in (["--max-tokens", "0"], ["--temp", "2"], ["--max-num-seq", "4"]):
+    assert f"unrecognized arguments: {' '.join(argv)}" in _generate(argv)
+  assert "unrecognized arguments: --mem 8" in _capacity(CAP_BASE + ["--mem", "8"])
