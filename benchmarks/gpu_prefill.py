@@ -56,7 +56,6 @@ import datetime
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 import traceback

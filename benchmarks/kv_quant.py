@@ -43,7 +43,6 @@ from paged_jax import block_manager as bm
 from paged_jax import capacity
 from paged_jax import kv_cache
 from paged_jax import step_metadata
-from pallas_kernels import quantization
 from tests import cases
 
 CACHE_DTYPES = ("bfloat16", "int8", "fp8")

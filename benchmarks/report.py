@@ -346,7 +346,7 @@ def write(out: pathlib.Path = common.RESULTS_DIR, *, wall_s: dict | None = None,
     lines.append(f"| 2. concurrency | >= 4x max-length (2048) reservation, ShareGPT-like | "
                  f"{conc['sharegpt_paged_over_max_length_2048']:.2f}x | {_yes(conc['goal_met'])} |")
   if thr:
-    p, c = thr["paged"], thr["contiguous"]
+    p = thr["paged"]
     lines.append(f"| 3. throughput | >= 3x tokens/s, paged + continuous vs contiguous "
                  f"+ static, same KV memory | {thr['tokens_per_second_ratio']:.2f}x | "
                  f"{_yes(thr['tokens_per_second_ratio'] >= 3)} |")

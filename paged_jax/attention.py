@@ -51,7 +51,6 @@ import dataclasses
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import kv_cache

@@ -181,7 +181,6 @@ def resize(state: bm.BlockState, new_num_blocks: int
   if state.block_tables.ndim != 2:
     raise ValueError(f"resize takes one pool's state, got block_tables of "
                      f"shape {state.block_tables.shape} (stacked data shards)")
-  n = state.num_blocks
   refs = np.asarray(state.refcounts)
   if np.any(refs[m:] > 0):
     return state, Resized(False, np.zeros((0,), np.int64))

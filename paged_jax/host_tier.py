@@ -272,7 +272,7 @@ def swap_in(state: bm.BlockState, tier: HostTier, seq_ids
   n, width = seq_ids.shape[0], state.max_blocks_per_seq
   if n == 0:
     return state, tier, _empty(state, width, state.prefix_caching)
-  max_seqs, nh = state.max_seqs, tier.num_blocks
+  max_seqs = state.max_seqs
   sid = jnp.clip(seq_ids, 0, max_seqs - 1)
   length = tier.seq_lens[sid]
   pre = ((seq_ids >= 0) & (seq_ids < max_seqs) & (length > 0)

@@ -164,7 +164,7 @@ class HostTierPool:
     """
     self._check(pool)
     seq_ids = np.asarray(seq_ids)
-    n, width = seq_ids.shape[0], self.width
+    width = self.width
     sid = np.clip(seq_ids, 0, self.max_seqs - 1)
     length = self.lens[sid].astype(np.int64)
     pre = self._valid(seq_ids, length) & (pool.lens[sid] == 0)

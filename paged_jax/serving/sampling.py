@@ -168,7 +168,7 @@ def _int(name: str, value, lo: int, hi: int) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
     raise ValueError(f"{name} must be an int >= {lo}, got {_show(value)}")
   if not lo <= value <= hi:
-    raise ValueError(f"{name} must be >= {lo}" + (f" and < 2**31" if value > hi else "")
+    raise ValueError(f"{name} must be >= {lo}" + (" and < 2**31" if value > hi else "")
                      + f", got {value!r}")
   return int(value)
 

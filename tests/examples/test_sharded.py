@@ -20,7 +20,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from paged_jax.models.llama import model as model_lib
 from paged_jax.models.llama import tensor_parallel
-from paged_jax.serving import step as step_lib
 from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams

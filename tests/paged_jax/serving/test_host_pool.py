@@ -13,7 +13,6 @@ import functools
 import hypothesis
 import hypothesis.strategies as st
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
