@@ -32,6 +32,7 @@ the kernels, named after their HLO fusions).
 
 from __future__ import annotations
 
+import argparse
 import collections
 import glob
 import gzip
@@ -175,7 +176,7 @@ def summarize(trace_file: str, ops: dict[str, str]) -> dict:
 
 
 def run(args) -> dict:
-  loaded = loader.load(args.model)
+  loaded = loader.load(args.model, scan_layers=args.scan_layers)
   model = loaded.model
   batch = args.batch
   max_len = PROMPT + args.warm_steps + args.steps + 16
@@ -240,6 +241,8 @@ def main(argv=None):
   p = common.parser(__doc__.splitlines()[0])
   p.add_argument("--model", default="smollm2")
   p.add_argument("--batch", type=int, default=16)
+  p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+                 help="stacked layers under lax.scan (default) or separate, unrolled")
   p.add_argument("--steps", type=int, default=50)
   p.add_argument("--warm-steps", type=int, default=4)
   p.add_argument("--logprobs", type=int, default=0,
