@@ -231,7 +231,7 @@ class Runner:
     if sizes is None:
       sizes = tuple(1 << i for i in range((max_seqs - 1).bit_length() + 1))
     nb = self.config.max_logit_bias
-    widths = (3 + slot_state_lib.sampling_lib.MAX_BANNED + nb, 2 + nb)
+    widths = slot_state_lib.packed_widths(nb)
 
     def lowerer(u):
       specs = (jax.ShapeDtypeStruct((u,), np.int32),

@@ -45,6 +45,7 @@ class SlotState:
   banned: jax.Array  # i32[N, sampling.MAX_BANNED]  (min_tokens) -1 = none
   bias_ids: jax.Array  # i32[N, B]  logit_bias ids, -1 = none
   bias_values: jax.Array  # f32[N, B]  their biases
+  wants_top: jax.Array  # i32[N]  1: top log-probs (asked for, or beam search)
 
 
 def empty(rows: int, max_logit_bias: int) -> SlotState:
@@ -56,16 +57,23 @@ def empty(rows: int, max_logit_bias: int) -> SlotState:
       ban_until=np.zeros(rows, np.int32),
       banned=np.full((rows, sampling_lib.MAX_BANNED), -1, np.int32),
       bias_ids=np.full((rows, max_logit_bias), -1, np.int32),
-      bias_values=np.zeros((rows, max_logit_bias), np.float32))
+      bias_values=np.zeros((rows, max_logit_bias), np.float32),
+      wants_top=np.zeros(rows, np.int32))
+
+
+def packed_widths(max_logit_bias: int) -> tuple[int, int]:
+  """The column counts of `pack`'s two matrices: `(4 + MAX_BANNED + B, 2 + B)`."""
+  return 4 + sampling_lib.MAX_BANNED + max_logit_bias, 2 + max_logit_bias
 
 
 def pack(rows: SlotState) -> tuple[np.ndarray, np.ndarray]:
   """`rows` (NumPy, U rows) as two matrices, so that an update is two
-  arrays to transfer: `(i32[U, 3 + MAX_BANNED + B], f32[U, 2 + B])` --
-  `top_k, seeds, ban_until, banned..., bias_ids...` and `temperature,
-  top_p, bias_values...`."""
+  arrays to transfer: `(i32[U, 4 + MAX_BANNED + B], f32[U, 2 + B])` --
+  `top_k, seeds, ban_until, banned..., bias_ids..., wants_top` and
+  `temperature, top_p, bias_values...`."""
   ints = np.concatenate([rows.top_k[:, None], rows.seeds[:, None],
-                         rows.ban_until[:, None], rows.banned, rows.bias_ids], 1)
+                         rows.ban_until[:, None], rows.banned, rows.bias_ids,
+                         rows.wants_top[:, None]], 1)
   floats = np.concatenate([rows.temperature[:, None], rows.top_p[:, None],
                            rows.bias_values], 1)
   return ints.astype(np.int32), floats.astype(np.float32)
@@ -76,8 +84,8 @@ def unpack(ints: jax.Array, floats: jax.Array) -> SlotState:
   nban = sampling_lib.MAX_BANNED
   return SlotState(temperature=floats[:, 0], top_k=ints[:, 0], top_p=floats[:, 1],
                    seeds=ints[:, 1], ban_until=ints[:, 2],
-                   banned=ints[:, 3:3 + nban], bias_ids=ints[:, 3 + nban:],
-                   bias_values=floats[:, 2:])
+                   banned=ints[:, 3:3 + nban], bias_ids=ints[:, 3 + nban:-1],
+                   bias_values=floats[:, 2:], wants_top=ints[:, -1])
 
 
 def write(state: SlotState, slots: jax.Array, ints: jax.Array,
@@ -104,6 +112,9 @@ class SampleRows:
   banned: jax.Array  # i32[S, MAX_BANNED]  the slot's ids, unmasked (`bans`)
   bias_ids: jax.Array  # i32[S, B]
   bias_values: jax.Array  # f32[S, B]
+  # i32[S]: 1 where the row's top log-probs are read; None: every row's are
+  # (the step computes them only when some row's are, `step._sample`).
+  wants_top: jax.Array | None = None
 
   def bans(self) -> jax.Array:
     """i32[S, MAX_BANNED]: the ids masked at `positions` (-1 = none)."""
@@ -135,7 +146,8 @@ def gather(state: SlotState, seq_lens: jax.Array, sample_seqs: jax.Array,
       ban_until=xp.where(real, state.ban_until[sl], 0).astype(np.int32),
       banned=xp.where(col, state.banned[sl], -1).astype(np.int32),
       bias_ids=xp.where(col, state.bias_ids[sl], -1).astype(np.int32),
-      bias_values=xp.where(col, state.bias_values[sl], 0.0).astype(np.float32))
+      bias_values=xp.where(col, state.bias_values[sl], 0.0).astype(np.float32),
+      wants_top=xp.where(real, state.wants_top[sl], 0).astype(np.int32))
 
 
 def update_rows(n: int) -> int:
@@ -181,6 +193,7 @@ class HostSlots:
         nb = len(params.logit_bias)
         s.bias_ids[slot, :nb] = [t for t, _ in params.logit_bias]
         s.bias_values[slot, :nb] = [b for _, b in params.logit_bias]
+    s.wants_top[slot] = int(bool(params.logprobs) or params.beam_width > 1)
     self._dirty.add(slot)
 
   @property

@@ -32,6 +32,8 @@ under `shard_map`, each device on its own KV heads of its own shard's pool.
 
 from __future__ import annotations
 
+import functools
+
 import flax
 import jax
 import jax.numpy as jnp
@@ -369,10 +371,18 @@ def _sample(logits, p: slot_state_lib.SampleRows, num_logprobs: int):
   """Sampled tokens, top log-probs and the sampled tokens' log-probs of the
   sample rows' logits (`p`: their parameters), after `logit_bias` and then
   the bans (so a banned id stays banned whatever its bias); the log-probs
-  are of these logits."""
+  are of these logits. The top log-probs (a top-k over the vocabulary) are
+  computed only when some row reads them (`p.wants_top`, a `lax.cond`;
+  zeros otherwise, and the host then does not fetch them)."""
   logits = sampling.add_bias(logits, p.bias_ids, p.bias_values)
   logits = sampling.ban_tokens(logits, p.bans())
   tokens = sampling.sample_tokens(logits, p.temperature, p.top_k, p.top_p,
                                   p.seeds, p.positions)
-  top_lp, top_ids = sampling.top_logprobs(logits, num_logprobs)
+  if p.wants_top is None:
+    top_lp, top_ids = sampling.top_logprobs(logits, num_logprobs)
+  else:
+    top = functools.partial(sampling.top_logprobs, k=num_logprobs)
+    none = lambda lg: jax.tree.map(  # noqa: E731
+        lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(top, lg))
+    top_lp, top_ids = jax.lax.cond(jnp.any(p.wants_top > 0), top, none, logits)
   return tokens, top_lp, top_ids, sampling.token_logprobs(logits, tokens)

@@ -55,8 +55,10 @@ def _params(rng) -> SamplingParams:
   return SamplingParams(
       temperature=float(rng.choice([0.0, 0.7, 1.3])), top_k=int(rng.choice([0, 5])),
       top_p=float(rng.choice([1.0, 0.9])), n=int(rng.choice([1, 1, 2])),
-      stop_token_ids=stops, min_tokens=int(rng.integers(0, 3)) if kind == 1 else 0,
-      logit_bias=bias, ignore_eos=True, **common)
+      stop_token_ids=stops,
+      min_tokens=int(rng.integers(0, min(3, common["max_new_tokens"] + 1))) if kind == 1 else 0,
+      logit_bias=bias, ignore_eos=True, logprobs=[None, 0, 2][int(rng.integers(3))],
+      **common)
 
 
 def _want_row(seq, lane: int) -> dict:
@@ -66,7 +68,7 @@ def _want_row(seq, lane: int) -> dict:
               top_k=p.top_k, top_p=np.float32(p.top_p), seed=p.seed + lane,
               ban_until=g.prompt_len + p.min_tokens if p.min_tokens else 0,
               banned=sorted(g.eos) if p.min_tokens else [],
-              bias=list(p.logit_bias))
+              bias=list(p.logit_bias), wants_top=int(g.is_beam or bool(p.logprobs)))
 
 
 def _check_row(rows, i: int, want: dict, position: int | None):
@@ -82,6 +84,7 @@ def _check_row(rows, i: int, want: dict, position: int | None):
   np.testing.assert_array_equal(rows.bias_values[i, :nb],
                                 np.float32([b for _, b in want["bias"]]))
   assert (rows.bias_ids[i, nb:] == -1).all()
+  assert rows.wants_top[i] == want["wants_top"]
   if position is not None:
     assert rows.positions[i] == position
     masked = rows.banned[i] if position < want["ban_until"] else np.full_like(rows.banned[i], -1)
@@ -214,3 +217,31 @@ def test_take_updates_pads_to_a_power_of_two_and_clears():
   np.testing.assert_array_equal(np.asarray(state.top_k), [0, 3, 0, 0, 0, 3, 3, 0])
   assert host.take_updates() is None and host.rows_written == 3
   assert sampling_lib.MAX_BANNED == state.banned.shape[1]
+
+
+def test_top_logprobs_computed_only_when_a_row_reads_them():
+  """`step._sample` runs the vocabulary top-k only when some row wants it
+  (`wants_top`, a `lax.cond`); the tokens and their log-probs are the same
+  either way, and a row that wants them gets `sampling.top_logprobs`."""
+  from paged_jax.serving import step as step_lib  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.standard_normal((4, 40)), jnp.float32)
+  base = slot_state.gather(jax.tree.map(jnp.asarray, slot_state.empty(4, 0)),
+                           jnp.zeros(4, jnp.int32), jnp.arange(4, dtype=jnp.int32),
+                           jnp.zeros(4, jnp.int32))
+  want_lp, want_ids = sampling_lib.top_logprobs(logits, 3)
+  sample = jax.jit(step_lib._sample, static_argnums=2)  # pylint: disable=protected-access
+  outs = {}
+  for wants in ([0, 0, 0, 0], [0, 1, 0, 0], None):
+    rows = base.replace(wants_top=None if wants is None else jnp.int32(wants))
+    outs[str(wants)] = tok, top_lp, top_ids, tok_lp = sample(logits, rows, 3)
+    if wants == [0, 0, 0, 0]:
+      assert not np.asarray(top_lp).any() and not np.asarray(top_ids).any()
+    else:
+      np.testing.assert_array_equal(top_lp, want_lp)
+      np.testing.assert_array_equal(top_ids, want_ids)
+  for tok, _, _, tok_lp in outs.values():
+    np.testing.assert_array_equal(tok, outs["None"][0])
+    np.testing.assert_array_equal(tok_lp, outs["None"][3])
+  text = sample.lower(logits, base, 3).as_text()
+  assert "conditional" in text or "case" in text  # the top-k sits in a branch
