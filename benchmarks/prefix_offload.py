@@ -165,7 +165,12 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--mooncake-requests", type=int, default=100)
   p.add_argument("--max-new", type=int, default=8)
+  p.add_argument("--cases", default="mooncake,no-sharing",
+                 help="comma-separated: mooncake, no-sharing")
   args = p.parse_args(argv)
+  cases = set(args.cases.split(","))
+  if not cases or cases - {"mooncake", "no-sharing"}:
+    p.error(f"--cases: expected mooncake and/or no-sharing, got {args.cases!r}")
   model = model_lib.init_model(model_lib.LlamaConfig.tiny(), seed=0)
   vocab = model.config.vocab_size
   repeats = 1 if args.quick else args.repeats
@@ -177,6 +182,19 @@ def main(argv=None):
   host = 8 * device
   load0 = os.getloadavg()
   rows = []
+  if "mooncake" in cases:
+    rows.append(_mooncake(model, reqs, ws, device, host, repeats, bs))
+  if "no-sharing" in cases:
+    rows.append(measure("no-sharing", model, no_sharing(16 if args.quick else 48, vocab),
+                        160, 1280, repeats))
+  path = common.write_json(args.out, "prefix_offload",
+                           {"machine": common.machine(), "sizes": SIZES,
+                            "loadavg_start": load0, "loadavg_end": os.getloadavg(),
+                            "rows": rows}, quick=args.quick)
+  print(f"wrote {path}; load average {load0} -> {os.getloadavg()}")
+
+
+def _mooncake(model, reqs, ws, device, host, repeats, bs) -> dict:
   row = measure("mooncake", model, reqs, device, host, repeats)
   row.update(working_set_blocks=ws,
              ideal_unbounded=pe.ideal_hit_rate(reqs, bs),
@@ -188,14 +206,7 @@ def main(argv=None):
         f"{100 * row['ideal_unbounded']:.1f}%, LRU device {100 * row['ideal_device']:.1f}%, "
         f"LRU device+host {100 * row['ideal_device_host']:.1f}%; on = "
         f"{100 * row['of_ideal_on']:.0f}% of its ideal", flush=True)
-  rows.append(row)
-  rows.append(measure("no-sharing", model, no_sharing(16 if args.quick else 48, vocab),
-                      160, 1280, repeats))
-  path = common.write_json(args.out, "prefix_offload",
-                           {"machine": common.machine(), "sizes": SIZES,
-                            "loadavg_start": load0, "loadavg_end": os.getloadavg(),
-                            "rows": rows}, quick=args.quick)
-  print(f"wrote {path}; load average {load0} -> {os.getloadavg()}")
+  return row
 
 
 if __name__ == "__main__":

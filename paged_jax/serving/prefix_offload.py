@@ -193,8 +193,8 @@ class PrefixOffload:
     loads = [ld for seq in admitted for ld in mine[seq]]
     victims = [v for _, _, v in loads]
     gone = [(index.hash_of(int(b)), int(b)) for b in victims]
-    gone += [(index.hash_of(b), b) for b in np.asarray(evicted).reshape(-1).tolist()
-             if b >= 0]
+    evicted = np.asarray(evicted).reshape(-1)
+    gone += [(index.hash_of(b), b) for b in evicted[evicted >= 0].tolist()]
     gone = [(h, b) for h, b in gone if h is not None]
     device_of = dict(gone)
     stored = tier.store(h for h, _ in gone)
