@@ -2,10 +2,11 @@
 
     PYTHONPATH=. python benchmarks/hybrid_reclaim.py          # ~5-10 min, loaded CPU
     PYTHONPATH=. python benchmarks/hybrid_reclaim.py --quick  # smoke test
+    PYTHONPATH=. python benchmarks/hybrid_reclaim.py --max-num-seqs 32  # batch no cap
 
 A Gemma-3-shaped random model (6 layers: 5 local of window 64 to 1 global;
 hidden 64, 4 query / 2 KV heads of 16, float32) serves 24 greedy requests
-(prompts 256-640 tokens, 32-64 new) with up to 16 sequences per step, blocks
+(prompts 256-640 tokens, 32-64 new) with up to 16 sequences per step (`--max-num-seqs`), blocks
 of 16, on the KV memory of 160 blocks of every layer (2,560 tokens: about 4
 of the requests without reclamation). Reclamation on (`window_pool`: one
 pool per window, the same layer-blocks split by `pool_sizes`) against off
@@ -43,14 +44,20 @@ def _requests(rng, count, prompt=(256, 641)):
 def main():
   p = common.parser(__doc__.splitlines()[0])
   p.add_argument("--repeats", type=int, default=2)
+  p.add_argument("--num-requests", type=int, default=24,
+                 help="requests per run (more: a longer steady phase between the "
+                 "ramp-up and the drain)")
+  p.add_argument("--max-num-seqs", type=int, default=16,
+                 help="max_batch of both engines (16: section 15b's runs, where it "
+                 "capped the peak with reclamation on)")
   args = p.parse_args()
   quick = args.quick
   cfg = model_lib.LlamaConfig.tiny(num_layers=6, sliding_window=WINDOW,
                                    layer_types=TYPES, max_position_embeddings=1024)
   model = model_lib.init_model(cfg, seed=0)
-  reqs = _requests(np.random.default_rng(0), 6 if quick else 24)
-  base = dict(num_blocks=NUM_BLOCKS, block_size=BS, max_batch=16,
-              max_tokens_per_step=256, max_model_len=704,
+  reqs = _requests(np.random.default_rng(0), 6 if quick else args.num_requests)
+  base = dict(num_blocks=NUM_BLOCKS, block_size=BS, max_batch=args.max_num_seqs,
+              max_tokens_per_step=max(256, args.max_num_seqs), max_model_len=704,
               admission_headroom_steps=0, min_bucket=16, bucket_midpoints=False)
   engines = {"on": Engine(model, EngineConfig(**base)),
              "off": Engine(model, EngineConfig(**base, sliding_window_reclamation=False))}
@@ -101,7 +108,9 @@ def main():
   print("on / off tokens/s:", round(out["tokens_per_s_ratio"], 3),
         "mean running ratio:", round(out["mean_running_ratio"], 3),
         "ideal:", round(plan.ratio, 3), "load:", os.getloadavg())
-  print("wrote", common.write_json(args.out, "hybrid_reclaim", out, quick=quick))
+  name = "hybrid_reclaim" + ("" if args.max_num_seqs == 16 else f"_b{args.max_num_seqs}") + (
+      "" if args.num_requests == 24 else f"_n{args.num_requests}")
+  print("wrote", common.write_json(args.out, name, out, quick=quick))
 
 
 if __name__ == "__main__":

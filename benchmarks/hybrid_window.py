@@ -1,21 +1,31 @@
 """Hybrid local/global attention (issue #23): what skipping and the grouped
 scan cost, measured without a device.
 
-1. Page copies of one TPU decode call (interpret mode, the interpreter's DMAs
-   counted by `tests.window_contract.page_copies`) against `kv_len`, with a
-   16-token window and without: a local layer's copies stay flat.
-2. The paged step of a Gemma 3-shaped random model (5 local : 1 global,
+1. Page copies of one decode call against `kv_len`, with a 16-token window
+   and without, in interpret mode (`tests.window_contract.page_copies`): the
+   TPU kernel's DMAs and the Triton kernel's masked K/V loads; a local
+   layer's copies stay flat.
+2. XLA decode attention (`attention.paged_attention(implementation="xla")`)
+   of a local layer (window 512) against the same call without a window, at
+   kv_len 512 .. 8192 (batch 8, 8 query / 2 KV heads of 128, float32, pages
+   of 16, random non-contiguous tables as wide as the longest): interleaved
+   rounds (local, global at every length, repeated), medians, loaded-machine
+   wall seconds; the local times should stay flat past the window.
+3. The paged step of a Gemma 3-shaped random model (5 local : 1 global,
    hidden 256, 4 query / 2 KV heads of 64) lowered and compiled at 6, 12
    and 24 layers, against the same model with every layer local (one spec,
    scan period 1): HLO lines (exact) and compile CPU seconds (noisy; medians
    of interleaved repeats in one process, compile caches off).
 
-  PYTHONPATH=. python -m benchmarks.hybrid_window
+  PYTHONPATH=. python -m benchmarks.hybrid_window           # all three
+  PYTHONPATH=. python -m benchmarks.hybrid_window page_copies  # only 1.
+  PYTHONPATH=. python -m benchmarks.hybrid_window xla_time     # only 2.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -26,8 +36,18 @@ import numpy as np
 
 
 def page_copies(window=16, block_size=8, lens=(16, 32, 64, 128, 256)) -> list:
+  """Pages copied (K and V counted apart) by one decode call, against
+  `kv_len`: the TPU kernel's DMAs and the Triton kernel's masked loads
+  (`tests.window_contract.page_copies`), both in interpret mode."""
+  from pallas_kernels.gpu import paged_decode as gpu_pd  # pylint: disable=import-outside-toplevel
   from pallas_kernels.tpu import paged_decode as pd  # pylint: disable=import-outside-toplevel
   from tests import cases, window_contract  # pylint: disable=import-outside-toplevel
+  kernels = {
+      "tpu": lambda *a, **k: pd.paged_decode(
+          *a, **k, interpret=True, config=pd.PagedDecodeConfig(pages_per_compute_block=2)),
+      "triton": lambda *a, **k: gpu_pd.paged_decode(
+          *a, **k, interpret=True, config=gpu_pd.PagedDecodeConfig(pages_per_compute_block=2)),
+  }
   rng = np.random.default_rng(0)
   rows = []
   for kv in lens:
@@ -36,14 +56,46 @@ def page_copies(window=16, block_size=8, lens=(16, 32, 64, 128, 256)) -> list:
         block_size=block_size, max_blocks_per_seq=max(lens) // block_size,
         kv_lens=[kv])
     row = {"kv_len": kv}
-    for name, w in (("local", window), ("global", None)):
-      with window_contract.page_copies(c.k_pages.shape) as seen:
-        jax.block_until_ready(pd.paged_decode(
-            c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens,
-            sliding_window=w, interpret=True,
-            config=pd.PagedDecodeConfig(pages_per_compute_block=2)))
-      row[name] = len(seen)
+    for kernel, fn in kernels.items():
+      for name, w in (("local", window), ("global", None)):
+        with window_contract.page_copies(c.k_pages.shape) as seen:
+          jax.block_until_ready(fn(c.q, c.k_pages, c.v_pages, c.block_tables,
+                                   c.kv_lens, sliding_window=w))
+        row[f"{kernel}_{name}"] = len(seen)
     rows.append(row)
+  return rows
+
+
+def xla_decode_time(window=512, lens=(512, 1024, 2048, 4096, 8192), rounds=15,
+                    batch=8, block_size=16) -> list:
+  from paged_jax import attention  # pylint: disable=import-outside-toplevel
+  from tests import cases  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  width = max(lens) // block_size
+  c = cases.make_decode_case(
+      rng, batch=batch, num_q_heads=8, num_kv_heads=2, head_dim=128,
+      block_size=block_size, max_blocks_per_seq=width, kv_lens=[max(lens)] * batch)
+  fns = {name: jax.jit(lambda q, k, v, t, n, w=w: attention.paged_attention(
+      q, k, v, t, n, sliding_window=w, implementation="xla"))
+         for name, w in (("local", window), ("global", None))}
+  args = {n: (c.q, c.k_pages, c.v_pages, c.block_tables,
+              jnp.full((batch,), n, jnp.int32)) for n in lens}
+  times = {(name, n): [] for name in fns for n in lens}
+  for r in range(rounds + 1):  # round 0 compiles and warms
+    for n in lens:
+      for name, fn in fns.items():
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args[n]))
+        if r:
+          times[name, n].append(time.perf_counter() - t0)
+  rows = []
+  for n in lens:
+    local, glob = (statistics.median(times[k, n]) for k in ("local", "global"))
+    rows.append({"kv_len": n, "local_ms": round(local * 1e3, 3),
+                 "global_ms": round(glob * 1e3, 3),
+                 "local_vs_local_at_window": round(
+                     local / statistics.median(times["local", lens[0]]), 2),
+                 "global_over_local": round(glob / local, 2)})
   return rows
 
 
@@ -100,8 +152,14 @@ def compile_cost(depths=(6, 12, 24), repeats=3) -> list:
 
 def main() -> int:
   jax.config.update("jax_enable_compilation_cache", False)
-  out = {"page_copies_tpu_interpret_decode_w16_bs8": page_copies(),
-         "compile": compile_cost()}
+  if sys.argv[1:] == ["xla_time"]:
+    out = {"xla_decode_time_w512": xla_decode_time(), "load_average": os.getloadavg()}
+  elif sys.argv[1:] == ["page_copies"]:
+    out = {"page_copies_decode_w16_bs8": page_copies()}
+  else:
+    out = {"page_copies_decode_w16_bs8": page_copies(),
+           "xla_decode_time_w512": xla_decode_time(),
+           "compile": compile_cost(), "load_average": os.getloadavg()}
   json.dump(out, sys.stdout, indent=1)
   print()
   return 0

@@ -11,11 +11,13 @@ A test base every backend's tests rerun (as `tests/contract.py`):
 * `WindowContract.test_ragged_blocks_outside_the_window_are_never_read`: the
   same for a ragged batch (prefill chunks and decode rows), a block being
   outside when it is before the window of the sequence's first new token.
-* `page_copies` / `visible_blocks`: where an interpreter exposes its copies
-  (TPU interpret mode's DMAs, the Mosaic GPU interpreter's TMA copies), the
-  tests count the pages a call copies: only visible blocks, each sequence at
-  most `ceil(w / block_size) + 1` pages per KV head for decode (O(w) work
-  however long the sequence).
+* `page_copies` / `CountedCopiesContract`: where an interpreter exposes its
+  copies (TPU interpret mode's DMAs, the Mosaic GPU interpreter's TMA
+  copies) or a kernel's loads can be watched (the Triton kernels' masked
+  `plgpu.load`s of K and V, in Pallas interpret mode), the tests count the
+  pages a call copies: only visible blocks, each sequence at most
+  `ceil(w / block_size) + 1` pages per KV head for decode (O(w) work however
+  long the sequence).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from paged_jax import reference
 from paged_jax.block_manager import NULL_BLOCK
@@ -137,12 +140,49 @@ def max_decode_pages(window=WINDOW, block_size=BLOCK_SIZE) -> int:
   return math.ceil(window / block_size) + 1
 
 
+def _triton_loads(k_pages_shape, seen):
+  """The hook on `plgpu.load` (Triton, read when a kernel is traced): a
+  masked load from one KV head's pages (`[num_blocks * block_size,
+  head_dim]`, how both Triton kernels see them, KV head = program id 1)
+  records `(head, block)` for every block with a row the mask lets through,
+  at run time (`jax.debug.callback` in the interpreted kernel). A masked-out
+  row is not read (on a GPU it issues no memory access)."""
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+  from jax.experimental.pallas import triton as plgpu  # pylint: disable=import-outside-toplevel
+  heads, num_blocks, block_size, head_dim = k_pages_shape
+  del heads
+  orig, orig_program_id = plgpu.load, pl.program_id
+  # The kernels read `program_id(1)` at their top level; the loads run in a
+  # loop body, where the interpreter cannot evaluate a new `program_id`:
+  # the callback takes the value the kernel read.
+  program_ids = {}
+
+  def program_id(axis):
+    program_ids[axis] = orig_program_id(axis)
+    return program_ids[axis]
+
+  def record(head, rows, mask):
+    rows, mask = np.asarray(rows)[:, 0], np.asarray(mask)[:, 0]
+    seen.extend((int(head), int(b)) for b in np.unique(rows[mask] // block_size))
+
+  def load(ref, *a, mask=None, **k):
+    base = getattr(getattr(ref, "ref", None), "shape", None)
+    if mask is not None and tuple(base or ()) == (num_blocks * block_size, head_dim):
+      (indexer,) = ref.transforms
+      rows = indexer.indices[0]  # i32[block_k, 1 | head_dim]
+      jax.debug.callback(record, program_ids[1], rows, mask)
+    return orig(ref, *a, mask=mask, **k)
+
+  return [(plgpu, "load", load), (pl, "program_id", program_id)]
+
+
 @contextlib.contextmanager
 def page_copies(k_pages_shape):
   """Records the `(head, block)` of every copy out of an array shaped
   `k_pages_shape` (the K or V pages) that an interpreter makes while the
-  context is open: TPU interpret mode's DMAs and the Mosaic GPU
-  interpreter's global-to-shared copies. Yields the list; the caller must
+  context is open: TPU interpret mode's DMAs, the Mosaic GPU
+  interpreter's global-to-shared copies, and the Triton kernels' masked
+  loads (`_triton_loads`). Yields the list; the caller must
   run a fresh trace (`jax.clear_caches()` is called on entry), since the
   hooks are read when the kernel is traced. Yields None where this JAX's
   interpreter does not expose them (a private API)."""
@@ -176,6 +216,9 @@ def page_copies(k_pages_shape):
   saved = [(m, name, getattr(m, name)) for m, name, _ in hooks]
   for m, name, transforms_of in hooks:
     setattr(m, name, wrap(getattr(m, name), transforms_of))
+  for m, name, fn in _triton_loads(shape, seen):
+    saved.append((m, name, getattr(m, name)))
+    setattr(m, name, fn)
   jax.clear_caches()
   try:
     yield seen
@@ -206,3 +249,25 @@ def check_page_copies(copied, full: cases.PagedCase, hidden, *, decode: bool):
   if decode:
     for (s, head), n in per_seq_head.items():
       assert n <= 2 * max_decode_pages(), (s, head, n)  # K and V
+
+
+class CountedCopiesContract:
+  """The pages a call copies, counted (`page_copies`): with the window only
+  visible blocks, each decode row at most `max_decode_pages()` per KV head
+  (and per K or V); without it every owned page, so the count is real.
+  Subclasses define `decode` and `ragged` (as `WindowContract`)."""
+
+  @pytest.mark.parametrize("ragged", [False, True], ids=["decode", "ragged"])
+  def test_only_visible_pages_are_copied(self, ragged):
+    full, _, hidden = ragged_case() if ragged else decode_case()
+    fn = self.ragged if ragged else self.decode
+    args = _args(full, ragged)
+    with page_copies(full.k_pages.shape) as copied:
+      if copied is None:
+        pytest.skip("this JAX's interpreter exposes no copy hook")
+      jax.block_until_ready(fn(*args, sliding_window=WINDOW))
+    check_page_copies(copied, full, hidden, decode=not ragged)
+    with page_copies(full.k_pages.shape) as all_copied:
+      jax.block_until_ready(fn(*args))
+    assert len(all_copied) >= len(copied) + 2 * hidden.sum(), (
+        len(all_copied), len(copied))

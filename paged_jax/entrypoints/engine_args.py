@@ -114,6 +114,12 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_model: str = "tiny")
   src.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                    help="layers stacked under lax.scan (default), or separate and "
                    "unrolled: no per-step weight copies on CPU, a larger program")
+  src.add_argument("--disable-sliding-window", action="store_true",
+                   help="run a sliding-window model (Mistral, Gemma 2/3) with full "
+                   "attention in every layer (vLLM's flag): nothing to reclaim, and "
+                   "--max-model-len capped at the smallest window (its default "
+                   "lowered to it, a longer value refused); no effect on a model "
+                   "without a window")
   eng = p.add_argument_group("engine")
   eng.add_argument("--block-size", type=_cli.integer, default=16,
                    help="tokens per KV block; the KV memory stays the same "
@@ -205,6 +211,7 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_model: str = "tiny")
                    "caching, swap, speculation, multi-step, a mesh, hybrid "
                    "local/global models; EngineConfig.sliding_window_reclamation)")
   eng.add_argument("--max-model-len", type=_cli.integer, default=256,
+                   action=_cli.TypedFlag,
                    help="longest prompt + output (at least 2: one prompt and "
                    "one generated token)")
   eng.add_argument("--mesh", metavar="data=D,model=M",
@@ -240,6 +247,7 @@ FIELD_FLAGS = {
     "preemption_mode": "preemption_mode", "swap_space_blocks": "swap_space_blocks",
     "kv_offloading_size": "kv_offloading_size",
     "sliding_window_reclamation": "sliding_window_reclamation",
+    "disable_sliding_window": "disable_sliding_window",
     "max_logprobs": "max_logprobs", "max_logit_bias": "max_logit_bias",
     "max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_k": "top_k",
     "top_p": "top_p", "seed": "seed", "n": "n", "beam_width": "beam_width",
@@ -379,7 +387,8 @@ def load_model(args) -> loader.LoadedModel:
   against the flags, and the model-dependent defaults of `--min-bucket` and
   `--bucket-midpoints` filled in (raises ValueError, FileNotFoundError)."""
   loaded = loader.load(args.model, dtype=args.dtype, implementation=args.implementation,
-                       seed=args.model_seed, scan_layers=args.scan_layers)
+                       seed=args.model_seed, scan_layers=args.scan_layers,
+                       disable_sliding_window=args.disable_sliding_window)
   kind = model_kind(loaded.model)
   if args.min_bucket is None:
     args.min_bucket = STEP_SHAPE_DEFAULTS[kind][0]
@@ -387,6 +396,15 @@ def load_model(args) -> loader.LoadedModel:
     args.bucket_midpoints = STEP_SHAPE_DEFAULTS[kind][1]
   args.no_bucket_midpoints = not args.bucket_midpoints  # the server's name
   cfg = loaded.model.config
+  # --disable-sliding-window: the default capped at the window, a longer
+  # explicit value refused (the engine's rule, `reclamation.max_model_len`).
+  from paged_jax.serving import reclamation  # pylint: disable=import-outside-toplevel
+  typed = "max_model_len" in getattr(args, "_typed_flags", {})
+  try:
+    args.max_model_len = reclamation.max_model_len(
+        args.max_model_len if typed else None, args.max_model_len, cfg)
+  except ValueError as e:
+    raise as_flags(e, args) from None
   if args.max_model_len > cfg.max_position_embeddings:
     raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's "
                      f"max_position_embeddings {cfg.max_position_embeddings}")

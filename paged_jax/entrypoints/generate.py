@@ -458,6 +458,10 @@ def main(argv=None) -> int:
         + ("" if loaded.source in ("tiny", loaded.name) else f" from {loaded.source}")
         + f" ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads /"
         f" {cfg.num_kv_heads} KV heads, vocab {cfg.vocab_size}, {cfg.dtype})")
+  if getattr(cfg, "disabled_sliding_window", None):
+    print(f"sliding window of {cfg.disabled_sliding_window} tokens disabled "
+          f"(--disable-sliding-window): full attention, --max-model-len "
+          f"{args.max_model_len}")
   paged = configs["paged"]
   allocated = (paged.num_blocks * paged.block_size
                * cfg.kv_bytes_per_token(args.kv_cache_dtype))

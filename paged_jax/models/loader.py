@@ -134,9 +134,11 @@ def load_gguf(path, *, dtype=None, implementation=None) -> LoadedModel:
 
 def load(model: str = DEFAULT_MODEL, *, dtype: str | None = None,
          implementation: str | None = None, seed: int = 0,
-         scan_layers: bool = True) -> LoadedModel:
+         scan_layers: bool = True,
+         disable_sliding_window: bool = False) -> LoadedModel:
   """The model `model` names (see the module doc), its layers stacked
-  (`scan_layers`, default) or separate (`Llama.with_scan_layers`).
+  (`scan_layers`, default) or separate (`Llama.with_scan_layers`), with or
+  without its sliding window (`disable_sliding_window`).
 
   Args:
     model: "tiny", "smollm2", a Hugging Face directory or a `.gguf` file.
@@ -146,6 +148,9 @@ def load(model: str = DEFAULT_MODEL, *, dtype: str | None = None,
     seed: the tiny model's weight seed.
     scan_layers: `LlamaConfig.scan_layers` (False: separate layers, unrolled;
       on CPU no per-step weight copies, a larger program).
+    disable_sliding_window: vLLM's `--disable-sliding-window`: full attention
+      in every layer, sequences capped at the smallest window
+      (`Llama.without_sliding_window`); no effect on a model without one.
 
   Raises:
     ModelNotAvailable: "smollm2" is neither installed nor fetchable.
@@ -153,8 +158,10 @@ def load(model: str = DEFAULT_MODEL, *, dtype: str | None = None,
     ValueError: a malformed checkpoint (one line naming the file).
   """
   loaded = _load(model, dtype=dtype, implementation=implementation, seed=seed)
-  return dataclasses.replace(
-      loaded, model=loaded.model.with_scan_layers(scan_layers))
+  served = loaded.model.with_scan_layers(scan_layers)
+  if disable_sliding_window:
+    served = served.without_sliding_window()
+  return dataclasses.replace(loaded, model=served)
 
 
 def _load(model, *, dtype, implementation, seed) -> LoadedModel:

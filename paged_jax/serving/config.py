@@ -41,7 +41,10 @@ class EngineConfig:
     max_tokens_per_step: token rows of the largest mixed (prefill) step;
       >= max_batch.
     max_model_len: longest prompt + output; default the model's
-      `max_position_embeddings` capped at the pool size.
+      `max_position_embeddings` capped at the pool size. For a model run
+      without its sliding window (`Llama.without_sliding_window`, vLLM's
+      `--disable-sliding-window`) the default is also capped at the window
+      and a longer value is refused (`reclamation.max_model_len`).
     max_beam_width: largest beam width served (fixes the log-prob rows).
     max_logprobs: most top log-probs a request may ask for
       (`SamplingParams.logprobs`, vLLM's name). Static: the device step

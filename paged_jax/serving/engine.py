@@ -139,8 +139,9 @@ class Engine:
       model = model.shard(mesh)
     self.model_config = model.config
     bs = config.block_size
-    max_len = config.max_model_len or min(model.config.max_position_embeddings,
-                                          config.num_blocks * bs)
+    max_len = reclamation.max_model_len(
+        config.max_model_len, min(model.config.max_position_embeddings,
+                                  config.num_blocks * bs), model.config)
     self.max_model_len = max_len
     self.max_seqs = 2 * config.max_batch
     # Top log-probs computed per sample row: 2 * beam width candidates, and

@@ -26,6 +26,13 @@ Hybrid models (Gemma 2, Gemma 3: local and global layers) get one pool per
 distinct window (`window_pool.py`, `pooled_step.py`): global layers keep
 every block in theirs, local layers reclaim in theirs. Reclamation off, they
 share one pool, every block kept.
+
+`--disable-sliding-window` (vLLM's flag; `LlamaConfig.disable_sliding_window`,
+`Llama.without_sliding_window`) is another thing: the model itself runs
+without its window, full attention in every layer, so nothing is reclaimed,
+and sequences are capped at the smallest window (`max_model_len`), where
+full attention is the windowed model's. The model config says so by
+`disabled_sliding_window` (that window, or None).
 """
 
 from __future__ import annotations
@@ -101,12 +108,45 @@ def _specs(model_config) -> tuple:
   return tuple(getattr(model_config, "layer_specs", None) or ())
 
 
+def disabled_window(model_config) -> int | None:
+  """The smallest sliding window the model runs without
+  (`disable_sliding_window`), or None (a model config may lack the field)."""
+  return getattr(model_config, "disabled_sliding_window", None)
+
+
+def max_model_len(asked: int | None, default: int, model_config) -> int:
+  """The engine's `max_model_len`: `asked` (an explicit value) or `default`,
+  for a model run without its sliding window capped at that window (vLLM's
+  rule for `--disable-sliding-window`: past the window full attention is not
+  the model's attention). Everything else passes unchanged.
+
+  Raises:
+    ValueError: an explicit `asked` longer than the window, naming both.
+  """
+  cap = disabled_window(model_config)
+  if cap is None:
+    return default if asked is None else asked
+  if asked is None:
+    return min(default, cap)
+  if asked > cap:
+    raise ValueError(
+        f"max_model_len={asked} is longer than the model's sliding window of "
+        f"{cap} tokens: with disable_sliding_window every layer attends to "
+        f"the whole sequence, which is the model's attention only up to the "
+        f"window, so sequences are capped at {cap}; give max_model_len <= "
+        f"{cap}, or keep the window (without disable_sliding_window)")
+  return asked
+
+
 def model_window(model_config) -> tuple[int | None, tuple | None, str]:
   """`(window, None, "")` when every layer attends within one sliding
   window, `(None, pools, "")` for a hybrid model (its distinct windows, first
   appearance first), else `(None, None, why not)`."""
   windows = [s.sliding_window for s in _specs(model_config)]
   distinct = tuple(dict.fromkeys(windows))
+  if disabled_window(model_config) is not None:
+    return None, None, ("the model runs without its sliding window "
+                        "(disable_sliding_window)")
   if set(distinct) <= {None}:
     return None, None, "the model has no sliding-window layers"
   if len(distinct) > 1:

@@ -28,9 +28,11 @@ class TestGpuSplitDecodeContract(contract.MalformedDecodeContract):
       config=pd.PagedDecodeConfig(k_splits=2, pages_per_compute_block=2)))
 
 
-class TestGpuWindowContract(window_contract.WindowContract):
+class TestGpuWindowContract(window_contract.WindowContract,
+                            window_contract.CountedCopiesContract):
   """Blocks outside the window: never read (NULL_BLOCK / NaN there), the
-  loops start at the window's first compute block."""
+  loops start at the window's first compute block, and the pages the masked
+  K/V loads touch counted (`window_contract.page_copies`)."""
   decode = staticmethod(functools.partial(
       pd.paged_decode, interpret=True,
       config=pd.PagedDecodeConfig(pages_per_compute_block=2)))

@@ -42,6 +42,12 @@ class LlamaConfig:
   layers (default RoPE, no scaling; global layers keep `rope_theta` and
   `rope_scaling`), None for the same RoPE on every layer.
 
+  `disable_sliding_window` (vLLM's `--disable-sliding-window`): every layer
+  attends to the whole sequence (`layer_specs` gives no windows; sliding
+  layers keep their own RoPE), which is the windowed model's attention for
+  sequences of at most the window, so the engine caps `max_model_len` at
+  `disabled_sliding_window`. No effect on a model without a window.
+
   `scan_layers` (MaxText's name): True stacks the layers' parameters
   `[num_layers, ...]` and runs them under `lax.scan` (one layer compiled
   whatever the depth); False keeps one `DecoderLayer` per layer, separate
@@ -79,6 +85,7 @@ class LlamaConfig:
   attn_logit_softcapping: float | None = None
   final_logit_softcapping: float | None = None
   scan_layers: bool = True
+  disable_sliding_window: bool = False
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -113,9 +120,10 @@ class LlamaConfig:
       if w is None and layers_lib.SLIDING in types:
         raise ValueError("layer_types has sliding_attention layers but "
                          "sliding_window is None")
-    if not isinstance(self.scan_layers, bool):
-      raise ValueError(f"scan_layers must be True or False, got "
-                       f"{self.scan_layers!r}")
+    for name in ("scan_layers", "disable_sliding_window"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be True or False, got "
+                         f"{getattr(self, name)!r}")
     if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
       raise ValueError(f"hidden_act must be 'silu' or 'gelu_pytorch_tanh', "
                        f"got {self.hidden_act!r}")
@@ -153,16 +161,25 @@ class LlamaConfig:
     """Each layer's window and RoPE (`layers.LayerSpec`), `num_layers` of
     them: with `layer_types`, sliding layers get `sliding_window` (and the
     local RoPE if `rope_local_theta`), full ones None; without, every layer
-    gets `sliding_window`."""
+    gets `sliding_window`. With `disable_sliding_window` no layer gets a
+    window (each keeps its RoPE)."""
+    window = None if self.disable_sliding_window else self.sliding_window
     types = self.layer_types or (
         (layers_lib.SLIDING if self.sliding_window else layers_lib.FULL,)
         * self.num_layers)
     local_rope = (self.rope if self.rope_local_theta is None else
                   rope_lib.RopeConfig(self.head_dim, float(self.rope_local_theta)))
     return tuple(
-        layers_lib.LayerSpec(self.sliding_window, local_rope)
+        layers_lib.LayerSpec(window, local_rope)
         if t == layers_lib.SLIDING else layers_lib.LayerSpec(None, self.rope)
         for t in types)
+
+  @property
+  def disabled_sliding_window(self) -> int | None:
+    """The smallest sliding window this model runs without
+    (`disable_sliding_window`; the longest sequence it serves as the
+    windowed model would), or None: the window is kept, or there is none."""
+    return self.sliding_window if self.disable_sliding_window else None
 
   @property
   def sm_scale(self) -> float | None:

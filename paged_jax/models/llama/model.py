@@ -347,6 +347,26 @@ class Llama(nnx.Module):
     nnx.update(new, updates)
     return new
 
+  def without_sliding_window(self) -> "Llama":
+    """This model with full attention in every layer
+    (`LlamaConfig.disable_sliding_window`, vLLM's `--disable-sliding-window`),
+    the same weights (shared, not copied); `self` if it has no window or runs
+    without it already. Its outputs are the windowed model's for sequences
+    of at most `config.disabled_sliding_window` tokens, the longest the
+    engine then serves.
+
+    Example:
+      >>> m = init_model(LlamaConfig.tiny(sliding_window=8)).without_sliding_window()
+      >>> m.config.disabled_sliding_window, m.config.layer_specs[0].sliding_window
+      (8, None)
+    """
+    if self.config.sliding_window is None or self.config.disable_sliding_window:
+      return self
+    config = dataclasses.replace(self.config, disable_sliding_window=True)
+    new = type(self).abstract(config, implementation=self.implementation)
+    nnx.update(new, nnx.state(self, nnx.Param))
+    return new
+
   def make_cache(self, num_blocks: int, block_size: int,
                  dtype=None) -> kv_cache_lib.KVCache:
     """A zeroed `KVCache` for this model: `dtype` a dtype or a name as
