@@ -96,8 +96,12 @@ def test_a_small_pool_that_preempts_gives_the_same_outputs(model):
 
 def test_every_verification_shape_traces_once_and_compiles_at_warmup(model):
   chex.clear_trace_counter()
+  # One decode bucket (4 rows) and one mixed (16 tokens): a check_traces
+  # engine compiles its own programs, and test_engine's trace test covers
+  # every plain bucket of SIZES.
   engine = Engine(model, EngineConfig(num_blocks=BIG_POOL, check_traces=True,
-                                      speculative_config=SPEC, **SIZES))
+                                      speculative_config=SPEC,
+                                      **{**SIZES, "min_bucket": 16}))
   engine.warmup()
   compiles = compiler.compiled_count()
   decode = [b for b in engine.buckets if b.decode_only]

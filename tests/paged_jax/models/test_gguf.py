@@ -384,9 +384,13 @@ def test_real_smollm2_file_loads_and_answers(smollm2):
   assert tok.encode("Hello world, 123", add_special_tokens=False) == [
       19556, 905, 28, 216, 33, 34, 35]
   chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-  llm = LLM(loaded.model, num_blocks=16, block_size=16, max_batch=1,
-            max_tokens_per_step=64, max_model_len=128, min_bucket=64,
-            bucket_midpoints=False)
+  # The engine of test_serve_gguf's server (its SIZES, the server's default
+  # max_logprobs and max_logit_bias): one compile of the real model's two
+  # step shapes serves both tests (in one process, or through the session's
+  # compilation cache).
+  llm = LLM(loaded.model, num_blocks=32, block_size=4, max_batch=4,
+            max_tokens_per_step=16, max_model_len=128, min_bucket=16,
+            bucket_midpoints=False, max_logprobs=20, max_logit_bias=300)
   (out,) = llm.generate([tok.encode(chat, add_special_tokens=False)],
                         SamplingParams(max_new_tokens=12, eos_token_ids=tok.eos_token_ids))
   assert tok.decode(out.completions[0].token_ids) == "The capital of France is Paris."

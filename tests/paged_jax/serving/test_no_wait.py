@@ -23,7 +23,7 @@ def _engine(spin, caching=False) -> Engine:
   model = stub_model.StubModel(stub_model.StubConfig(spin=spin))
   return Engine(model, EngineConfig(
       num_blocks=64, block_size=4, max_batch=4, max_tokens_per_step=16,
-      max_model_len=64, min_bucket=4, bucket_midpoints=False,
+      max_model_len=64, min_bucket=16, bucket_midpoints=False,  # decode 4, mixed 16
       enable_prefix_caching=caching))
 
 
@@ -40,8 +40,8 @@ def _requests():
 
 
 def test_next_step_is_dispatched_before_the_running_step_ends():
+  want = _serve(_engine(0), _requests())  # the stub's tokens: with or without caching
   for caching in (False, True):
-    want = _serve(_engine(0, caching), _requests())
     engine = _engine(SPIN, caching)
     engine.warmup()  # no compiling while stepping
     runner = engine._runner  # pylint: disable=protected-access

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from paged_jax import host_tier
 from paged_jax.serving import runner as runner_lib
@@ -29,9 +30,12 @@ _swapping = jax.jit(swap_step.device_step, static_argnums=(0,),
 _tier_fp = jax.jit(swap_step.tier_fingerprint)
 
 
-def _record(monkeypatch):
-  """Runs a small engine; returns its runner and, per dispatched step, the
-  arrays it started from and its inputs."""
+@pytest.fixture(scope="module")
+def recorded():
+  """Runs a small engine (the example tests' sizes: two step shapes, decode
+  4 rows and mixed 16 tokens, compiled once per session); returns its runner
+  and, per dispatched step, the arrays it started from and its inputs. The
+  tests only read them."""
   steps = []
   original = runner_lib.Runner.dispatch
 
@@ -41,25 +45,30 @@ def _record(monkeypatch):
     steps.append((bucket, snap, xs[0]))
     return original(self, bucket, xs, swaps)
 
-  monkeypatch.setattr(runner_lib.Runner, "dispatch", dispatch)
   model = model_lib.init_model(model_lib.LlamaConfig.tiny(), seed=0)
-  engine = Engine(model, EngineConfig(num_blocks=24, block_size=4, max_batch=4,
-                                      max_tokens_per_step=16, max_model_len=48,
-                                      min_bucket=2, bucket_midpoints=False))
+  engine = Engine(model, EngineConfig(num_blocks=32, block_size=4, max_batch=4,
+                                      max_tokens_per_step=16, max_model_len=64,
+                                      min_bucket=16, bucket_midpoints=False))
   rng = np.random.default_rng(0)
-  for i in range(3):
-    prompt = rng.integers(3, 400, size=5 + 3 * i).tolist()
-    assert engine.add_request(Request(i, prompt, SamplingParams(max_new_tokens=6))) is None
-  engine.run_until_done()
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    monkeypatch.setattr(runner_lib.Runner, "dispatch", dispatch)
+    for i in range(3):
+      prompt = rng.integers(3, 400, size=5 + 3 * i).tolist()
+      assert engine.add_request(Request(i, prompt, SamplingParams(max_new_tokens=6))) is None
+    engine.run_until_done()
   return engine._runner, steps  # pylint: disable=protected-access
 
 
-def test_no_swap_is_the_plain_step(monkeypatch):
-  runner, steps = _record(monkeypatch)
+def test_no_swap_is_the_plain_step(recorded):
+  runner, steps = recorded
   none = swap_step.SwapInputs(swap_out=jnp.full(S, -1, jnp.int32),
                               swap_in=jnp.full(S, -1, jnp.int32),
                               drop=jnp.full(S, -1, jnp.int32))
-  for bucket, (cache, state, last, slots), x in steps[::3]:
+  # One step of each kind (the step's static branch): a mixed step that
+  # prefills, and a decode step with several rows.
+  first = [next(s for s in steps if s[0].decode_only == d) for d in (False, True)]
+  assert np.sum(first[1][2].seq_ids >= 0) >= 2
+  for bucket, (cache, state, last, slots), x in first:
     kw = dict(decode_only=bucket.decode_only, num_logprobs=runner.num_logprobs)
     args = (runner._model_def, runner._params)  # pylint: disable=protected-access
     tier = host_tier.init(state, num_host_blocks=8)
@@ -78,11 +87,11 @@ def test_no_swap_is_the_plain_step(monkeypatch):
     assert not np.any(swaps.out_ok) and not np.any(swaps.in_ok)
 
 
-def test_swap_out_of_a_slot_outside_the_step_matches_the_host_model(monkeypatch):
+def test_swap_out_of_a_slot_outside_the_step_matches_the_host_model(recorded):
   """A live slot that a step does not run (a request whose prefill finished
   in an earlier step, dropped from this step's entries) swaps out in one
   step and back in the next; the host models predict both states."""
-  runner, steps = _record(monkeypatch)
+  runner, steps = recorded
   bucket, (cache, state, last, slots), x = next(
       s for s in steps if s[0].decode_only and np.sum(s[2].seq_ids >= 0) >= 2)
   victim = int(x.seq_ids[0])
