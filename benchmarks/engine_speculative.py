@@ -15,6 +15,11 @@ is recorded per case.
 
   PYTHONPATH=. python benchmarks/engine_speculative.py [--rounds 2] [--new 48]
       [--batches 1,4,16] [--temperatures 0,0.8] [--workloads copying,chat]
+      [--method ngram|draft_model] [--draft-layers 2]
+
+`--method draft_model`: the draft is SmolLM2 itself cut to its first
+`--draft-layers` layers (`{"method": "draft_model", "draft_num_layers": n}`,
+`serving.spec_draft`), proposing `num_speculative_tokens` on the device.
 """
 
 from __future__ import annotations
@@ -55,15 +60,17 @@ def prompts(tokenizer, texts):
       [{"role": "user", "content": t}]), add_special_tokens=False) for t in texts]
 
 
-def run_case(model, prompt_ids, batch: int, new: int, spec: bool,
+def run_case(model, prompt_ids, batch: int, new: int, spec,
              temperature: float = 0.0) -> dict:
+  """One engine serving `batch` requests; `spec`: a `SpeculativeConfig`, or
+  None (off)."""
   prompt_ids = [prompt_ids[i % len(prompt_ids)] for i in range(batch)]
   longest = max(len(p) for p in prompt_ids) + new
   engine = Engine(model, EngineConfig(
       num_blocks=batch * -(-longest // BLOCK_SIZE) + 8, block_size=BLOCK_SIZE,
       max_batch=batch, max_tokens_per_step=TOKENS, max_model_len=longest,
       min_bucket=TOKENS, bucket_midpoints=False,  # one decode, one mixed shape
-      speculative_config=SPEC if spec else None))
+      speculative_config=spec or None))
   engine.warmup()
   for i in range(batch):
     engine.add_request(Request(i, prompt_ids[i], SamplingParams(
@@ -96,8 +103,14 @@ def main(argv=None):
   ap.add_argument("--batches", default="1,4,16")
   ap.add_argument("--temperatures", default="0,0.8")
   ap.add_argument("--workloads", default="copying,chat")
+  ap.add_argument("--method", default="ngram", choices=("ngram", "draft_model"))
+  ap.add_argument("--draft-layers", type=int, default=2,
+                  help="draft_model: the target's first layers kept")
   ap.add_argument("--json", default=None, help="append the medians to this file")
   args = ap.parse_args(argv)
+  spec = SPEC if args.method == "ngram" else SpeculativeConfig(
+      method="draft_model", num_speculative_tokens=SPEC.num_speculative_tokens,
+      draft_num_layers=args.draft_layers)
   loaded = loader.load("smollm2")
   work = {"copying": prompts(loaded.tokenizer, COPYING),
           "chat": prompts(loaded.tokenizer, CHAT)}
@@ -109,8 +122,8 @@ def main(argv=None):
     for name, ids in work.items():
       for batch in batches:
         for temp in temps:
-          off = run_case(loaded.model, ids, batch, args.new, False, temp)
-          on = run_case(loaded.model, ids, batch, args.new, True, temp)
+          off = run_case(loaded.model, ids, batch, args.new, None, temp)
+          on = run_case(loaded.model, ids, batch, args.new, spec, temp)
           assert on["outputs"] == off["outputs"], (name, batch, temp, "outputs differ")
           runs.setdefault((name, batch, temp), []).append((off, on))
           print(f"round {rnd} {name:8s} batch {batch:2d} T={temp}: off "
@@ -126,6 +139,7 @@ def main(argv=None):
     med = lambda f, i: statistics.median(r[i][f] for r in rs)  # noqa: E731
     ratio = lambda f: statistics.median(r[1][f] / r[0][f] for r in rs)  # noqa: E731
     row = {"workload": name, "batch": batch, "temperature": temp,
+           "method": args.method,
            "tokens_per_s_off": med("tokens_per_s", 0),
            "tokens_per_s_on": med("tokens_per_s", 1),
            "tokens_per_cpu_s_off": med("tokens_per_cpu_s", 0),

@@ -476,7 +476,8 @@ def copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
   """Copies whole blocks `src -> dst` in every layer (copy-on-write).
 
   Args:
-    cache: the cache.
+    cache: the cache, or a tuple of caches over one pool of blocks (a
+      target's and its draft's, `serving.spec_draft`): each is copied.
     src: `int[n]` source blocks (`Reservation.copy_src`).
     dst: `int[n]` destination blocks. A pair is skipped when either id is
       outside `[0, num_blocks)`: `NULL_BLOCK`, any other negative id, ids past
@@ -488,6 +489,8 @@ def copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
   Raises:
     ValueError: if `src` and `dst` are not 1-D integer arrays of equal length.
   """
+  if isinstance(cache, tuple):
+    return tuple(copy_blocks(c, src, dst) for c in cache)
   src = _int32.as_int32("src", src)
   dst = _int32.as_int32("dst", dst)
   if src.shape != dst.shape:

@@ -305,7 +305,9 @@ def ngram_propose(tokens, lens, *, num_speculative_tokens: int,
   return jnp.where(cols < count[:, None], draft, NO_TOKEN), count
 
 
-METHODS = ("ngram",)  # vLLM's names; "draft_model", "eagle": not yet
+METHODS = ("ngram", "draft_model")  # vLLM's names; "eagle": not yet
+_NGRAM_ONLY = ("prompt_lookup_min", "prompt_lookup_max")
+_DRAFT_ONLY = ("model", "draft_num_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,11 +318,22 @@ class SpeculativeConfig:
   "prompt_lookup_min": ...}`. As in vLLM, the n-gram bounds default to 5 and
   5 when both are left out, and one given alone sets the other.
 
+  `{"method": "draft_model", "model": ..., "num_speculative_tokens": k}`: a
+  draft model with the target's vocabulary proposes on the device
+  (`serving.spec_draft`). `model` (vLLM's key) names its checkpoint as
+  `--model` does (`paged_jax.models.loader.load`: "tiny", "smollm2", a
+  Hugging Face directory, a .gguf file); left out, the draft is the target
+  itself. `draft_num_layers` (paged-jax's key) keeps only the draft's
+  first layers: `{"method": "draft_model", "draft_num_layers": 2, ...}`
+  is the target cut to 2 layers.
+
   Attributes:
     method: one of `METHODS`.
     num_speculative_tokens: drafts per sequence and step, `k >= 1`.
     prompt_lookup_min: shortest n-gram to match (`>= 1`).
     prompt_lookup_max: longest n-gram to match (`>= prompt_lookup_min`).
+    model: draft_model: the draft's checkpoint (None: the target).
+    draft_num_layers: draft_model: layers of the draft kept (None: all).
     adaptive: (paged-jax's, not vLLM's) the engine's speculation policy
       (`serving.spec_policy`): rows whose proposals keep missing sit out,
       and a step skips speculation while it measures costlier per token
@@ -330,7 +343,9 @@ class SpeculativeConfig:
   Raises:
     ValueError: naming the field: an unknown method (the supported ones
       listed), a count that is not a positive int, `prompt_lookup_max <
-      prompt_lookup_min`, an `adaptive` that is not a bool.
+      prompt_lookup_min`, an `adaptive` that is not a bool, a key of the
+      other method (`prompt_lookup_*` with draft_model, `model` or
+      `draft_num_layers` with ngram), a `model` that is not a string.
 
   Example:
     >>> config = SpeculativeConfig.from_json(
@@ -344,6 +359,8 @@ class SpeculativeConfig:
   method: str = "ngram"
   prompt_lookup_min: int | None = None
   prompt_lookup_max: int | None = None
+  model: str | None = None
+  draft_num_layers: int | None = None
   adaptive: bool = True
 
   def __post_init__(self):
@@ -353,6 +370,20 @@ class SpeculativeConfig:
     set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731
     set_("num_speculative_tokens", _int32.positive_int(
         "num_speculative_tokens", self.num_speculative_tokens))
+    if not isinstance(self.adaptive, bool):
+      raise ValueError(f"adaptive must be a bool, got {self.adaptive!r}")
+    other = _NGRAM_ONLY if self.method == "draft_model" else _DRAFT_ONLY
+    for name in other:
+      if getattr(self, name) is not None:
+        raise ValueError(f"{name} does not apply to method={self.method!r}")
+    if self.method == "draft_model":
+      if self.model is not None and not isinstance(self.model, str):
+        raise ValueError(f"model must be a checkpoint name or path (a string), "
+                         f"got {self.model!r}")
+      if self.draft_num_layers is not None:
+        set_("draft_num_layers", _int32.positive_int("draft_num_layers",
+                                                     self.draft_num_layers))
+      return
     lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
     if lo is None and hi is None:
       lo = hi = 5
@@ -363,8 +394,6 @@ class SpeculativeConfig:
     if self.prompt_lookup_max < self.prompt_lookup_min:
       raise ValueError(f"prompt_lookup_max={self.prompt_lookup_max} must be >= "
                        f"prompt_lookup_min={self.prompt_lookup_min}")
-    if not isinstance(self.adaptive, bool):
-      raise ValueError(f"adaptive must be a bool, got {self.adaptive!r}")
 
   @classmethod
   def from_json(cls, config) -> SpeculativeConfig:
@@ -393,7 +422,15 @@ class SpeculativeConfig:
 
   def propose(self, tokens, lens, max_len=None) -> tuple[jax.Array, jax.Array]:
     """This config's proposer (`ngram_propose`) on `tokens` `int[B, T]`,
-    `lens` `int[B]`: `(draft i32[B, k], num_draft i32[B])`."""
+    `lens` `int[B]`: `(draft i32[B, k], num_draft i32[B])`.
+
+    Raises:
+      ValueError: for method "draft_model" (its proposer is a model on the
+        device: `serving.spec_draft.propose`).
+    """
+    if self.method != "ngram":
+      raise ValueError(f"propose is the ngram proposer; method={self.method!r} "
+                       "proposes in the engine (serving.spec_draft)")
     return ngram_propose(tokens, lens,
                          num_speculative_tokens=self.num_speculative_tokens,
                          prompt_lookup_min=self.prompt_lookup_min,

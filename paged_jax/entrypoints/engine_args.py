@@ -184,7 +184,9 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_model: str = "tiny")
   eng.add_argument("--speculative-config", type=_speculative_config, default=None,
                    metavar="JSON",
                    help="speculative decoding (vLLM's flag), e.g. '{\"method\": "
-                   "\"ngram\", \"num_speculative_tokens\": 3}': greedy or "
+                   "\"ngram\", \"num_speculative_tokens\": 3}' or '{\"method\": "
+                   "\"draft_model\", \"model\": ..., \"num_speculative_tokens\": 3}' "
+                   "(\"draft_num_layers\": n keeps the draft's first n layers): greedy or "
                    "sampled requests, one device, no prefix caching or beams "
                    "(EngineConfig.speculative_config)")
   eng.add_argument("--preemption-mode", choices=["recompute", "swap"],

@@ -110,8 +110,9 @@ class EngineConfig:
       per token 0.81-0.87x at K = 8, throughput within the noise at batch 32;
       K > 1 makes the next step's planning wait and streams in bursts).
     speculative_config: a `speculative.SpeculativeConfig` (vLLM's
-      `--speculative-config`; method "ngram", greedy or sampled): decode steps verify
-      drafts (`spec_host.py`, `spec_step.py`). None: off.
+      `--speculative-config`; method "ngram" or "draft_model", greedy or sampled):
+      decode steps verify drafts (`spec_host.py`, `spec_step.py`, `spec_draft.py`).
+      None: off.
     preemption_mode: what a preempted sequence loses (vLLM v0's
       `--preemption-mode`): "recompute" drops its KV and computes it again
       when readmitted; "swap" copies its blocks to a host-memory tier and

@@ -85,7 +85,7 @@ from paged_jax.serving import out_pack, prefix_offload, slot_state
 from paged_jax.serving import resize as resize_lib
 from paged_jax.serving import reclamation
 from paged_jax.serving import window_pool
-from paged_jax.serving import spec_host
+from paged_jax.serving import spec_draft, spec_host
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.config import EngineConfig  # re-exported: its home before
 from paged_jax.serving.protocol import ServingModel
@@ -137,6 +137,8 @@ class Engine:
     spec_host.check_mesh(config, mesh)
     if mesh is not None:
       model = model.shard(mesh)
+    # A draft model is served with the target: one pool, both caches.
+    model = spec_draft.attach(model, config.speculative_config)
     self.model_config = model.config
     bs = config.block_size
     max_len = reclamation.max_model_len(

@@ -59,6 +59,10 @@ def check(engine: "Engine", num_blocks) -> int:
   if engine.config.preemption_mode == "swap":
     raise ValueError("resize_kv_cache is not supported with "
                      "preemption_mode='swap'")
+  spec = engine.config.speculative_config
+  if spec is not None and spec.method == "draft_model":
+    raise ValueError("resize_kv_cache is not supported with a draft model "
+                     "(speculative_config method 'draft_model')")
   if engine.reclamation.on:
     raise ValueError("resize_kv_cache is not supported with sliding-window "
                      "block reclamation (sliding_window_reclamation=False turns "

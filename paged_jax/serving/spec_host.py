@@ -31,6 +31,11 @@ The verification layout has `S + D` token rows, `D` the smallest of the
 bucket's draft budgets (`spec_step.draft_budgets`) that holds the step's
 drafts; each budget is compiled at warm-up.
 
+With method "draft_model" (`spec_draft.py`) the host only sizes each
+row's drafts (`room` above) and the draft model proposes them inside the
+verification step; every ordinary step also runs the draft over its
+tokens (`spec_draft.DraftPair`), so its KV stays level with the target's.
+
 Refused with speculation, by name: beam search (`max_beam_width > 1`,
 `beam_width > 1`), `n > 1`, prefix caching, multi-step decode and a device
 mesh.
@@ -213,7 +218,9 @@ def propose(engine, plans, bucket) -> list | None:
 
 def _drafts(engine, plan, may) -> list | None:
   """The drafts of `plan`'s rows (those that `may` propose), or None if
-  none found any; a row that looks and finds none misses."""
+  none found any; a row that looks and finds none misses. With a draft
+  model each row gets `room` placeholder drafts (zeros), the number it may
+  emit; the device's draft model fills them (`spec_draft.propose`)."""
   spec = engine.config.speculative_config
   sched, pol = engine._pools[0], policy(engine)  # pylint: disable=protected-access
   t0 = time.perf_counter()
@@ -224,6 +231,9 @@ def _drafts(engine, plan, may) -> list | None:
     room = min(spec.num_speculative_tokens,
                g.params.max_new_tokens - (n - g.prompt_len) - 1,
                sched.max_model_len - n - 1) if ok else 0
+    if spec.method == "draft_model":  # the draft proposes on the device
+      drafts.append(np.zeros(max(room, 0), np.int64))  # placeholders
+      continue
     d = (ngram_drafts(np.asarray(s.tokens, np.int64), k=room,
                       n_min=spec.prompt_lookup_min, n_max=spec.prompt_lookup_max)
          if room > 0 else np.zeros(0, np.int64))

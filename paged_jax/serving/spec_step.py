@@ -48,7 +48,7 @@ from paged_jax import block_manager as bm
 from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import speculative
 from paged_jax import step_metadata as step_metadata_lib
-from paged_jax.serving import compiler, sampling
+from paged_jax.serving import compiler, sampling, spec_draft
 from paged_jax.serving import slot_state as slot_state_lib
 from paged_jax.serving.step import (ModelDef, StepInputs, bookkeeping,
                                     bookkeeping_args, state_fingerprint,
@@ -112,6 +112,7 @@ class SpecOutputs:
   fork_ok: jax.Array  # bool[max_batch]
   draft_ok: jax.Array  # bool[S]  the draft reservations (the host knew them)
   fingerprint: jax.Array  # u32[5]  `state_fingerprint` after the truncate
+  drafts: jax.Array  # i32[S, k]  the drafts verified (a draft model's own)
 
 
 def query_sample_rows(rows: slot_state_lib.SampleRows, num_draft: jax.Array,
@@ -209,11 +210,21 @@ def spec_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
   q_lens = jnp.where(real, 1 + s.num_draft, 0)
   meta = step_metadata_lib.step_metadata(
       state, x.seq_ids, q_lens, num_tokens=s.tokens.shape[0], active=active)
-  hidden, cache = model.paged_forward(s.tokens, meta, cache)
+  drafts = s.drafts
+  if isinstance(model, spec_draft.DraftPair):  # static: the draft proposes here
+    drafts, draft_cache = spec_draft.propose(
+        model.draft, cache[1], state, x.seq_ids, s.tokens[s.query_rows[:, 0]],
+        num_draft, active, drafts.shape[1])
+    hidden, target_cache = model.target.paged_forward(
+        spec_draft.fill_layout(s.tokens, s.query_rows, drafts, num_draft),
+        meta, cache[0])
+    cache = (target_cache, draft_cache)
+  else:
+    hidden, cache = model.paged_forward(s.tokens, meta, cache)
   rows = slot_state_lib.gather(slots, state.seq_lens, x.sample_seqs,
                                x.seed_offsets)
   emitted, accepted, lps = verify(
-      model.logits(hidden), rows, s.drafts, num_draft, s.query_rows,
+      model.logits(hidden), rows, drafts, num_draft, s.query_rows,
       s.row_entry, s.row_offset)
   sid = jnp.clip(x.seq_ids, 0, state.max_seqs - 1)
   keep = state.seq_lens[sid] - (s.num_draft - jnp.maximum(accepted, 0))
@@ -223,7 +234,8 @@ def spec_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
   last_tokens = store_tokens(last_tokens, jnp.where(real & active, x.seq_ids, -1),
                              last)
   return cache, state, last_tokens, SpecOutputs(
-      emitted, lps, accepted, res.ok, fork_ok, dres.ok, state_fingerprint(state))
+      emitted, lps, accepted, res.ok, fork_ok, dres.ok, state_fingerprint(state),
+      drafts)
 
 
 _DONATE = (2, 3, 4)  # cache, block state, last tokens

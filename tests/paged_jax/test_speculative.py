@@ -423,8 +423,8 @@ def test_speculative_config_from_vllm_json():
 
 
 @pytest.mark.parametrize("config, match", [
-    ('{"method": "draft_model", "num_speculative_tokens": 2}',
-     "method='draft_model' is not supported; supported: ngram"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}',
+     "method='eagle' is not supported; supported: ngram, draft_model"),
     ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be a "
      "positive int, got num_speculative_tokens=0"),
     ('{"num_speculative_tokens": true}', "num_speculative_tokens must be a "
@@ -436,8 +436,8 @@ def test_speculative_config_from_vllm_json():
      "prompt_lookup_min must be a positive int"),
     ('{"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}',
      r"unknown speculative config keys \['draft_tensor_parallel_size'\]; "
-     r"known: \['adaptive', 'method', 'num_speculative_tokens', 'prompt_lookup_max', "
-     r"'prompt_lookup_min'\]"),
+     r"known: \['adaptive', 'draft_num_layers', 'method', 'model', "
+     r"'num_speculative_tokens', 'prompt_lookup_max', 'prompt_lookup_min'\]"),
     ('{"method": "ngram"}', "speculative config needs num_speculative_tokens"),
     ("[2]", "speculative config must be a JSON object, got list"),
     ("{ngram", "speculative config is not valid JSON"),
