@@ -119,6 +119,7 @@ def test_resizing_the_pool_is_refused_by_name(model):
     _engine(model, ONE_LAYER).resize_kv_cache(POOL // 2)
 
 
+@pytest.mark.slow  # ~45 s of compiles; n-gram's verification shapes are checked by default
 def test_every_shape_traces_once(model):
   chex.clear_trace_counter()
   engine = Engine(model, EngineConfig(num_blocks=POOL, check_traces=True,
