@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from paged_jax import block_manager as bm
 from paged_jax.models.llama import model as model_lib
 from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.requests import Request
@@ -52,6 +53,15 @@ def assert_mirror_is_the_device_state(engine: Engine):
     device = state if engine.mesh is None else jax.tree.map(lambda x, i=i: x[i], state)
     for a, b in zip(jax.tree.leaves(pool.mirror_state()), jax.tree.leaves(device)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def assert_pool_empty(engine: Engine):
+  """Nothing left: the block state's invariants hold, the host's pool model
+  equals the device state, every block is free and no request runs."""
+  bm.check_invariants(engine.block_state)
+  assert_mirror_is_the_device_state(engine)
+  assert int(engine.block_state.num_free) == engine.config.num_blocks
+  assert not engine.has_unfinished()
 
 
 def serve(engine: Engine, requests) -> dict:

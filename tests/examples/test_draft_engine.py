@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax import block_manager as bm
 from paged_jax.serving import spec_draft
 from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
 from paged_jax.speculative import SpeculativeConfig
-from tests.examples.conftest import assert_mirror_is_the_device_state, random_requests
+from tests.examples.conftest import (assert_mirror_is_the_device_state, assert_pool_empty,
+                                     random_requests)
 
 # One decode shape (2 rows) and three mixed ones: few programs to compile.
 SIZES = dict(block_size=4, max_batch=2, max_tokens_per_step=8, max_model_len=64,
@@ -69,13 +69,6 @@ def _run(engine: Engine, requests, *, checked: bool = True) -> dict:
           for k, o in outs.items()}
 
 
-def _assert_pool_empty(engine: Engine):
-  bm.check_invariants(engine.block_state)
-  assert_mirror_is_the_device_state(engine)
-  assert int(engine.block_state.num_free) == engine.config.num_blocks
-  assert not engine.has_unfinished()
-
-
 def _requests(**params) -> list:
   passage = [30, 41, 52, 63, 74]
   return [Request("c", passage * 3, SamplingParams(max_new_tokens=14, **params))
@@ -94,7 +87,7 @@ def test_a_draft_identical_to_the_target_accepts_every_proposal(model):
   st = engine.stats
   assert st.spec_steps > 0 and st.spec_proposed > 0
   assert st.acceptance_rate == 1.0
-  _assert_pool_empty(engine)
+  assert_pool_empty(engine)
 
 
 def test_a_one_layer_draft_gives_the_target_tokens_under_preemption(model):
@@ -111,7 +104,7 @@ def test_a_one_layer_draft_gives_the_target_tokens_under_preemption(model):
   st = engine.stats
   assert st.preemptions > 0 and st.spec_steps > 0
   assert 0 < st.acceptance_rate < 1 and st.mean_accepted_length > 0
-  _assert_pool_empty(engine)
+  assert_pool_empty(engine)
 
 
 def test_resizing_the_pool_is_refused_by_name(model):

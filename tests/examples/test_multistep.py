@@ -15,7 +15,7 @@ from paged_jax.serving.multistep import MAX_STEPS
 from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
 from tests.examples.conftest import (BIG_POOL, SIZES, SMALL_POOL,
-                                     assert_mirror_is_the_device_state,
+                                     assert_mirror_is_the_device_state, assert_pool_empty,
                                      make_engine, random_requests)
 from tests.examples.test_prefix_engine import _poison_unowned_blocks
 
@@ -45,13 +45,6 @@ def _run(engine: Engine, requests, *, checked: bool = True) -> dict:
           for k, o in outs.items()}
 
 
-def _assert_pool_empty(engine: Engine):
-  bm.check_invariants(engine.block_state)
-  assert_mirror_is_the_device_state(engine)
-  assert int(engine.block_state.num_free) == engine.config.num_blocks
-  assert not engine.has_unfinished()
-
-
 # K = 4 and 8 in the default run (4's programs are the other tests' too; 8
 # also runs alone); K = 2 is the same loop with another static length.
 @pytest.mark.parametrize("ks", [(4, 8), pytest.param((2,), marks=pytest.mark.slow)])
@@ -68,13 +61,13 @@ def test_greedy_outputs_are_identical_for_every_k_alone_and_batched(model, ks):
     assert _run(engine, requests) == want, k
     assert engine.stats.multisteps > 0 and engine.stats.multistep_tokens > 0
     assert engine.stats.steps < single.stats.steps
-    _assert_pool_empty(engine)
+    assert_pool_empty(engine)
     for r in requests[:2] if k == 8 else ():
       alone = make_engine(model, num_scheduler_steps=k)
       tokens, steps = solo[r.request_id]
       assert _run(alone, [r]) == {r.request_id: tokens}, (k, r.request_id)
       assert alone.stats.steps < steps
-      _assert_pool_empty(alone)
+      assert_pool_empty(alone)
 
 
 def test_a_pool_that_fills_inside_the_loop_preempts_with_the_same_outputs(model):
@@ -85,7 +78,7 @@ def test_a_pool_that_fills_inside_the_loop_preempts_with_the_same_outputs(model)
   assert _run(engine, requests) == want
   assert engine.stats.multistep_refused > 0  # a row stopped on a full pool
   assert engine.stats.preemptions > 0
-  _assert_pool_empty(engine)
+  assert_pool_empty(engine)
 
 
 def test_prefix_caching_with_multistep_gives_the_same_outputs(model):
@@ -136,7 +129,7 @@ def test_forks_seeds_stop_ids_min_tokens_and_budgets_end_mid_loop(model):
         assert len(d.top_logprobs[0]) == 2
   assert streamed == {
       (rid, i): c[0] for rid, cs in got.items() for i, c in enumerate(cs)}
-  _assert_pool_empty(engine)
+  assert_pool_empty(engine)
 
 
 def test_beam_search_falls_back_to_single_steps(model):
@@ -204,4 +197,4 @@ def test_abort_and_stop_while_a_multistep_dispatch_runs(model):
   want = _run(make_engine(model), [Request(2, [11, 4, 7], SamplingParams(max_new_tokens=30))],
               checked=False)
   assert [(c.token_ids, c.finish_reason) for c in outs[2].completions] == want[2]
-  _assert_pool_empty(engine)
+  assert_pool_empty(engine)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import chex
 import pytest
 
-from paged_jax import block_manager as bm
 from paged_jax.entrypoints import generate
 from paged_jax.serving import compiler, spec_step
 from paged_jax.serving.engine import Engine, EngineConfig
@@ -18,7 +17,7 @@ from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
 from paged_jax.speculative import SpeculativeConfig
 from tests.examples.conftest import (BIG_POOL, SIZES, SMALL_POOL,
-                                     assert_mirror_is_the_device_state,
+                                     assert_mirror_is_the_device_state, assert_pool_empty,
                                      make_engine, random_requests)
 from tests.examples.test_prefix_engine import _poison_unowned_blocks
 
@@ -53,13 +52,6 @@ def _run(engine: Engine, requests, *, checked: bool = True) -> dict:
           for k, o in outs.items()}
 
 
-def _assert_pool_empty(engine: Engine):
-  bm.check_invariants(engine.block_state)
-  assert_mirror_is_the_device_state(engine)
-  assert int(engine.block_state.num_free) == engine.config.num_blocks
-  assert not engine.has_unfinished()
-
-
 def _copying(i: int) -> Request:
   """A prompt that repeats a passage: prompt lookup proposes, and the tiny
   model's greedy continuation of a loop often follows it."""
@@ -76,11 +68,11 @@ def test_greedy_outputs_are_identical_with_spec_on_and_off(model):
   st = engine.stats
   assert st.spec_steps > 0 and st.spec_proposed > 0
   assert 0 < st.acceptance_rate <= 1 and st.mean_accepted_length > 0
-  _assert_pool_empty(engine)
+  assert_pool_empty(engine)
   for r in requests[:1] + requests[3:4]:  # alone
     alone = make_engine(model, speculative_config=SPEC)
     assert _run(alone, [r]) == {r.request_id: want[r.request_id]}
-    _assert_pool_empty(alone)
+    assert_pool_empty(alone)
 
 
 def test_a_small_pool_that_preempts_gives_the_same_outputs(model):
@@ -91,7 +83,7 @@ def test_a_small_pool_that_preempts_gives_the_same_outputs(model):
                        speculative_config=SPEC)
   assert _run(engine, requests) == want
   assert engine.stats.preemptions > 0 and engine.stats.spec_accepted > 0
-  _assert_pool_empty(engine)
+  assert_pool_empty(engine)
 
 
 def test_every_verification_shape_traces_once_and_compiles_at_warmup(model):
@@ -135,7 +127,7 @@ def test_a_request_that_stops_on_an_accepted_draft_stops_there(model):
   assert got == want and got["s"][0][1] == "stop"
   streamed = [t for d in engine.take_deltas() if d.index >= 0 for t in d.token_ids]
   assert streamed == got["s"][0][0]
-  _assert_pool_empty(engine)
+  assert_pool_empty(engine)
 
 
 @pytest.mark.parametrize("kw,name", [
@@ -204,7 +196,7 @@ def test_rows_that_need_more_of_a_step_fall_back_to_plain_steps(model):
   engine = make_engine(model, max_logit_bias=2, speculative_config=SPEC)
   assert _run(engine, requests) == want
   assert engine.stats.spec_steps > 0  # once the others finished
-  _assert_pool_empty(engine)
+  assert_pool_empty(engine)
 
 
 # The tiny random model's logits are flat: low temperatures and tight
@@ -233,13 +225,13 @@ def test_sampled_outputs_are_identical_with_spec_on_and_off(model):
   st = engine.stats
   assert st.spec_steps > 0 and st.spec_accepted > 0
   assert 0 < st.acceptance_rate <= 1
-  _assert_pool_empty(engine)
+  assert_pool_empty(engine)
   for r in requests[:2]:  # alone
     alone = make_engine(model, speculative_config=SPEC)
     assert _run(alone, [r]) == {r.request_id: want[r.request_id]}
   adaptive = make_engine(model, speculative_config=ADAPTIVE)  # sit-out, timing
   assert _run(adaptive, requests) == want
-  _assert_pool_empty(adaptive)
+  assert_pool_empty(adaptive)
 
 
 def test_sampled_rows_under_preemption_give_the_same_outputs(model):
@@ -249,4 +241,4 @@ def test_sampled_rows_under_preemption_give_the_same_outputs(model):
                        speculative_config=SPEC)
   assert _run(engine, requests) == want
   assert engine.stats.preemptions > 0 and engine.stats.spec_accepted > 0
-  _assert_pool_empty(engine)
+  assert_pool_empty(engine)
