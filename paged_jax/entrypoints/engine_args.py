@@ -414,10 +414,22 @@ def load_model(args) -> loader.LoadedModel:
   return loaded
 
 
+def pool_bytes_per_token(args, cfg) -> int:
+  """KV bytes one token takes in the pool: the model's at `--kv-cache-dtype`,
+  plus, with a draft model made from the target, the draft's (its cache
+  shares the pool's blocks: `spec_draft.draft_kv_bytes_per_token`; a draft
+  loaded from its own checkpoint is not counted)."""
+  from paged_jax.serving import spec_draft  # pylint: disable=import-outside-toplevel
+  extra = spec_draft.draft_kv_bytes_per_token(
+      cfg, getattr(args, "speculative_config", None), args.kv_cache_dtype)
+  return cfg.kv_bytes_per_token(args.kv_cache_dtype) + (extra or 0)
+
+
 def engine_memory(args, cfg):
   """`(kv_tokens per data shard, mesh or None)` from the engine flags, the
-  KV pool checked against the devices' free memory (raises ValueError)."""
-  per_token = cfg.kv_bytes_per_token(args.kv_cache_dtype)
+  KV pool checked against the devices' free memory (raises ValueError);
+  a token's bytes are `pool_bytes_per_token`'s."""
+  per_token = pool_bytes_per_token(args, cfg)
   kv_tokens, source = kv_tokens_from_args(args, per_token)
   mesh = None
   shards, tp = 1, 1

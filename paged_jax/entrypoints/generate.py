@@ -464,7 +464,7 @@ def main(argv=None) -> int:
           f"{args.max_model_len}")
   paged = configs["paged"]
   allocated = (paged.num_blocks * paged.block_size
-               * cfg.kv_bytes_per_token(args.kv_cache_dtype))
+               * ea.pool_bytes_per_token(args, cfg))
   print(f"workload: {len(requests)} requests, prompts "
         f"{min(len(r.prompt) for r in requests)}-{max(len(r.prompt) for r in requests)}"
         f" tokens; KV memory allocated {allocated} bytes "

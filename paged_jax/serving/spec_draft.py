@@ -139,6 +139,26 @@ def truncate_layers(model, num_layers: int):
   return new.with_scan_layers(scan)
 
 
+def draft_kv_bytes_per_token(config, spec, cache_dtype=None) -> int | None:
+  """Bytes per token the draft's cache adds to the pool: 0 without a draft
+  model; for a draft made from the target (no `spec.model`: the target
+  itself, or its first `spec.draft_num_layers` layers) the draft's own
+  `kv_bytes_per_token`; None for a draft loaded from `spec.model` (its sizes
+  are known only once it is loaded).
+
+  Args:
+    config: the target's `LlamaConfig`.
+    spec: a `SpeculativeConfig`, or None.
+    cache_dtype: as `LlamaConfig.kv_bytes_per_token`.
+  """
+  if spec is None or spec.method != "draft_model":
+    return 0
+  if spec.model is not None:
+    return None
+  layers = spec.draft_num_layers or config.num_layers
+  return dataclasses.replace(config, num_layers=layers).kv_bytes_per_token(cache_dtype)
+
+
 def attach(model, spec):
   """The model the engine serves for `spec` (`SpeculativeConfig`): `model`
   itself, or with method "draft_model" `DraftPair(model, draft)`: the draft

@@ -165,3 +165,22 @@ def test_the_flag_reads_vllms_keys(model):
   assert pair.draft.config == model.config and pair.config is model.config
   with pytest.raises(ValueError, match="propose is the ngram proposer"):
     spec.propose(jnp.zeros((1, 4), jnp.int32), jnp.array([4]))
+
+
+def test_the_kv_budget_counts_the_drafts_cache():
+  """`--kv-budget-mb` sizes one pool for both caches (they share its
+  blocks): a draft cut to n of L layers adds n/L of the target's bytes per
+  token, an identical one doubles them, n-gram and a separate checkpoint
+  add nothing here."""
+  import argparse  # pylint: disable=import-outside-toplevel
+  from paged_jax.entrypoints import engine_args  # pylint: disable=import-outside-toplevel
+  from paged_jax.models.llama import model as model_lib  # pylint: disable=import-outside-toplevel
+  cfg = model_lib.LlamaConfig.tiny()
+  base = cfg.kv_bytes_per_token()
+  for spec, want in ((None, base), (IDENTICAL, 2 * base),
+                     (ONE_LAYER, base + base // cfg.num_layers),
+                     (SpeculativeConfig(method="ngram", num_speculative_tokens=2), base),
+                     (SpeculativeConfig(method="draft_model", model="tiny",
+                                        num_speculative_tokens=2), base)):
+    args = argparse.Namespace(kv_cache_dtype=None, speculative_config=spec)
+    assert engine_args.pool_bytes_per_token(args, cfg) == want, spec
