@@ -47,7 +47,7 @@ def pytest_configure(config):
     os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="paged-jax-test-xla-cache-")
     config._paged_jax_cache_owner = True  # pylint: disable=protected-access
   jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
 
 
 def pytest_unconfigure(config):

@@ -19,7 +19,7 @@ from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
 
 SIZES = dict(block_size=4, max_batch=4, max_tokens_per_step=16, max_model_len=64,
-             min_bucket=2, bucket_midpoints=False)  # decode 2, 4; mixed 4, 8, 16
+             min_bucket=8, bucket_midpoints=False)  # decode 4; mixed 8, 16
 BIG_POOL = 64
 SMALL_POOL = 12
 ORACLE_LEN = 64  # dense oracle pads every sequence to this length

@@ -168,8 +168,10 @@ def test_beam_and_sampling_groups_survive_preemption(model, params):
 
 def test_steps_never_retrace(model):
   chex.clear_trace_counter()
+  # Buckets from 2 tokens (the shared SIZES start at 8): two decode and three
+  # mixed shapes, so that a lone row's decode takes the smallest one.
   engine = Engine(model, EngineConfig(num_blocks=BIG_POOL, check_traces=True,
-                                      max_beam_width=2, **SIZES))
+                                      max_beam_width=2, **{**SIZES, "min_bucket": 2}))
   requests = random_requests(3, 6, prompt=(2, 30), new=(1, 12))
   requests += [Request("n", [5, 6, 7], SamplingParams(n=2, temperature=0.7, max_new_tokens=5)),
                Request("b", [8, 9], SamplingParams(beam_width=2, max_new_tokens=4))]

@@ -29,7 +29,12 @@ from paged_jax import sharding as ps
 from tests.examples.conftest import (assert_mirror_is_the_device_state,
                                      random_requests, serve)
 
-MESHES = [(d, m) for d in (1, 2, 4, 8) for m in (1, 2, 4, 8) if d * m <= 8]
+# Every mesh that divides 8 devices; by default one of each kind (tensor
+# parallel alone, data parallel alone, both), the rest under `-m slow`
+# (each compiles its own sharded step: ~10 s).
+DEFAULT_MESHES = {(1, 8), (8, 1), (2, 4)}
+MESHES = [(d, m) if (d, m) in DEFAULT_MESHES else pytest.param(d, m, marks=pytest.mark.slow)
+          for d in (1, 2, 4, 8) for m in (1, 2, 4, 8) if d * m <= 8]
 BS, BLOCKS, SEQS, T = 4, 16, 2, 16
 
 pytestmark = pytest.mark.skipif(
@@ -176,8 +181,8 @@ def one_device_outputs(model8):
 
 
 @pytest.mark.parametrize("data, model, caching", [
-    (2, 4, False), (2, 1, True), pytest.param(8, 1, False, marks=pytest.mark.slow),
-    pytest.param(1, 8, False, marks=pytest.mark.slow)])
+    (2, 4, True)] + [pytest.param(*p, marks=pytest.mark.slow) for p in [
+        (2, 4, False), (2, 1, True), (8, 1, False), (1, 8, False)]])
 def test_sharded_engine_serves_what_one_device_serves(model8, one_device_outputs,
                                                      data, model, caching):
   requests, sizes, want = _engine_requests(), ENGINE_SIZES, one_device_outputs
