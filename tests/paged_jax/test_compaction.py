@@ -108,7 +108,7 @@ def _settings(examples):
                              suppress_health_check=list(hypothesis.HealthCheck))
 
 
-@_settings(25)
+@_settings(12)
 @hypothesis.given(**_FRAGMENTATIONS)
 def test_compact_keeps_every_sequence_and_cached_block(**kw):
   _check_compaction(**kw)

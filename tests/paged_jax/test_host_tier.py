@@ -237,9 +237,9 @@ def _settings(examples, steps):
 
 
 TestTierModel = TierMachine.TestCase
-TestTierModel.settings = _settings(15, 20)
+TestTierModel.settings = _settings(8, 20)
 TestCachingTierModel = CachingTierMachine.TestCase
-TestCachingTierModel.settings = _settings(15, 20)
+TestCachingTierModel.settings = _settings(8, 20)
 
 
 @pytest.mark.slow
