@@ -32,9 +32,11 @@ num_tokens / block_size), not O(batch x max_blocks_per_seq). Freed blocks go
 on the free stack in ascending block id, as `block_manager.release` pushes
 them, so both sides hand out the same ids next.
 
-Not with prefix caching (a hit would need the last window's blocks of a
-cached prefix; `block_manager.init` refuses the pair), nor with speculative
-decoding (its rollback would need the reclaimed blocks back), multi-step
+With prefix caching (a hybrid model's local pools, `serving.pooled_step`),
+a reclaimed block that was registered is cached, not emptied, exactly as a
+released one (`block_manager._unref`; `reclaim_host` appends it to the ring
+in the same release order): it still counts as available, and serves hits
+until an allocation evicts it. Not with speculative decoding (its rollback would need the reclaimed blocks back), multi-step
 decode (blocks reserved on the device, no per-step reclaim), swap preemption
 or a mesh: `paged_jax.serving.reclamation` decides where it runs.
 
@@ -148,10 +150,19 @@ def reclaim_host(pool, seq_ids: np.ndarray, num_new: np.ndarray,
   row = np.repeat(np.arange(s.size), count)
   col = np.repeat(start, count) + (np.arange(total) - np.repeat(np.cumsum(count) - count, count))
   blocks = pool.tables[s[row], col]
-  held = blocks[blocks >= 0]
+  mine = blocks >= 0
+  held = blocks[mine]
   pool._add_refs(held, -1)  # pylint: disable=protected-access
   ids = np.unique(held)
   freed = ids[pool.refs[ids] == 0]  # ascending, as `block_manager._unref`
+  if pool.caching and freed.size:
+    keep = pool.cacheable[freed]
+    kept, freed = freed[keep], freed[~keep]
+    if kept.size:  # to the ring in release order, as `_free_or_cache`
+      order = real[row][mine].astype(np.int64) * pool.width - col[mine]
+      last = np.full(pool.num_blocks, np.iinfo(np.int64).min, np.int64)
+      np.maximum.at(last, held, order)
+      pool._append_ring(kept[np.argsort(last[kept], kind="stable")])  # pylint: disable=protected-access
   if freed.size:
     pool._set(pool.stack, np.arange(pool.num_free, pool.num_free + freed.size),  # pylint: disable=protected-access
               freed)
