@@ -36,9 +36,10 @@ With prefix caching (a hybrid model's local pools, `serving.pooled_step`),
 a reclaimed block that was registered is cached, not emptied, exactly as a
 released one (`block_manager._unref`; `reclaim_host` appends it to the ring
 in the same release order): it still counts as available, and serves hits
-until an allocation evicts it. Not with speculative decoding (its rollback would need the reclaimed blocks back), multi-step
-decode (blocks reserved on the device, no per-step reclaim), swap preemption
-or a mesh: `paged_jax.serving.reclamation` decides where it runs.
+until an allocation evicts it. Not with speculative decoding (its rollback
+would need the reclaimed blocks back), multi-step decode (blocks reserved on
+the device, no per-step reclaim), swap preemption or a mesh:
+`paged_jax.serving.reclamation` decides where it runs.
 
 Example:
   >>> import jax.numpy as jnp

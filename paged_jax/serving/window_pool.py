@@ -283,8 +283,8 @@ class PooledHost:
     if share_ok.any():
       s = share_seqs[share_ok]
       pool._set(pool.tables, s, rows[share_ok])  # pylint: disable=protected-access
-      pool._set(pool.lens, s, np.maximum(np.asarray(share_counts)[share_ok], 1)  # pylint: disable=protected-access
-                * pool.block_size)
+      n = np.maximum(np.asarray(share_counts)[share_ok], 1)
+      pool._set(pool.lens, s, n * pool.block_size)  # pylint: disable=protected-access
     cache_ok = np.concatenate([cache_ok, share_ok | (share_seqs < 0)])
     res = pool.reserve(seq_ids, q_lens)
     window_reclaim.reclaim_host(pool, seq_ids, q_lens, res.ok)
