@@ -239,7 +239,9 @@ def device_step(model_def, params, caches: tuple, states: PooledState,
       model, step_lib.input_tokens(last_tokens, x), metas, caches)
   states = states.replace(states=tuple(
       s if s.window is None else window_reclaim.reclaim(
-          s, x.seq_ids, x.q_lens, r.ok, max_new_tokens=x.tokens.shape[0])
+          s, x.seq_ids, x.q_lens, r.ok, max_new_tokens=x.tokens.shape[0],
+          # register rows >= max_tokens_per_step // block_size (`prefix.register_rows`)
+          deferred_columns=x.register_seqs.shape[0] + 1)
       for s, r in zip(states.states, res)))
   tokens, top_lp, top_ids, token_lp = step_lib._sample(  # pylint: disable=protected-access
       model.logits(hidden[x.sample_rows]),

@@ -36,9 +36,12 @@ from paged_jax.serving.host_pool import HostPool
 
 
 def pool_sizes(num_blocks: int, layer_windows, *, block_size: int,
-               max_model_len: int, max_tokens_per_step: int) -> tuple[int, ...]:
+               max_model_len: int, max_tokens_per_step: int,
+               deferred: bool = False) -> tuple[int, ...]:
   """Blocks per pool (`pooled.pool_windows` order) in the memory of
-  `num_blocks` blocks of every layer (see the module docstring).
+  `num_blocks` blocks of every layer (see the module docstring). With
+  `deferred` (prefix caching: `window_reclaim.reclaim_stop`) a local pool
+  first gets two chunks.
 
   Raises:
     ValueError: if a pool could not hold one sequence of `max_model_len`
@@ -47,7 +50,7 @@ def pool_sizes(num_blocks: int, layer_windows, *, block_size: int,
   layer_windows = list(layer_windows)
   groups = hybrid_capacity.groups_from_windows(layer_windows)
   budget = num_blocks * len(layer_windows)  # layer-blocks
-  chunk = -(-max_tokens_per_step // block_size) + 1
+  chunk = (-(-max_tokens_per_step // block_size) + 1) * (1 + deferred)
   extra = [0 if g.window is None else chunk for g in groups]
   per_seq = [hybrid_capacity.local_blocks(g.window, max_model_len, block_size)
              + (g.window is not None) for g in groups]
@@ -56,7 +59,7 @@ def pool_sizes(num_blocks: int, layer_windows, *, block_size: int,
   sizes = tuple(e + max(left, 0) * b // weight for e, b in zip(extra, per_seq))
   for g, n in zip(groups, sizes):
     need = window_reclaim.blocks_needed(max_model_len, block_size, g.window,
-                                        max_tokens_per_step)
+                                        max_tokens_per_step, deferred=deferred)
     if n < need:
       raise ValueError(
           f"num_blocks={num_blocks} split over the windows' pools gives the "
@@ -80,7 +83,8 @@ def plan(config, model_config, decision, *, max_model_len: int, max_seqs: int,
     sizes = pool_sizes(
         config.num_blocks, [s.sliding_window for s in model_config.layer_specs],
         block_size=config.block_size, max_model_len=max_model_len,
-        max_tokens_per_step=config.max_tokens_per_step)
+        max_tokens_per_step=config.max_tokens_per_step,
+        deferred=config.enable_prefix_caching)
   except ValueError as e:
     if config.sliding_window_reclamation:
       raise
@@ -308,7 +312,8 @@ def pool_needs(pool, total: int, beam_width: int, config) -> list[tuple[int, int
   (`window_reclaim.blocks_needed`)."""
   pools = pool.pools if isinstance(pool, PooledHost) else [pool]
   return [(beam_width * window_reclaim.blocks_needed(
-      total, config.block_size, p.window, config.max_tokens_per_step), p.num_blocks)
+      total, config.block_size, p.window, config.max_tokens_per_step,
+      deferred=p.caching), p.num_blocks)
           for p in pools]
 
 

@@ -93,16 +93,17 @@ def _caching_step(state, reg_seqs, reg_cols, release, seq_ids, q_lens):
       state, reg_seqs, reg_cols, release, none, none, jnp.full_like(release, -1),
       none, jnp.zeros((2, WIDTH), jnp.int32), none, seq_ids, q_lens)
   state = window_reclaim.reclaim(state, seq_ids, q_lens, res.ok,
-                                 max_new_tokens=12)
+                                 max_new_tokens=12, deferred_columns=12 // BS + 1)
   return state, res.ok, cache_ok
 
 
 @pytest.mark.parametrize("window, num_blocks, seed", [(9, 14, 6)])
 def test_reclaimed_registered_blocks_are_cached_alike(window, num_blocks, seed):
   """With prefix caching, a registered block that slides out is cached (in
-  the ring, in release order), an unregistered one emptied, on the device
-  and in the host model alike; a registration of a reclaimed column is
-  refused. Every block ends free or cached."""
+  the ring, in release order), an unregistered one emptied, a step's newly
+  full blocks kept one step longer (`reclaim_stop`), on the device and in
+  the host model alike; a registration of a reclaimed column is refused.
+  Every block ends free or cached."""
   rng = np.random.default_rng(seed)
   state = bm.init(num_blocks=num_blocks, block_size=BS, max_seqs=SEQS,
                   max_blocks_per_seq=WIDTH, window=window, prefix_caching=True)
