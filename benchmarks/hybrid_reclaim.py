@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/hybrid_reclaim.py          # ~5-10 min, loaded CPU
     PYTHONPATH=. python benchmarks/hybrid_reclaim.py --quick  # smoke test
     PYTHONPATH=. python benchmarks/hybrid_reclaim.py --max-num-seqs 32  # batch no cap
+    PYTHONPATH=. python benchmarks/hybrid_reclaim.py --prefix 384  # prefix caching
 
 A Gemma-3-shaped random model (6 layers: 5 local of window 64 to 1 global;
 hidden 64, 4 query / 2 KV heads of 16, float32) serves 24 greedy requests
@@ -17,6 +18,12 @@ median wall, output tokens/s, peak and mean running sequences, preemptions,
 token rows computed; the greedy outputs are checked equal. The ideal is
 `hybrid_capacity.plan_hybrid`'s ratio at the requests' mean length. Results
 in benchmarks/results/hybrid_reclaim.json.
+
+`--prefix P`: both engines with `enable_prefix_caching=True`, and every
+prompt of a run is one shared prefix of `P` tokens and a distinct tail of
+64-256 tokens (a new prefix per run and for the warm-up, so no run hits
+what an earlier one left); per mode also the hit rate (prompt tokens served
+from the cache / prompt tokens). Results in hybrid_reclaim_prefix<P>.json.
 """
 
 from __future__ import annotations
@@ -41,6 +48,12 @@ def _requests(rng, count, prompt=(256, 641)):
            int(rng.integers(32, 65))) for _ in range(count)]
 
 
+def _prefix_requests(rng, count, prefix_len):
+  prefix = rng.integers(3, 500, size=prefix_len).tolist()
+  return [(prefix + rng.integers(3, 500, size=int(rng.integers(64, 257))).tolist(),
+           int(rng.integers(32, 65))) for _ in range(count)]
+
+
 def main():
   p = common.parser(__doc__.splitlines()[0])
   p.add_argument("--repeats", type=int, default=2)
@@ -50,15 +63,27 @@ def main():
   p.add_argument("--max-num-seqs", type=int, default=16,
                  help="max_batch of both engines (16: section 15b's runs, where it "
                  "capped the peak with reclamation on)")
+  p.add_argument("--prefix", type=int, default=0,
+                 help="shared-prefix tokens, with prefix caching on in both engines "
+                 "(0: section 15b's workload, no caching)")
   args = p.parse_args()
   quick = args.quick
   cfg = model_lib.LlamaConfig.tiny(num_layers=6, sliding_window=WINDOW,
                                    layer_types=TYPES, max_position_embeddings=1024)
   model = model_lib.init_model(cfg, seed=0)
-  reqs = _requests(np.random.default_rng(0), 6 if quick else args.num_requests)
+  count = 6 if quick else args.num_requests
+  if args.prefix:
+    runs = [_prefix_requests(np.random.default_rng(100 + r), count, args.prefix)
+            for r in range(1 + (1 if quick else args.repeats))]
+    warm, runs = runs[0][:4], runs[1:]
+  else:
+    reqs = _requests(np.random.default_rng(0), count)
+    warm, runs = reqs[:4], [reqs] * (1 if quick else args.repeats)
+  reqs = runs[0]
   base = dict(num_blocks=NUM_BLOCKS, block_size=BS, max_batch=args.max_num_seqs,
               max_tokens_per_step=max(256, args.max_num_seqs), max_model_len=704,
-              admission_headroom_steps=0, min_bucket=16, bucket_midpoints=False)
+              admission_headroom_steps=0, min_bucket=16, bucket_midpoints=False,
+              enable_prefix_caching=bool(args.prefix))
   engines = {"on": Engine(model, EngineConfig(**base)),
              "off": Engine(model, EngineConfig(**base, sliding_window_reclamation=False))}
   assert engines["on"].reclamation.pools == (WINDOW, None)
@@ -66,12 +91,14 @@ def main():
   layer_blocks_on = 5 * pools[0] + pools[1]
   for k, e in engines.items():
     e.warmup()
-    common.serve_timed(e, reqs[:4], f"warm-{k}")  # first-run costs outside the timed runs
+    common.serve_timed(e, warm, f"warm-{k}")  # first-run costs outside the timed runs
   walls = {k: [] for k in engines}
   counts, outputs = {}, {}
   fields = ("steps", "computed_tokens", "preemptions", "recomputed_tokens",
-            "generated_tokens", "compile_seconds")
-  for r in range(1 if quick else args.repeats):
+            "generated_tokens", "compile_seconds", "prefix_hit_tokens",
+            "prefix_queried_tokens")
+  for r, reqs in enumerate(runs):
+    outputs = {}
     for k, e in engines.items():
       before = {f: getattr(e.stats, f) for f in fields}
       e.stats.running = Gauge()  # this run's gauge
@@ -80,9 +107,11 @@ def main():
       counts[k] = {f: getattr(e.stats, f) - v for f, v in before.items()}
       counts[k].update(peak_running=e.stats.running.peak,
                        mean_running=round(e.stats.running.mean, 2),
-                       tokens_per_s=counts[k]["generated_tokens"] / wall)
-      outputs.setdefault(k, outs)
-  assert outputs["on"] == outputs["off"], "greedy outputs differ"
+                       tokens_per_s=counts[k]["generated_tokens"] / wall,
+                       hit_rate=round(counts[k]["prefix_hit_tokens"]
+                                      / max(counts[k]["prefix_queried_tokens"], 1), 3))
+      outputs[k] = outs
+    assert outputs["on"] == outputs["off"], "greedy outputs differ"
   mean_len = int(np.mean([len(q) + n for q, n in reqs]))
   plan = hybrid_capacity.plan_hybrid(
       kv_pool_bytes=NUM_BLOCKS * BS * hybrid_capacity.capacity.kv_head_token_bytes(
@@ -104,12 +133,14 @@ def main():
               "median_tokens_per_s": counts[k]["generated_tokens"] / med, **counts[k]}
   out["tokens_per_s_ratio"] = out["on"]["median_tokens_per_s"] / out["off"]["median_tokens_per_s"]
   out["mean_running_ratio"] = out["on"]["mean_running"] / out["off"]["mean_running"]
+  out["prefix_tokens"] = args.prefix
   print({k: (round(out[k]["median_wall_s"], 2), counts[k]) for k in engines})
   print("on / off tokens/s:", round(out["tokens_per_s_ratio"], 3),
         "mean running ratio:", round(out["mean_running_ratio"], 3),
         "ideal:", round(plan.ratio, 3), "load:", os.getloadavg())
   name = "hybrid_reclaim" + ("" if args.max_num_seqs == 16 else f"_b{args.max_num_seqs}") + (
-      "" if args.num_requests == 24 else f"_n{args.num_requests}")
+      "" if args.num_requests == 24 else f"_n{args.num_requests}") + (
+      f"_prefix{args.prefix}" if args.prefix else "")
   print("wrote", common.write_json(args.out, name, out, quick=quick))
 
 

@@ -253,7 +253,9 @@ def init(*, num_blocks: int, block_size: int, max_seqs: int,
       and `share` refuse the state, and the other operations cost what they
       cost without prefix caching.
     window: None, or the sliding window (tokens, >= 1) of every layer, for
-      block reclamation (`BlockState.window`); not with prefix caching.
+      block reclamation (`BlockState.window`). With prefix caching, a
+      reclaimed cacheable block is cached, as a released one
+      (`paged_jax.serving.pooled_step`: the engine's hybrid pools).
 
   Returns:
     A `BlockState`. Blocks are handed out lowest id first from a fresh pool.
@@ -266,7 +268,7 @@ def init(*, num_blocks: int, block_size: int, max_seqs: int,
       (`num_blocks * block_size`), `max_seqs` or, with prefix caching, the
       cached-block ring (`2 * num_blocks` slots) would not fit int32
       (< 2**31); if `prefix_caching` is not a bool; if `window` is not None
-      or a positive int, or is given with prefix caching.
+      or a positive int.
   """
   num_blocks = _int32.positive_int("num_blocks", num_blocks)
   block_size = _int32.positive_int("block_size", block_size)
@@ -282,9 +284,6 @@ def init(*, num_blocks: int, block_size: int, max_seqs: int,
     raise ValueError(f"prefix_caching must be a bool, got {prefix_caching!r}")
   if window is not None:
     window = _int32.positive_int("window", window)
-    if prefix_caching:
-      raise ValueError(f"window={window} (block reclamation) does not support "
-                       "prefix_caching=True")
   cache = dict.fromkeys(("cacheable", "lru", "lru_pos", "lru_head", "lru_len",
                          "num_cached"))
   if prefix_caching:
@@ -802,8 +801,9 @@ def register(state: BlockState, seq_ids, block_cols
 
   Returns:
     `(new_state, ok)`; `ok` is `bool[k]`, False for out-of-range ids, an empty
-    slot, or a column that is not a full block of that sequence
-    (`(col + 1) * block_size > seq_len`).
+    slot, a column that is not a full block of that sequence
+    (`(col + 1) * block_size > seq_len`), or (with a `window`) one already
+    reclaimed (`NULL_BLOCK`).
 
   Raises:
     ValueError: if the state has no prefix caching, or the arguments are not
@@ -818,6 +818,8 @@ def register(state: BlockState, seq_ids, block_cols
   ok = ((seq_ids >= 0) & (seq_ids < state.max_seqs) & (block_cols >= 0)
         & (block_cols < state.seq_lens[sid] // state.block_size))
   block = state.block_tables[sid, col]
+  if state.window is not None:  # a reclaimed entry holds no block
+    ok &= block >= 0
   cacheable = state.cacheable.at[jnp.where(ok, block, state.num_blocks)].set(
       True, mode="drop")
   return state.replace(cacheable=cacheable), ok

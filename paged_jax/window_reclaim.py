@@ -32,11 +32,14 @@ num_tokens / block_size), not O(batch x max_blocks_per_seq). Freed blocks go
 on the free stack in ascending block id, as `block_manager.release` pushes
 them, so both sides hand out the same ids next.
 
-Not with prefix caching (a hit would need the last window's blocks of a
-cached prefix; `block_manager.init` refuses the pair), nor with speculative
-decoding (its rollback would need the reclaimed blocks back), multi-step
-decode (blocks reserved on the device, no per-step reclaim), swap preemption
-or a mesh: `paged_jax.serving.reclamation` decides where it runs.
+With prefix caching (a hybrid model's local pools, `serving.pooled_step`),
+a reclaimed block that was registered is cached, not emptied, exactly as a
+released one (`block_manager._unref`; `reclaim_host` appends it to the ring
+in the same release order): it still counts as available, and serves hits
+until an allocation evicts it. Not with speculative decoding (its rollback
+would need the reclaimed blocks back), multi-step decode (blocks reserved on
+the device, no per-step reclaim), swap preemption or a mesh:
+`paged_jax.serving.reclamation` decides where it runs.
 
 Example:
   >>> import jax.numpy as jnp
@@ -69,7 +72,7 @@ def max_new_columns(max_new_tokens: int, block_size: int) -> int:
 
 
 def blocks_needed(num_tokens: int, block_size: int, window: int | None,
-                  max_new_tokens: int) -> int:
+                  max_new_tokens: int, *, deferred: bool = False) -> int:
   """The most blocks one sequence of up to `num_tokens` tokens, growing by
   at most `max_new_tokens` per step, ever holds (within a step, before the
   step's reclamation), with reclamation for `window` (None: every block).
@@ -78,15 +81,35 @@ def blocks_needed(num_tokens: int, block_size: int, window: int | None,
   bs))`, `r = block_manager.reclaimable_columns`; growing by `q` it holds
   `ceil((L + q) / bs) - r(L) <= (q + w - 3) // bs + 2` (and one more
   while it copies a shared partial block: the shared one stays with its
-  other holder, which the caller counts)."""
+  other holder, which the caller counts).
+
+  With `deferred` (prefix caching: `reclaim` keeps a step's newly full
+  blocks one step longer) up to `max_new_tokens // bs + 2` more.
+  """
   full = -(-num_tokens // block_size)
   if window is None:
     return full
-  return min(full, (max_new_tokens + window - 3) // block_size + 3)
+  extra = max_new_tokens // block_size + 2 if deferred else 0
+  return min(full, (max_new_tokens + window - 3) // block_size + 3 + extra)
+
+
+def reclaim_stop(window: int, lens, num_new, block_size: int, caching: bool):
+  """The columns below which an entry that grew by `num_new` to `lens`
+  holds no block after `reclaim`: the invisible ones
+  (`block_manager.reclaimable_columns`); with prefix caching only those
+  already full before this step, so that a block the step filled is
+  registered by the next step's bookkeeping (its link made, in every pool)
+  before it slides out, and slides out cached (`serving.pooled_step`)."""
+  stop = bm.reclaimable_columns(window, lens, block_size)
+  if caching:
+    xp = jnp if isinstance(lens, jax.Array) else np
+    stop = xp.minimum(stop, xp.maximum(lens - num_new, 0) // block_size)
+  return stop
 
 
 def reclaim(state: bm.BlockState, seq_ids: jax.Array, num_new: jax.Array,
-            ok: jax.Array, *, max_new_tokens: int) -> bm.BlockState:
+            ok: jax.Array, *, max_new_tokens: int,
+            deferred_columns: int = 0) -> bm.BlockState:
   """Gives back the blocks that this step's entries made invisible.
 
   Call it after the step's `block_manager.reserve(state, seq_ids, num_new)`
@@ -101,6 +124,9 @@ def reclaim(state: bm.BlockState, seq_ids: jax.Array, num_new: jax.Array,
     ok: `bool[n]` the reservation's `ok`.
     max_new_tokens: static; an upper bound on `num_new` (the step's token
       rows).
+    deferred_columns: static; with prefix caching, an upper bound on the
+      columns the entry's previous step deferred (`reclaim_stop`):
+      `max_tokens_per_step // block_size + 1`.
 
   Returns:
     The state, the reclaimed entries `NULL_BLOCK`.
@@ -112,12 +138,16 @@ def reclaim(state: bm.BlockState, seq_ids: jax.Array, num_new: jax.Array,
     raise ValueError("reclaim needs a state with a window (block_manager.init("
                      "..., window=w)), got window=None")
   bs, max_seqs, width = state.block_size, state.max_seqs, state.max_blocks_per_seq
-  k = min(width, max_new_columns(max_new_tokens, bs))
+  caching = state.prefix_caching
+  k = min(width, max_new_columns(max_new_tokens, bs) + (deferred_columns if caching else 0))
   sid = jnp.clip(seq_ids, 0, max_seqs - 1)
   lens = state.seq_lens[sid]
   live = ok & (seq_ids >= 0)
-  start = bm.reclaimable_columns(state.window, jnp.maximum(lens - num_new, 0), bs)
-  stop = bm.reclaimable_columns(state.window, lens, bs)
+  stop = reclaim_stop(state.window, lens, num_new, bs, caching)
+  if caching:  # what the previous step deferred lies within k columns
+    start = jnp.maximum(stop - k, 0)
+  else:
+    start = bm.reclaimable_columns(state.window, jnp.maximum(lens - num_new, 0), bs)
   cols = start[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]  # [n, k]
   take = live[:, None] & (cols < stop[:, None])
   cols = jnp.clip(cols, 0, width - 1)
@@ -139,19 +169,34 @@ def reclaim_host(pool, seq_ids: np.ndarray, num_new: np.ndarray,
   s = seq_ids[real]
   lens = pool.lens[s].astype(np.int64)
   bs, w = pool.block_size, pool.window
-  start = bm.reclaimable_columns(w, np.maximum(lens - num_new[real], 0), bs)
-  count = bm.reclaimable_columns(w, lens, bs) - start
-  total = int(np.sum(np.maximum(count, 0)))
-  if not total:
-    return
-  count = np.maximum(count, 0)
-  row = np.repeat(np.arange(s.size), count)
-  col = np.repeat(start, count) + (np.arange(total) - np.repeat(np.cumsum(count) - count, count))
+  stop = reclaim_stop(w, lens, num_new[real], bs, pool.caching)
+  if pool.caching:  # every column below `stop` still held (exact, unbounded)
+    held_cols = (np.arange(pool.width)[None, :] < stop[:, None]) & (pool.tables[s] >= 0)
+    row, col = np.nonzero(held_cols)
+    if not row.size:
+      return
+  else:
+    start = bm.reclaimable_columns(w, np.maximum(lens - num_new[real], 0), bs)
+    count = np.maximum(stop - start, 0)
+    total = int(np.sum(count))
+    if not total:
+      return
+    row = np.repeat(np.arange(s.size), count)
+    col = np.repeat(start, count) + (np.arange(total) - np.repeat(np.cumsum(count) - count, count))
   blocks = pool.tables[s[row], col]
-  held = blocks[blocks >= 0]
+  mine = blocks >= 0
+  held = blocks[mine]
   pool._add_refs(held, -1)  # pylint: disable=protected-access
   ids = np.unique(held)
   freed = ids[pool.refs[ids] == 0]  # ascending, as `block_manager._unref`
+  if pool.caching and freed.size:
+    keep = pool.cacheable[freed]
+    kept, freed = freed[keep], freed[~keep]
+    if kept.size:  # to the ring in release order, as `_free_or_cache`
+      order = real[row][mine].astype(np.int64) * pool.width - col[mine]
+      last = np.full(pool.num_blocks, np.iinfo(np.int64).min, np.int64)
+      np.maximum.at(last, held, order)
+      pool._append_ring(kept[np.argsort(last[kept], kind="stable")])  # pylint: disable=protected-access
   if freed.size:
     pool._set(pool.stack, np.arange(pool.num_free, pool.num_free + freed.size),  # pylint: disable=protected-access
               freed)

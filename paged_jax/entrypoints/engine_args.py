@@ -210,8 +210,9 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_model: str = "tiny")
                    "future queries cannot see (default: on where the model "
                    "and the other flags allow it, else off with a log line; "
                    "given, it refuses what it does not support: prefix "
-                   "caching, swap, speculation, multi-step, a mesh, hybrid "
-                   "local/global models; EngineConfig.sliding_window_reclamation)")
+                   "caching on a model without global layers, the prefix "
+                   "cache's host level, swap, speculation, multi-step, a mesh; "
+                   "EngineConfig.sliding_window_reclamation)")
   eng.add_argument("--max-model-len", type=_cli.integer, default=256,
                    action=_cli.TypedFlag,
                    help="longest prompt + output (at least 2: one prompt and "

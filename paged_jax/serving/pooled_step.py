@@ -14,6 +14,33 @@ the same inputs (every pool holds every sequence, at the same length):
 A sequence is served only where every pool granted it: the host's model
 (`window_pool.PooledHost`) plans so that all pools grant every entry, and a
 pool refusing one would show in `ok` and the fingerprints.
+
+Prefix caching (`PooledState.links`). The prefix index names blocks of the
+global pool (the *anchor*: it keeps every block, so a cached prefix is a
+chain of its blocks from column 0). Every pool registers the step's blocks
+at the same (slot, column) (`step.bookkeeping`'s register rows); a local
+pool also records, per anchor block, its own block holding the same tokens
+of the same layers' K/V (`links[anchor block]`, -1 where it had already
+reclaimed that column before the registration). The choice for blocks that
+slide out: a registered one is *cached* in its local pool (reclamation
+drops the sequence's reference, as a release does, `block_manager._unref`),
+not emptied. It still counts as available (an allocation may evict it, least
+recently dropped first), so reclamation frees as much as before; until then
+it can serve a hit. Emptying them instead would leave a local pool only the
+last window of finished sequences, and a prompt sharing a system prefix
+with them would then almost never hit.
+
+A hit of `n` anchor blocks starts its sequence at `n * block_size` tokens in
+every pool (one length for all). Its future queries in a local pool of
+window `w` see only columns from `c = block_manager.reclaimable_columns(w, n
+* block_size)` on, so that pool shares its linked blocks of columns `c ..
+n - 1` and leaves `0 .. c - 1` as `NULL_BLOCK`, exactly the table
+reclamation would have left (`window_share`). The host shortens each hit to
+the longest `n` for which every local pool's links of those columns are
+live (`window_pool.PooledHost.usable_hit`): so the hit length is the same
+in every pool, and a local pool that lost part of the last window (evicted,
+or reclaimed before its registration) shortens the hit instead of serving
+wrong K/V.
 """
 
 from __future__ import annotations
@@ -21,6 +48,7 @@ from __future__ import annotations
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from paged_jax import block_manager as bm
 from paged_jax import kv_cache as kv_cache_lib
@@ -29,17 +57,37 @@ from paged_jax import window_reclaim
 from paged_jax.models.llama import pooled as pooled_model
 from paged_jax.serving import step as step_lib
 
+NULL_BLOCK = bm.NULL_BLOCK
+
 
 @flax.struct.dataclass
 class PooledState:
   """One `BlockState` per pool (a pytree). Reads like one state where the
-  scheduler asks: no prefix caching, pool 0's block size."""
+  scheduler asks: pool 0's block size; with prefix caching, the global
+  pool's (the anchor's) cacheable blocks, which the prefix index names.
+
+  Attributes:
+    states: one `BlockState` per pool.
+    links: with prefix caching, per pool `i32[anchor num_blocks]` for a
+      local pool (see "Prefix caching" in the module docstring) and None for
+      the anchor; without it, `()`.
+  """
 
   states: tuple
+  links: tuple = ()
 
   @property
   def prefix_caching(self) -> bool:
-    return False
+    return bool(self.links)
+
+  @property
+  def anchor(self) -> int:
+    """The global pool (`window` None): prefix-cache hits are its blocks."""
+    return self.windows.index(None)
+
+  @property
+  def cacheable(self) -> jax.Array:
+    return self.states[self.anchor].cacheable
 
   @property
   def block_size(self) -> int:
@@ -54,15 +102,117 @@ class PooledState:
     return self.states[0].seq_lens
 
 
+def window_share(window: int, block_size: int, links, share_blocks,
+                 share_counts):
+  """A local pool's part of prefix-cache hits given in anchor blocks.
+
+  A hit of `n` blocks starts the sequence at `n * block_size` tokens; its
+  future queries see only columns from `c = reclamation's
+  reclaimable_columns(window, n * block_size)` on. The local pool shares
+  its blocks linked to the anchor's columns `c .. n - 1` (`links[anchor
+  block]`), and the columns before `c` stay `NULL_BLOCK`, as if reclaimed.
+
+  Args:
+    window: the pool's window (tokens).
+    block_size: tokens per block.
+    links: `i32[anchor_blocks]` anchor block -> this pool's block (-1 none).
+    share_blocks: `i32[H, width]` the hits' anchor blocks.
+    share_counts: `i32[H]` blocks each hit shares.
+
+  Returns:
+    `(blocks i32[H, width], counts i32[H], rows i32[H, width], skip i32[H])`:
+    the shifted blocks and counts to hand `block_manager.share` (`n - c`
+    blocks, at least 1), the table rows the sequences must end with
+    (`NULL_BLOCK` before `c`) and `c`.
+  """
+  xp = jnp if isinstance(share_blocks, jax.Array) else np
+  n = xp.maximum(share_counts, 1)
+  skip = bm.reclaimable_columns(window, n * block_size, block_size)
+  width = share_blocks.shape[1]
+  cols = xp.arange(width, dtype=np.int32)[None, :]
+  anchor = xp.take_along_axis(share_blocks, xp.clip(cols + skip[:, None], 0, width - 1),
+                              axis=1)
+  inside = cols < (n - skip)[:, None]
+  mine = links[xp.clip(anchor, 0, links.shape[0] - 1)]
+  blocks = xp.where(inside, mine, NULL_BLOCK).astype(np.int32)
+  full = links[xp.clip(share_blocks, 0, links.shape[0] - 1)]
+  rows = xp.where((cols >= skip[:, None]) & (cols < n[:, None]), full,
+                  NULL_BLOCK).astype(np.int32)
+  return blocks, (n - skip).astype(np.int32), rows, skip
+
+
+def _link_registrations(links, anchor_tables, local_tables, register_seqs,
+                        register_cols):
+  """`links` after this step's registrations: each registered anchor block
+  -> this pool's block at the same (slot, column), or -1 where this pool
+  already reclaimed it (a link from the block's earlier life cleared)."""
+  xp = jnp if isinstance(links, jax.Array) else np
+  s = xp.clip(register_seqs, 0, anchor_tables.shape[0] - 1)
+  c = xp.clip(register_cols, 0, anchor_tables.shape[1] - 1)
+  anchor = xp.where(register_seqs >= 0, anchor_tables[s, c], -1)
+  return anchor, local_tables[s, c]
+
+
+def _local_bookkeeping(state: bm.BlockState, links, anchor_tables,
+                       register_seqs, register_cols, release_early,
+                       fork_parents, fork_children, release_late, share_seqs,
+                       share_blocks, share_counts, seq_ids, q_lens):
+  """`step.bookkeeping` on a local pool with prefix caching: registrations
+  of blocks this pool already reclaimed are skipped, and hits share the
+  linked blocks of the last window (`window_share`).
+
+  Returns:
+    `(state, links, fork_ok, Reservation, cache_ok)` as `step.bookkeeping`.
+  """
+  unless = step_lib._unless_empty  # pylint: disable=protected-access
+  anchor, mine = _link_registrations(links, anchor_tables, state.block_tables,
+                                     register_seqs, register_cols)
+  links = links.at[jnp.where(anchor >= 0, anchor, links.shape[0])].set(
+      mine, mode="drop")
+  reg_seqs = jnp.where(mine >= 0, register_seqs, -1)
+  state, reg_ok = unless(bm.register, state, reg_seqs, register_cols)
+  cache_ok = reg_ok | (reg_seqs < 0)
+  state, _ = unless(bm.release, state, release_early)
+  state, fork_ok = unless(bm.fork, state, fork_parents, fork_children)
+  state, _ = unless(bm.release, state, release_late)
+  blocks, counts, rows, _ = window_share(state.window, state.block_size, links,
+                                         share_blocks, share_counts)
+  state, share_ok = unless(bm.share, state, share_seqs, blocks, counts)
+  write = jnp.where(share_ok, share_seqs, state.max_seqs)
+  state = state.replace(
+      block_tables=state.block_tables.at[write].set(rows, mode="drop"),
+      seq_lens=state.seq_lens.at[write].set(
+          jnp.maximum(share_counts, 1) * state.block_size, mode="drop"))
+  cache_ok = jnp.concatenate([cache_ok, share_ok | (share_seqs < 0)])
+  state, res = bm.reserve(state, seq_ids, q_lens)
+  return state, links, fork_ok, res, cache_ok
+
+
 def _bookkeeping(states: PooledState, x: step_lib.StepInputs):
-  out = [step_lib.bookkeeping(s, *step_lib.bookkeeping_args(x))
-         for s in states.states]
+  args = step_lib.bookkeeping_args(x)
+  if states.prefix_caching:
+    a = states.anchor
+    anchor_tables = states.states[a].block_tables  # before the registrations
+    out, links = [], []
+    for s, link in zip(states.states, states.links):
+      if link is None:
+        out.append(step_lib.bookkeeping(s, *args))
+        links.append(None)
+      else:
+        s, link, f, r, c = _local_bookkeeping(s, link, anchor_tables, *args)
+        out.append((s, f, r, c))
+        links.append(link)
+    links = tuple(links)
+  else:
+    out = [step_lib.bookkeeping(s, *args) for s in states.states]
+    links = ()
   ok = out[0][2].ok
   fork_ok = out[0][1]
   for _, f, r, _ in out[1:]:
     ok &= r.ok
     fork_ok &= f
-  return PooledState(tuple(o[0] for o in out)), fork_ok, ok, [o[2] for o in out]
+  return (PooledState(tuple(o[0] for o in out), links), fork_ok, ok,
+          [o[2] for o in out])
 
 
 def fingerprint(states: PooledState) -> jax.Array:
@@ -87,9 +237,11 @@ def device_step(model_def, params, caches: tuple, states: PooledState,
       decode_only=decode_only) for s in states.states]
   hidden, caches = pooled_model.paged_forward_pooled(
       model, step_lib.input_tokens(last_tokens, x), metas, caches)
-  states = PooledState(tuple(
+  states = states.replace(states=tuple(
       s if s.window is None else window_reclaim.reclaim(
-          s, x.seq_ids, x.q_lens, r.ok, max_new_tokens=x.tokens.shape[0])
+          s, x.seq_ids, x.q_lens, r.ok, max_new_tokens=x.tokens.shape[0],
+          # register rows >= max_tokens_per_step // block_size (`prefix.register_rows`)
+          deferred_columns=x.register_seqs.shape[0] + 1)
       for s, r in zip(states.states, res)))
   tokens, top_lp, top_ids, token_lp = step_lib._sample(  # pylint: disable=protected-access
       model.logits(hidden[x.sample_rows]),
@@ -111,9 +263,26 @@ def bookkeeping_step(states: PooledState, x: step_lib.StepInputs, *,
 
 
 def init(pool_blocks, windows, *, block_size: int, max_seqs: int,
-         max_blocks_per_seq: int) -> PooledState:
-  """Empty pools: `pool_blocks[g]` blocks for window `windows[g]`."""
-  return PooledState(tuple(
+         max_blocks_per_seq: int, prefix_caching: bool = False) -> PooledState:
+  """Empty pools: `pool_blocks[g]` blocks for window `windows[g]`.
+
+  Raises:
+    ValueError: with `prefix_caching` and no global pool (None in
+      `windows`): hits are anchored on its blocks.
+  """
+  windows = tuple(windows)
+  if prefix_caching and None not in windows:
+    raise ValueError(f"prefix caching over pools needs a global pool (a window "
+                     f"None) to anchor hits on, got windows={windows}")
+  states = tuple(
       bm.init(num_blocks=n, block_size=block_size, max_seqs=max_seqs,
-              max_blocks_per_seq=max_blocks_per_seq, window=w)
-      for n, w in zip(pool_blocks, windows)))
+              max_blocks_per_seq=max_blocks_per_seq, window=w,
+              prefix_caching=prefix_caching)
+      for n, w in zip(pool_blocks, windows))
+  links = ()
+  if prefix_caching:
+    anchor_blocks = pool_blocks[windows.index(None)]
+    links = tuple(None if w is None else jnp.full((anchor_blocks,), NULL_BLOCK,
+                                                  jnp.int32)
+                  for w in windows)
+  return PooledState(states, links)

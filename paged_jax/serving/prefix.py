@@ -12,6 +12,7 @@ import numpy as np
 
 from paged_jax import prefix_cache
 from paged_jax.serving.requests import PENDING, Seq
+from paged_jax.serving.window_pool import PooledHost
 
 
 class Candidate(NamedTuple):
@@ -71,6 +72,8 @@ class PrefixCaching:
     while len(blocks) < len(hashes) and hashes[len(blocks)] in same_step:
       blocks.append(same_step[hashes[len(blocks)]])
     blocks = self._extend_hit(seq, hashes, blocks)  # the host level's, if any
+    if isinstance(self._pool, PooledHost):  # what every window's pool holds
+      blocks = self._pool.usable_hit(blocks, self._registering)
     if blocks:
       self._shares[seq] = blocks
       seq.num_cached = len(blocks) * bs

@@ -13,8 +13,12 @@
 
 Not supported, and why:
 
-* prefix caching: a hit on a window model needs the last window's blocks of
-  a cached prefix, and blocks slid out could not be cached;
+* prefix caching on a model with no global layer (Mistral: every layer
+  local, one pool): hits are anchored on a global pool's blocks
+  (`pooled_step`'s "Prefix caching"); a hybrid model (Gemma 2, 3) has one,
+  and runs prefix caching with reclamation;
+* the prefix cache's host level (`kv_offloading_size`): it copies whole
+  prefixes of one pool;
 * swap preemption: the swap tier copies `ceil(L / bs)` blocks per sequence;
 * speculative decoding: its rollback (`block_manager.truncate`) would need
   blocks already given back;
@@ -74,8 +78,9 @@ class Reclamation:
 def config_conflict(config) -> str | None:
   """The first engine feature in `config` that reclamation does not support
   (a phrase naming its field), or None."""
-  if config.enable_prefix_caching:
-    return "enable_prefix_caching=True is not supported with it"
+  if config.kv_offloading_size:
+    return (f"kv_offloading_size={config.kv_offloading_size} (the prefix "
+            "cache's host level) is not supported with it")
   if config.preemption_mode == "swap":
     return "preemption_mode='swap' is not supported with it"
   if config.speculative_config is not None:
@@ -83,6 +88,15 @@ def config_conflict(config) -> str | None:
   if config.num_scheduler_steps > 1:
     return (f"num_scheduler_steps={config.num_scheduler_steps} (multi-step "
             "decode) is not supported with it")
+  return None
+
+
+def caching_conflict(config, pools: tuple | None) -> str | None:
+  """Why prefix caching cannot run with reclamation for a model of `pools`
+  (`model_window`'s; None: every layer in one window), or None."""
+  if config.enable_prefix_caching and (pools is None or None not in pools):
+    return ("enable_prefix_caching=True is not supported with it for a model "
+            "without global layers (hits are anchored on the global pool)")
   return None
 
 
@@ -170,7 +184,7 @@ def decide(config, model_config, mesh=None) -> Reclamation:
     if mesh is not None:
       why = "a device mesh is not supported with it"
     else:
-      why = config_conflict(config) or ""
+      why = config_conflict(config) or caching_conflict(config, pools) or ""
   if why:
     if asked:
       raise ValueError(f"sliding_window_reclamation=True: {why}")

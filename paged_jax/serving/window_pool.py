@@ -25,6 +25,7 @@ import dataclasses
 
 import numpy as np
 
+from paged_jax import block_manager as bm
 from paged_jax import hybrid_capacity
 from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import window_reclaim
@@ -35,9 +36,12 @@ from paged_jax.serving.host_pool import HostPool
 
 
 def pool_sizes(num_blocks: int, layer_windows, *, block_size: int,
-               max_model_len: int, max_tokens_per_step: int) -> tuple[int, ...]:
+               max_model_len: int, max_tokens_per_step: int,
+               deferred: bool = False) -> tuple[int, ...]:
   """Blocks per pool (`pooled.pool_windows` order) in the memory of
-  `num_blocks` blocks of every layer (see the module docstring).
+  `num_blocks` blocks of every layer (see the module docstring). With
+  `deferred` (prefix caching: `window_reclaim.reclaim_stop`) a local pool
+  first gets two chunks.
 
   Raises:
     ValueError: if a pool could not hold one sequence of `max_model_len`
@@ -46,7 +50,7 @@ def pool_sizes(num_blocks: int, layer_windows, *, block_size: int,
   layer_windows = list(layer_windows)
   groups = hybrid_capacity.groups_from_windows(layer_windows)
   budget = num_blocks * len(layer_windows)  # layer-blocks
-  chunk = -(-max_tokens_per_step // block_size) + 1
+  chunk = (-(-max_tokens_per_step // block_size) + 1) * (1 + deferred)
   extra = [0 if g.window is None else chunk for g in groups]
   per_seq = [hybrid_capacity.local_blocks(g.window, max_model_len, block_size)
              + (g.window is not None) for g in groups]
@@ -55,7 +59,7 @@ def pool_sizes(num_blocks: int, layer_windows, *, block_size: int,
   sizes = tuple(e + max(left, 0) * b // weight for e, b in zip(extra, per_seq))
   for g, n in zip(groups, sizes):
     need = window_reclaim.blocks_needed(max_model_len, block_size, g.window,
-                                        max_tokens_per_step)
+                                        max_tokens_per_step, deferred=deferred)
     if n < need:
       raise ValueError(
           f"num_blocks={num_blocks} split over the windows' pools gives the "
@@ -79,7 +83,8 @@ def plan(config, model_config, decision, *, max_model_len: int, max_seqs: int,
     sizes = pool_sizes(
         config.num_blocks, [s.sliding_window for s in model_config.layer_specs],
         block_size=config.block_size, max_model_len=max_model_len,
-        max_tokens_per_step=config.max_tokens_per_step)
+        max_tokens_per_step=config.max_tokens_per_step,
+        deferred=config.enable_prefix_caching)
   except ValueError as e:
     if config.sliding_window_reclamation:
       raise
@@ -88,7 +93,8 @@ def plan(config, model_config, decision, *, max_model_len: int, max_seqs: int,
     return decision, None
   return decision, pooled_step.init(
       sizes, decision.pools, block_size=config.block_size, max_seqs=max_seqs,
-      max_blocks_per_seq=max_blocks_per_seq)
+      max_blocks_per_seq=max_blocks_per_seq,
+      prefix_caching=config.enable_prefix_caching)
 
 
 def make_caches(model_config, sizes, *, block_size: int, dtype) -> tuple:
@@ -107,11 +113,17 @@ class PooledHost:
   """The exact NumPy model of every pool (one `HostPool` each), read by the
   scheduler as one pool: `bookkeeping` runs every pool's on the same inputs
   and grants an entry only where all did (the scheduler then takes back an
-  admission or preempts and tries again, rolling every pool back)."""
+  admission or preempts and tries again, rolling every pool back).
 
-  caching = False
+  With prefix caching (`pooled_step`'s "Prefix caching") it also models the
+  local pools' links (anchor block -> local block) and keeps, host only, the
+  reverse map (`_owner`: local block -> the anchor block it was registered
+  with), which tells a live link from a stale one; `usable_hit` shortens a
+  hit to what every pool holds. The prefix index names anchor blocks:
+  `tables`, `reserve`'s `evicted` and `cacheable` are the anchor's.
+  """
+
   window = None
-  num_cached = 0
 
   def __init__(self, state: pooled_step.PooledState):
     self.pools = [HostPool(s) for s in state.states]
@@ -119,22 +131,43 @@ class PooledHost:
     self.block_size, self.width = first.block_size, first.width
     self.max_seqs = first.max_seqs
     self.num_blocks = sum(p.num_blocks for p in self.pools)
+    self.caching = state.prefix_caching
+    self.anchor = state.anchor if self.caching else None
+    self.links = [None if l is None else np.array(l, np.int32)
+                  for l in state.links]
+    self._owner = [None if l is None else np.full(p.num_blocks, bm.NULL_BLOCK, np.int32)
+                   for l, p in zip(self.links, self.pools)]
+    self._journal: list | None = None
 
   def begin(self):
+    self._journal = []
     for p in self.pools:
       p.begin()
 
   def commit(self):
+    self._journal = None
     for p in self.pools:
       p.commit()
 
   def rollback(self):
+    for arr, idx, old in reversed(self._journal):
+      arr[idx] = old
+    self._journal = None
     for p in self.pools:
       p.rollback()
+
+  def _set(self, arr: np.ndarray, idx, vals):
+    if self._journal is not None:
+      self._journal.append((arr, idx, arr[idx].copy()))
+    arr[idx] = vals
 
   @property
   def num_free(self) -> int:
     return sum(p.num_free for p in self.pools)
+
+  @property
+  def num_cached(self) -> int:
+    return sum(p.num_cached for p in self.pools)
 
   @property
   def num_available(self) -> int:
@@ -146,23 +179,120 @@ class PooledHost:
   def lens(self) -> np.ndarray:
     return self.pools[0].lens
 
+  @property
+  def tables(self) -> np.ndarray:
+    """The anchor's block tables (prefix caching: the index's blocks)."""
+    return self.pools[self.anchor].tables
+
   def fingerprint(self) -> np.ndarray:
     """`u32[num_pools, 5]`, as `pooled_step.fingerprint`."""
     return np.stack([p.fingerprint() for p in self.pools])
 
   def to_state(self) -> pooled_step.PooledState:
-    return pooled_step.PooledState(tuple(p.to_state() for p in self.pools))
+    return pooled_step.PooledState(
+        tuple(p.to_state() for p in self.pools),
+        tuple(None if l is None else l.copy() for l in self.links))
+
+  def usable_hit(self, blocks: list, registering=()) -> list:
+    """The longest prefix of a hit's anchor `blocks` that every pool can
+    serve: `n` blocks where each local pool holds, linked, the blocks of the
+    columns the next query sees (`pooled_step.window_share`). `registering`
+    are this step's `prefix.Registration`s (linked by this step: their local
+    block is the one at their slot and column now). Without prefix caching,
+    `blocks` unchanged."""
+    if not self.caching or not blocks:
+      return blocks
+    bs = self.block_size
+    anchor = np.asarray(blocks, np.int64)
+    n = np.arange(1, anchor.size + 1)
+    joint = np.ones(anchor.size, bool)
+    pending = {r.block: (r.slot, r.col) for r in registering}
+    for pool, links, owner in zip(self.pools, self.links, self._owner):
+      if links is None:
+        continue
+      mine = links[anchor]
+      safe = np.clip(mine, 0, pool.num_blocks - 1)
+      valid = (mine >= 0) & pool.cacheable[safe] & (owner[safe] == anchor)
+      for j, b in enumerate(blocks):
+        if b in pending:
+          valid[j] = pool.tables[pending[b]] >= 0
+      # run[j]: valid columns ending at j.
+      run = np.zeros(anchor.size, np.int64)
+      count = 0
+      for j, v in enumerate(valid.tolist()):
+        count = count + 1 if v else 0
+        run[j] = count
+      need = n - bm.reclaimable_columns(pool.window, n * bs, bs)
+      joint &= (need >= 1) & (run >= need)
+    best = int(n[joint].max()) if joint.any() else 0
+    return blocks[:best]
 
   def bookkeeping(self, *args):
-    """`HostPool.bookkeeping` on every pool; `ok` where every pool granted."""
-    outs = [p.bookkeeping(*args) for p in self.pools]
-    fork_ok, res, cache_ok = outs[0]
+    """`HostPool.bookkeeping` on every pool (a local pool's, with prefix
+    caching, as `pooled_step._local_bookkeeping`); `ok` where every pool
+    granted; `evicted` the anchor's."""
+    if self.caching:
+      outs = self._caching_bookkeeping(args)
+      anchor = self.anchor
+    else:
+      outs = [p.bookkeeping(*args) for p in self.pools]
+      anchor = 0
+    fork_ok, res, cache_ok = outs[anchor]
     ok = res.ok.copy()
     fork_ok = fork_ok.copy()
-    for f, r, _ in outs[1:]:
+    cache_ok = cache_ok.copy()
+    for f, r, c in outs:
       ok &= r.ok
       fork_ok &= f
+      cache_ok &= c
     return fork_ok, dataclasses.replace(res, ok=ok), cache_ok
+
+  def _caching_bookkeeping(self, args) -> list:
+    register_seqs, register_cols = np.asarray(args[0]), np.asarray(args[1])
+    anchor_tables = self.pools[self.anchor].tables
+    # Before any pool registers: the anchor's and each local pool's blocks at
+    # the registered (slot, column).
+    regs = [None if links is None else pooled_step._link_registrations(  # pylint: disable=protected-access
+        links, anchor_tables, pool.tables, register_seqs, register_cols)
+            for pool, links in zip(self.pools, self.links)]
+    outs = []
+    for g, pool in enumerate(self.pools):
+      if self.links[g] is None:
+        outs.append(pool.bookkeeping(*args))
+      else:
+        outs.append(self._local_bookkeeping(g, pool, *regs[g], *args))
+    return outs
+
+  def _local_bookkeeping(self, g, pool: HostPool, anchor, mine, register_seqs,
+                         register_cols, release_early, fork_parents,
+                         fork_children, release_late, share_seqs, share_blocks,
+                         share_counts, seq_ids, q_lens):
+    """`pooled_step._local_bookkeeping` on the model, in place, then the
+    step's reclamation (as `HostPool.bookkeeping`)."""
+    real = anchor >= 0
+    if real.any():
+      a, m = anchor[real], mine[real]
+      self._set(self.links[g], a, m)
+      self._set(self._owner[g], m[m >= 0], a[m >= 0])
+    reg_seqs = np.where(mine >= 0, register_seqs, -1)
+    cache_ok = pool.register(reg_seqs, register_cols) | (reg_seqs < 0)
+    pool.release(release_early)
+    fork_ok = pool.fork(fork_parents, fork_children)
+    pool.release(release_late)
+    blocks, counts, rows, _ = pooled_step.window_share(
+        pool.window, pool.block_size, self.links[g], np.asarray(share_blocks),
+        np.asarray(share_counts))
+    share_seqs = np.asarray(share_seqs)
+    share_ok = pool.share(share_seqs, blocks, counts)
+    if share_ok.any():
+      s = share_seqs[share_ok]
+      pool._set(pool.tables, s, rows[share_ok])  # pylint: disable=protected-access
+      n = np.maximum(np.asarray(share_counts)[share_ok], 1)
+      pool._set(pool.lens, s, n * pool.block_size)  # pylint: disable=protected-access
+    cache_ok = np.concatenate([cache_ok, share_ok | (share_seqs < 0)])
+    res = pool.reserve(seq_ids, q_lens)
+    window_reclaim.reclaim_host(pool, seq_ids, q_lens, res.ok)
+    return fork_ok, res, cache_ok
 
 
 def host_model(state):
@@ -182,7 +312,8 @@ def pool_needs(pool, total: int, beam_width: int, config) -> list[tuple[int, int
   (`window_reclaim.blocks_needed`)."""
   pools = pool.pools if isinstance(pool, PooledHost) else [pool]
   return [(beam_width * window_reclaim.blocks_needed(
-      total, config.block_size, p.window, config.max_tokens_per_step), p.num_blocks)
+      total, config.block_size, p.window, config.max_tokens_per_step,
+      deferred=p.caching), p.num_blocks)
           for p in pools]
 
 

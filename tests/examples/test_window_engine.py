@@ -219,8 +219,86 @@ def test_auto_is_off_without_windows_and_on_with_them(model, gemma3, mistral,
     _engine(gemma3, 8, sliding_window_reclamation=True)
 
 
+def _shared_prefix_requests(seed=2, count=10):
+  """Prompts of a 37-token common prefix (9 blocks, the window of 10 slides
+  inside it) and a distinct tail; greedy."""
+  rng = np.random.default_rng(seed)
+  prefix = rng.integers(3, 512, size=37).tolist()
+  return [Request(i, prefix + rng.integers(3, 512, size=int(rng.integers(3, 20))).tolist(),
+                  SamplingParams(max_new_tokens=int(rng.integers(4, 14))))
+          for i in range(count)]
+
+
+def _poison_empty_blocks(engine):
+  """Every block on a pool's free stack (reclaimed or released, not cached)
+  all NaN: a hit or a step reading one shows in the tokens."""
+  runner = engine._runner  # pylint: disable=protected-access
+  runner.cache = tuple(
+      _poison(c, np.isin(np.arange(s.num_blocks),
+                         np.asarray(s.free_stack)[:int(s.num_free)]))
+      for c, s in zip(runner.cache, engine.block_state.states))
+
+
+@pytest.mark.parametrize("num_blocks", [
+    pytest.param(40, marks=pytest.mark.slow), 20])  # the suite's time
+def test_prefix_caching_with_reclamation(gemma3, num_blocks):
+  """Prefix caching on a hybrid model with reclamation: hits occur, the
+  greedy tokens are those with neither (every empty block NaN after every
+  step), the host model (links included) and the index match the device at
+  every step, and every block of every pool ends free or cached. 20 blocks
+  are too few to keep every sequence: preemptions and evictions."""
+  requests = _shared_prefix_requests()
+  want = _run(_engine(gemma3, 256, sliding_window_reclamation=False), requests,
+              checked=False)
+  engine = _engine(gemma3, num_blocks, enable_prefix_caching=True,
+                   admission_headroom_steps=0)
+  assert engine.reclamation.pools == (WINDOW, None)
+  assert engine.block_state.prefix_caching
+  for r in requests:
+    assert engine.add_request(r) is None
+  outs = {}
+  while engine.has_unfinished():
+    for o in engine.step():
+      outs[o.request_id] = o
+    assert_mirror_is_the_device_state(engine)
+    for p in engine._pools:  # pylint: disable=protected-access
+      p.check_prefix_index()
+    for state in _states(engine):
+      bm.check_invariants(state)
+    # A step's newly full blocks are kept one step longer (registered first).
+    assert _held(engine).max() <= MAX_HELD + SIZES["max_tokens_per_step"] // BS + 1
+    _poison_empty_blocks(engine)
+  got = {k: [(c.token_ids, c.finish_reason) for c in o.completions]
+         for k, o in outs.items()}
+  assert got == want
+  st = engine.stats
+  assert st.prefix_hit_tokens > 0, st
+  for state in _states(engine):  # every block back: free or cached
+    assert int(state.num_free) + int(state.num_cached) == state.num_blocks
+    assert int(np.sum(np.asarray(state.refcounts))) == 0
+  if num_blocks == 20:
+    assert st.preemptions > 0 and st.prefix_blocks_evicted > 0, st
+
+
+def test_prefix_caching_needs_a_global_pool(mistral, caplog):
+  """A model whose every layer is local has no pool to anchor hits on:
+  reclamation is off with prefix caching (auto), refused when asked."""
+  with caplog.at_level(logging.INFO, logger="paged_jax.serving"):
+    engine = _engine(mistral, 64, enable_prefix_caching=True)
+  field = "enable_prefix_caching=True is not supported with it for a model without global"
+  assert not engine.reclamation.on
+  assert field in engine.reclamation.reason
+  assert f"sliding-window reclamation off: {field}" in caplog.text
+  with pytest.raises(ValueError, match=f"sliding_window_reclamation=True: {field}"):
+    _engine(mistral, 64, enable_prefix_caching=True, sliding_window_reclamation=True)
+  with pytest.raises(ValueError, match=r"needs a global pool .* got windows=\(10,\)"):
+    pooled_step.init([8], [WINDOW], block_size=BS, max_seqs=2,
+                     max_blocks_per_seq=4, prefix_caching=True)
+
+
 @pytest.mark.parametrize("kw, field", [
-    (dict(enable_prefix_caching=True), "enable_prefix_caching=True"),
+    (dict(kv_offloading_size=0.01, enable_prefix_caching=True),
+     "kv_offloading_size=0.01"),
     (dict(preemption_mode="swap", swap_space_blocks=8), "preemption_mode='swap'"),
     (dict(speculative_config=SpeculativeConfig(num_speculative_tokens=2)),
      "speculative_config"),

@@ -85,6 +85,66 @@ def test_device_and_host_reclaim_alike_and_keep_the_window(window, num_blocks, s
   assert int(state.num_free) == num_blocks  # every block back
 
 
+@jax.jit
+def _caching_step(state, reg_seqs, reg_cols, release, seq_ids, q_lens):
+  """`step.bookkeeping` with registrations, then `reclaim`."""
+  none = jnp.full((2,), -1, jnp.int32)
+  state, _, res, cache_ok = step_lib.bookkeeping(
+      state, reg_seqs, reg_cols, release, none, none, jnp.full_like(release, -1),
+      none, jnp.zeros((2, WIDTH), jnp.int32), none, seq_ids, q_lens)
+  state = window_reclaim.reclaim(state, seq_ids, q_lens, res.ok,
+                                 max_new_tokens=12, deferred_columns=12 // BS + 1)
+  return state, res.ok, cache_ok
+
+
+@pytest.mark.parametrize("window, num_blocks, seed", [(9, 14, 6)])
+def test_reclaimed_registered_blocks_are_cached_alike(window, num_blocks, seed):
+  """With prefix caching, a registered block that slides out is cached (in
+  the ring, in release order), an unregistered one emptied, a step's newly
+  full blocks kept one step longer (`reclaim_stop`), on the device and in
+  the host model alike; a registration of a reclaimed column is refused.
+  Every block ends free or cached."""
+  rng = np.random.default_rng(seed)
+  state = bm.init(num_blocks=num_blocks, block_size=BS, max_seqs=SEQS,
+                  max_blocks_per_seq=WIDTH, window=window, prefix_caching=True)
+  pool = HostPool(state)
+  cached_any = False
+  for _ in range(25):
+    tables, lens = np.asarray(state.block_tables), np.asarray(state.seq_lens)
+    live = np.flatnonzero(lens > 0)
+    reg_seqs = np.full(4, -1, np.int32)
+    reg_cols = np.zeros(4, np.int32)
+    full = [(s, c) for s in live for c in range(int(lens[s]) // BS) if tables[s, c] >= 0]
+    for i, j in enumerate(rng.permutation(len(full))[:4]):
+      reg_seqs[i], reg_cols[i] = full[j]
+    release = np.full(SEQS, -1, np.int32)
+    if live.size and rng.random() < 0.2:
+      release[0] = rng.choice(live)
+    k = int(rng.integers(1, SEQS + 1))
+    seq_ids = np.full(SEQS, -1, np.int32)
+    seq_ids[:k] = rng.permutation(SEQS)[:k]
+    q_lens = rng.integers(1, 13, size=SEQS).astype(np.int32)
+    none = np.full(2, -1, np.int32)
+    _, res, cache_ok = pool.bookkeeping(
+        reg_seqs, reg_cols, release, none, none, np.full(SEQS, -1, np.int32),
+        none, np.zeros((2, WIDTH), np.int32), none, seq_ids, q_lens)
+    state, ok, dev_cache_ok = _caching_step(state, *map(jnp.asarray, (
+        reg_seqs, reg_cols, release, seq_ids, q_lens)))
+    np.testing.assert_array_equal(res.ok, np.asarray(ok))
+    np.testing.assert_array_equal(cache_ok, np.asarray(dev_cache_ok))
+    _assert_equal(pool, state)
+    bm.check_invariants(state)
+    cached_any |= int(state.num_cached) > 0 and bool(np.any(np.asarray(state.refcounts) > 0))
+  assert cached_any  # blocks were cached while sequences still ran
+  tables, lens = np.asarray(state.block_tables), np.asarray(state.seq_lens)
+  slid = np.flatnonzero((tables[:, 0] < 0) & (lens > 0))
+  assert slid.size  # a live sequence whose first column was reclaimed
+  _, reg_ok = bm.register(state, jnp.array([slid[0]]), jnp.array([0]))
+  assert not bool(reg_ok[0])  # a reclaimed column cannot be registered
+  state, _ = bm.release(state, jnp.arange(SEQS))
+  assert int(state.num_free) + int(state.num_cached) == num_blocks
+
+
 @functools.partial(jax.jit, static_argnames="q")
 def _grow(state, n, *, q):
   """Slot 0 grows by `n`: the blocks held within the step, then reclaimed."""
@@ -115,9 +175,6 @@ def test_blocks_needed_bounds_a_sequence_alone():
 def test_errors():
   with pytest.raises(ValueError, match="window must be a positive int, got window=0"):
     bm.init(num_blocks=4, block_size=4, max_seqs=1, max_blocks_per_seq=2, window=0)
-  with pytest.raises(ValueError, match="window=8 .* does not support prefix_caching"):
-    bm.init(num_blocks=4, block_size=4, max_seqs=1, max_blocks_per_seq=2,
-            window=8, prefix_caching=True)
   state = bm.init(num_blocks=4, block_size=4, max_seqs=1, max_blocks_per_seq=2)
   with pytest.raises(ValueError, match="reclaim needs a state with a window"):
     window_reclaim.reclaim(state, jnp.array([0]), jnp.array([1]),

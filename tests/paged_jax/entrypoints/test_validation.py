@@ -46,13 +46,14 @@ RULES = [
      r"min_tokens must be in \[0, max_new_tokens=5\], got 9",
      ["--max-new-tokens", "5", "--min-tokens", "9"],
      "error: --min-tokens must be in [0, --max-new-tokens 5], got 9\n"),
-    ("window reclamation refuses prefix caching",
+    ("window reclamation refuses multi-step decode",
      lambda: EngineConfig(num_blocks=8, sliding_window_reclamation=True,
-                          enable_prefix_caching=True),
-     r"sliding_window_reclamation=True: enable_prefix_caching=True is not supported",
-     ["--sliding-window-reclamation", "--enable-prefix-caching"],
-     "error: --sliding-window-reclamation True: --enable-prefix-caching True is "
-     "not supported with it\n"),
+                          num_scheduler_steps=4),
+     r"sliding_window_reclamation=True: num_scheduler_steps=4 \(multi-step decode\) is "
+     "not supported",
+     ["--sliding-window-reclamation", "--num-scheduler-steps", "4"],
+     "error: --sliding-window-reclamation True: --num-scheduler-steps 4 (multi-step "
+     "decode) is not supported with it\n"),
     ("stop strings are not empty", lambda: SamplingParams(stop=("",)),
      "stop strings must be non-empty str, got",
      ["--prompt", "hi", "--stop", ""],
