@@ -121,8 +121,6 @@ class HostPool:
     self._w_seqs = fingerprint_weights(self.max_seqs).astype(np.int64)
     self._w_cells = fingerprint_weights(self.max_seqs * self.width).astype(
         np.int64).reshape(self.max_seqs, self.width)
-    self._sum_refs = int(np.dot(self.refs.astype(np.int64), self._w_blocks)) & _MASK
-    self._sum_lens = int(np.dot(self.lens.astype(np.int64), self._w_seqs)) & _MASK
     self._sum_tables = int(np.sum((self.tables.astype(np.int64) + 1)
                                   * self._w_cells)) & _MASK
     self._journal: list | None = None
@@ -134,8 +132,7 @@ class HostPool:
 
   # ------------------------------------------------------------ transactions
 
-  _SCALARS = ("num_free", "num_cached", "lru_head", "lru_len", "_sum_refs",
-              "_sum_lens", "_sum_tables")
+  _SCALARS = ("num_free", "num_cached", "lru_head", "lru_len", "_sum_tables")
 
   def begin(self):
     """Opens a trial: changes from here on can be undone (`rollback`)."""
@@ -154,20 +151,18 @@ class HostPool:
         setattr(self, k, v)
     self._journal, self._saved = None, None
 
-  def _set(self, arr: np.ndarray, idx, vals):
-    """`arr[idx] = vals`, journaled (and the fingerprint sums kept). `idx`
-    names each fingerprinted entry once (no repeats)."""
-    old = arr[idx]
-    if isinstance(idx, slice):  # a view: keep the old values
-      old = old.copy()
+  def _set(self, arr: np.ndarray, idx, vals, old=None):
+    """`arr[idx] = vals`, journaled (and the block tables' fingerprint sum
+    kept). `idx` names each entry of the tables once (no repeats); `old`:
+    `arr[idx]` when the caller has it (a copy)."""
+    if old is None:
+      old = arr[idx]
+      if isinstance(idx, slice):  # a view: keep the old values
+        old = old.copy()
     if self._journal is not None:
       self._journal.append((arr, idx, old))
     arr[idx] = vals
-    if arr is self.refs:
-      self._sum_refs = (self._sum_refs + _delta(arr, idx, old, self._w_blocks)) & _MASK
-    elif arr is self.lens:
-      self._sum_lens = (self._sum_lens + _delta(arr, idx, old, self._w_seqs)) & _MASK
-    elif arr is self.tables:
+    if arr is self.tables:
       self._sum_tables = (self._sum_tables + _delta(arr, idx, old, self._w_cells)) & _MASK
 
   def _add_refs(self, blocks: np.ndarray, delta: int):
@@ -186,9 +181,13 @@ class HostPool:
   def fingerprint(self) -> np.ndarray:
     """u32[5]: `(num_free, num_cached, sum w*seq_lens, sum w*refcounts,
     sum w*(block_tables + 1))` mod 2**32, with `fingerprint_weights`; the
-    device computes the same of its state (`step.state_fingerprint`)."""
-    return np.array([self.num_free, self.num_cached, self._sum_lens,
-                     self._sum_refs, self._sum_tables], np.uint64).astype(np.uint32)
+    device computes the same of its state (`step.state_fingerprint`). The
+    first two sums are taken here (two dot products), the tables' is kept
+    as they change (`_set`: they are large)."""
+    lens = int(np.dot(self.lens, self._w_seqs)) & _MASK
+    refs = int(np.dot(self.refs, self._w_blocks)) & _MASK
+    return np.array([self.num_free, self.num_cached, lens, refs, self._sum_tables],
+                    np.uint64).astype(np.uint32)
 
   def to_state(self) -> bm.BlockState:
     """The modelled `BlockState`, as NumPy arrays (copies)."""
@@ -407,7 +406,7 @@ class HostPool:
     `s`, sizes `q`, i64), in place; fills `res` (its shared read-only
     defaults are copied before a write)."""
     bs = self.block_size
-    old = self.lens[s].astype(np.int64)
+    old = self.lens[s]
     new_len = old + q
     all_valid = int(new_len.max()) <= self.max_seq_len  # every size fits a sequence
     if not all_valid:
@@ -415,15 +414,21 @@ class HostPool:
       new_len = old + np.where(valid, q, 0)
     cur = (old + (bs - 1)) // bs
     grow = (new_len + (bs - 1)) // bs - cur
-    last = self.tables[s, np.maximum(cur - 1, 0)]
-    # Copy-on-write candidates: a partial last block that someone else holds.
-    cow_cand = (q > 0) & (old % bs != 0) & (self.refs[last] > 1)
-    if not all_valid:
-      cow_cand &= valid
     avail = self.num_available
-    if all_valid and not cow_cand.any() and int(grow.sum()) <= avail:
+    # Copy-on-write candidates: a partial last block that someone else holds
+    # (none while no block is shared).
+    shared = int(self.refs.max(initial=0)) > 1
+    if shared:
+      last = self.tables[s, np.maximum(cur - 1, 0)]
+      cow_cand = (q > 0) & (old % bs != 0) & (self.refs[last] > 1)
+      if not all_valid:
+        cow_cand &= valid
+    if all_valid and not (shared and cow_cand.any()) and int(grow.sum()) <= avail:
       ok, cow, need = None, None, grow  # every entry granted, no copy
     else:  # the in-order scan, over the entries that take or copy a block
+      if not shared:
+        last = self.tables[s, np.maximum(cur - 1, 0)]
+        cow_cand = np.zeros(s.shape, bool)
       if all_valid:
         valid = np.ones(s.shape, bool)
       ok = valid.copy()
@@ -477,7 +482,7 @@ class HostPool:
         res.copy_src[real[c]] = last[c]
         res.copy_dst[real[c]] = new_ids[start[c]]
     if ok is None:  # every entry granted
-      self._set(self.lens, s, new_len)
+      self._set(self.lens, s, new_len, old)
       res.ok[real] = True
       return
     grown = np.flatnonzero(ok & (new_len != old))
