@@ -1,5 +1,6 @@
 """Input packing: a planned step's arrays (`StepInputs`) from the scheduler's
-entries, in one pass over them. The sample rows' parameters are not packed:
+entries: the plan's steady decode rows (`Plan.decode_rows`) with whole-array
+operations, the other entries in one pass over them. The sample rows' parameters are not packed:
 they live on the device per slot (`slot_state.SlotState`, written when a
 sequence gets a slot, `Scheduler._bind`), and a sample row names its slot.
 A mixin of `scheduler.Scheduler` (it reads the scheduler's queues and pool
