@@ -67,8 +67,20 @@ def _first_occurrence(ids: np.ndarray) -> np.ndarray:
   return out
 
 
+def _any_real(ids) -> bool:
+  """Whether `ids` names anything (an id >= 0): a call of all padding (-1)
+  changes nothing and is skipped."""
+  ids = np.asarray(ids)
+  return bool(ids.size) and int(ids.max()) >= 0
+
+
 def _cdiv(a, b):
   return -(-a // b)
+
+
+def _delta(arr: np.ndarray, idx, old, weights: np.ndarray) -> int:
+  """`sum(weights[idx] * (arr[idx] - old))` as an int (`HostPool._set`)."""
+  return int(np.vdot(np.subtract(arr[idx], old, dtype=np.int64), weights[idx]))
 
 
 def fingerprint_weights(n: int) -> np.ndarray:
@@ -109,8 +121,6 @@ class HostPool:
     self._w_seqs = fingerprint_weights(self.max_seqs).astype(np.int64)
     self._w_cells = fingerprint_weights(self.max_seqs * self.width).astype(
         np.int64).reshape(self.max_seqs, self.width)
-    self._sum_refs = int(np.dot(self.refs.astype(np.int64), self._w_blocks)) & _MASK
-    self._sum_lens = int(np.dot(self.lens.astype(np.int64), self._w_seqs)) & _MASK
     self._sum_tables = int(np.sum((self.tables.astype(np.int64) + 1)
                                   * self._w_cells)) & _MASK
     self._journal: list | None = None
@@ -118,11 +128,11 @@ class HostPool:
     self._arange = np.arange(self.max_seqs)  # scratch for `_leading_unique`
     self._mark = np.zeros(self.max_seqs, np.int64)
     self._null_evicted: dict[int, np.ndarray] = {}  # `_no_evictions`
+    self._null_copies: dict[int, np.ndarray] = {}  # `_no_copies`
 
   # ------------------------------------------------------------ transactions
 
-  _SCALARS = ("num_free", "num_cached", "lru_head", "lru_len", "_sum_refs",
-              "_sum_lens", "_sum_tables")
+  _SCALARS = ("num_free", "num_cached", "lru_head", "lru_len", "_sum_tables")
 
   def begin(self):
     """Opens a trial: changes from here on can be undone (`rollback`)."""
@@ -141,21 +151,19 @@ class HostPool:
         setattr(self, k, v)
     self._journal, self._saved = None, None
 
-  def _set(self, arr: np.ndarray, idx, vals):
-    """`arr[idx] = vals`, journaled (and the fingerprint sums kept)."""
-    old = arr[idx].copy()
+  def _set(self, arr: np.ndarray, idx, vals, old=None):
+    """`arr[idx] = vals`, journaled (and the block tables' fingerprint sum
+    kept). `idx` names each entry of the tables once (no repeats); `old`:
+    `arr[idx]` when the caller has it (a copy)."""
+    if old is None:
+      old = arr[idx]
+      if isinstance(idx, slice):  # a view: keep the old values
+        old = old.copy()
     if self._journal is not None:
       self._journal.append((arr, idx, old))
     arr[idx] = vals
-    if arr is self.refs:
-      new = arr[idx].astype(np.int64) - old
-      self._sum_refs = (self._sum_refs + int(np.sum(new * self._w_blocks[idx]))) & _MASK
-    elif arr is self.lens:
-      new = arr[idx].astype(np.int64) - old
-      self._sum_lens = (self._sum_lens + int(np.sum(new * self._w_seqs[idx]))) & _MASK
-    elif arr is self.tables:
-      new = arr[idx].astype(np.int64) - old
-      self._sum_tables = (self._sum_tables + int(np.sum(new * self._w_cells[idx]))) & _MASK
+    if arr is self.tables:
+      self._sum_tables = (self._sum_tables + _delta(arr, idx, old, self._w_cells)) & _MASK
 
   def _add_refs(self, blocks: np.ndarray, delta: int):
     """`refs[blocks] += delta` per occurrence (blocks may repeat)."""
@@ -173,9 +181,13 @@ class HostPool:
   def fingerprint(self) -> np.ndarray:
     """u32[5]: `(num_free, num_cached, sum w*seq_lens, sum w*refcounts,
     sum w*(block_tables + 1))` mod 2**32, with `fingerprint_weights`; the
-    device computes the same of its state (`step.state_fingerprint`)."""
-    return np.array([self.num_free, self.num_cached, self._sum_lens,
-                     self._sum_refs, self._sum_tables], np.uint64).astype(np.uint32)
+    device computes the same of its state (`step.state_fingerprint`). The
+    first two sums are taken here (two dot products), the tables' is kept
+    as they change (`_set`: they are large)."""
+    lens = int(np.dot(self.lens, self._w_seqs)) & _MASK
+    refs = int(np.dot(self.refs, self._w_blocks)) & _MASK
+    return np.array([self.num_free, self.num_cached, lens, refs, self._sum_tables],
+                    np.uint64).astype(np.uint32)
 
   def to_state(self) -> bm.BlockState:
     """The modelled `BlockState`, as NumPy arrays (copies)."""
@@ -350,19 +362,21 @@ class HostPool:
     """`block_manager.reserve`."""
     seq_ids, num_new = np.asarray(seq_ids), np.asarray(num_new)
     n, ms = seq_ids.shape[0], self.max_seqs
+    null = self._no_copies(n)
     res = HostReservation(
-        ok=np.zeros(n, bool), copy_src=np.full(n, NULL, np.int32),
-        copy_dst=np.full(n, NULL, np.int32),
+        ok=np.zeros(n, bool), copy_src=null, copy_dst=null,
         evicted=self._no_evictions(n) if self.caching else None)
     k = self._leading_unique(seq_ids, num_new)
     if k is not None:  # the scheduler's layout: k valid entries, then padding
       real = self._arange[:k]
+      s, q = seq_ids[:k].copy(), num_new[:k]  # (`s` is journaled: a copy)
     else:
       real = np.flatnonzero((seq_ids >= 0) & (seq_ids < ms) & (num_new >= 0))
       if real.size:
         real = real[_first_occurrence(seq_ids)[real]]
+      s, q = seq_ids[real], num_new[real]
     if real.size:
-      self._reserve(real, seq_ids[real], num_new[real].astype(np.int64), res)
+      self._reserve(real, s, q.astype(np.int64), res)
     if self.caching and self.num_cached == 0:
       self.lru_len = 0
     return res
@@ -373,39 +387,50 @@ class HostPool:
     then skips the general filtering (a few whole-array operations, no sort).
     None otherwise."""
     n = seq_ids.shape[0]
-    if n > self._arange.shape[0]:
+    if n > self._arange.shape[0] or not n:
       return None
-    pad = seq_ids < 0
-    k = n - int(np.count_nonzero(pad))
-    if k == 0 or pad[:k].any():
+    k = int(np.count_nonzero(seq_ids >= 0))
+    if k == 0 or (k < n and seq_ids[k:].max() >= 0):
       return None
     s = seq_ids[:k]
     if int(s.max()) >= self.max_seqs or int(num_new[:k].min()) < 0:
       return None
-    mark = self._mark
-    mark[s] = self._arange[:k]
-    if not np.array_equal(mark[s], self._arange[:k]):  # a repeated slot
+    mark, ar = self._mark, self._arange[:k]
+    mark[s] = ar
+    if (mark[s] != ar).any():  # a repeated slot
       return None
     return k
 
   def _reserve(self, real, s, q, res: HostReservation):
+    """The granted reservations of the valid, distinct entries `real` (slots
+    `s`, sizes `q`, i64), in place; fills `res` (its shared read-only
+    defaults are copied before a write)."""
     bs = self.block_size
-    old = self.lens[s].astype(np.int64)
+    old = self.lens[s]
     new_len = old + q
-    if int(new_len.max()) <= self.max_seq_len:  # every size fits a sequence
-      valid = np.ones(s.shape, bool)
-    else:
+    all_valid = int(new_len.max()) <= self.max_seq_len  # every size fits a sequence
+    if not all_valid:
       valid = q <= self.max_seq_len - old
       new_len = old + np.where(valid, q, 0)
-    cur = -(-old // bs)
-    grow = -(-new_len // bs) - cur
-    last = self.tables[s, np.maximum(cur - 1, 0)]
-    partial = valid & (q > 0) & (old % bs != 0)
-    cow_cand = partial & (self.refs[last] > 1)  # `last` is a block where partial
+    cur = (old + (bs - 1)) // bs
+    grow = (new_len + (bs - 1)) // bs - cur
     avail = self.num_available
-    if not cow_cand.any() and int(grow[valid].sum()) <= avail:
-      ok, cow, need = valid, np.zeros(s.shape, bool), np.where(valid, grow, 0)
+    # Copy-on-write candidates: a partial last block that someone else holds
+    # (none while no block is shared).
+    shared = int(self.refs.max(initial=0)) > 1
+    if shared:
+      last = self.tables[s, np.maximum(cur - 1, 0)]
+      cow_cand = (q > 0) & (old % bs != 0) & (self.refs[last] > 1)
+      if not all_valid:
+        cow_cand &= valid
+    if all_valid and not (shared and cow_cand.any()) and int(grow.sum()) <= avail:
+      ok, cow, need = None, None, grow  # every entry granted, no copy
     else:  # the in-order scan, over the entries that take or copy a block
+      if not shared:
+        last = self.tables[s, np.maximum(cur - 1, 0)]
+        cow_cand = np.zeros(s.shape, bool)
+      if all_valid:
+        valid = np.ones(s.shape, bool)
       ok = valid.copy()
       cow = np.zeros(s.shape, bool)
       need = np.zeros(s.shape, np.int64)
@@ -421,38 +446,59 @@ class HostPool:
             copied[int(last[i])] = copied.get(int(last[i]), 0) + 1
         else:
           ok[i] = False
-    take = np.flatnonzero(need > 0)
-    total = int(np.sum(need))
-    if total:
+      if not cow.any():
+        cow = None
+    take = np.flatnonzero(need)
+    if take.size:
+      k = need[take]
+      total = int(k.sum())
       # Blocks in request order: the top of the free stack, then evictions.
       from_stack = min(total, self.num_free)
-      ids = self.stack[self.num_free - 1 - np.arange(from_stack)]
-      evicted = self._evict(total - from_stack) if total > from_stack else ids[:0]
-      new_ids = np.concatenate([ids, evicted]).astype(np.int32)
-      k = need[take]
-      owner = np.repeat(take, k)
-      first = cur[take] - cow[take]
-      cols = np.repeat(first, k) + (np.arange(total) - np.repeat(np.cumsum(k) - k, k))
+      ids = self.stack[self.num_free - from_stack:self.num_free][::-1].copy()
+      evicted = self._evict(total - from_stack) if total > from_stack else None
+      new_ids = ids if evicted is None else np.concatenate([ids, evicted])
+      first = cur[take] if cow is None else cur[take] - cow[take]
+      if total == take.size:  # one block each (a decode step's usual case)
+        owner, cols = take, first
+      else:
+        owner = np.repeat(take, k)
+        cols = np.repeat(first, k) + (np.arange(total) - np.repeat(np.cumsum(k) - k, k))
       self._set(self.refs, new_ids, self.refs[new_ids] + 1)
       self._set(self.tables, (s[owner], cols), new_ids)
       if self.caching:
         self._set(self.cacheable, new_ids, False)
-        if evicted.size:
+        if evicted is not None:
           self._set(self.lru_pos, evicted, -1)
           res.evicted = res.evicted.copy()  # the shared all-NULL one: a copy
           res.evicted[real[owner[from_stack:]], cols[from_stack:]] = evicted
-        self.num_cached -= int(evicted.size)
+          self.num_cached -= int(evicted.size)
       self.num_free -= from_stack
-      c = np.flatnonzero(cow)
-      if c.size:
+      if cow is not None:
+        c = np.flatnonzero(cow)
         self._add_refs(last[c], -1)
         start = np.cumsum(need) - need
+        res.copy_src = res.copy_src.copy()
+        res.copy_dst = res.copy_dst.copy()
         res.copy_src[real[c]] = last[c]
         res.copy_dst[real[c]] = new_ids[start[c]]
+    if ok is None:  # every entry granted
+      self._set(self.lens, s, new_len, old)
+      res.ok[real] = True
+      return
     grown = np.flatnonzero(ok & (new_len != old))
     if grown.size:
-      self._set(self.lens, s[grown], new_len[grown].astype(np.int32))
+      self._set(self.lens, s[grown], new_len[grown])
     res.ok[real] = ok
+
+  def _no_copies(self, n: int) -> np.ndarray:
+    """A read-only all-`NULL` `i32[n]`, made once per `n`: the `copy_src`
+    and `copy_dst` of a reservation that copies nothing."""
+    out = self._null_copies.get(n)
+    if out is None:
+      out = np.full(n, NULL, np.int32)
+      out.flags.writeable = False
+      self._null_copies[n] = out
+    return out
 
   def _no_evictions(self, n: int) -> np.ndarray:
     """A read-only all-`NULL` `i32[n, width]`, made once per `n`: the
@@ -495,9 +541,13 @@ class HostPool:
     cache_ok = np.ones((0,), bool)
     if self.caching:
       cache_ok = self.register(register_seqs, register_cols) | (register_seqs < 0)
-    self.release(release_early)
-    fork_ok = self.fork(fork_parents, fork_children)
-    self.release(release_late)
+    if _any_real(release_early):
+      self.release(release_early)
+    fork_ok = (self.fork(fork_parents, fork_children)
+               if _any_real(fork_parents) or _any_real(fork_children)
+               else np.zeros(np.shape(fork_parents), bool))
+    if _any_real(release_late):
+      self.release(release_late)
     if self.caching:
       share_ok = self.share(share_seqs, share_blocks, np.maximum(share_counts, 1))
       cache_ok = np.concatenate([cache_ok, share_ok | (share_seqs < 0)])

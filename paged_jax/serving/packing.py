@@ -1,5 +1,6 @@
 """Input packing: a planned step's arrays (`StepInputs`) from the scheduler's
-entries, in one pass over them. The sample rows' parameters are not packed:
+entries: the plan's steady decode rows (`Plan.decode_rows`) with whole-array
+operations, the other entries in one pass over them. The sample rows' parameters are not packed:
 they live on the device per slot (`slot_state.SlotState`, written when a
 sequence gets a slot, `Scheduler._bind`), and a sample row names its slot.
 A mixin of `scheduler.Scheduler` (it reads the scheduler's queues and pool
@@ -20,6 +21,21 @@ from paged_jax.serving.step import StepInputs
 # One entry of a step's plan: a sequence and the tokens it runs (plain
 # tuples: a plan has a row per running sequence, rebuilt every step).
 Entry = tuple[Seq, int]
+
+
+class Plan(list):
+  """A step's entries (a list of `Entry`), and how many of them, from the
+  first, are steady decode rows: each runs one token, its last (so it
+  samples once, in its own lane), and is neither a beam-search row nor a
+  prompt whose `n` samples are still to fork. Those rows are packed and
+  committed with whole-array operations (`InputPacking._build`,
+  `Results._commit`); only the rest go through the per-entry loops.
+
+  Attributes:
+    decode_rows: the leading steady decode entries (0: none known).
+  """
+
+  decode_rows: int = 0
 
 
 class Samples(NamedTuple):
@@ -65,8 +81,9 @@ class InputPacking:
   def work(cls, plan) -> tuple[int, int]:
     """`(token rows, sequence rows)` that `plan` needs: its tokens, and the
     larger of its entries and its sample rows."""
-    tokens = samples = 0
-    for s, n in plan:
+    k = getattr(plan, "decode_rows", 0)  # one token and one sample each
+    tokens = samples = k
+    for s, n in plan[k:] if k else plan:
       tokens += n
       if s.num_cached + n == len(s.tokens):
         g = s.group
@@ -91,23 +108,44 @@ class InputPacking:
       for i, (seq, blocks) in enumerate(self._shares.items()):
         share_seqs[i], share_counts[i] = seq.slot, len(blocks)
         share_blocks[i, :len(blocks)] = blocks
-    release_early = np.full(self.max_seqs, -1, np.int32)
-    release_late = np.full(self.max_seqs, -1, np.int32)
-    release_early[:len(self._release_next)] = self._release_next
-    release_late[:len(self._release_late_next)] = self._release_late_next
-    fork_parents = np.full(c.max_batch, -1, np.int32)
-    fork_children = np.full(c.max_batch, -1, np.int32)
-    for i, s in enumerate(self._forks()):
-      fork_parents[i] = s.fork_from
-      fork_children[i] = s.slot
+    no_seqs, no_batch = self._no_rows(self.max_seqs), self._no_rows(c.max_batch)
+    release_early = release_late = no_seqs
+    if self._release_next:
+      release_early = no_seqs.copy()
+      release_early[:len(self._release_next)] = self._release_next
+    if self._release_late_next:
+      release_late = no_seqs.copy()
+      release_late[:len(self._release_late_next)] = self._release_late_next
+    fork_parents = fork_children = no_batch
+    forks = self._forks()
+    if forks:
+      fork_parents, fork_children = no_batch.copy(), no_batch.copy()
+      for i, s in enumerate(forks):
+        fork_parents[i] = s.fork_from
+        fork_children[i] = s.slot
     seq_ids = np.full(num_seqs, -1, np.int32)
     q_lens = np.zeros(num_seqs, np.int32)
     if plan:
-      seq_ids[:len(plan)] = [s.slot for s, _ in plan]
-      q_lens[:len(plan)] = [n for _, n in plan]
+      k = len(plan)
+      seq_ids[:k] = [s.slot for s, _ in plan]
+      d = getattr(plan, "decode_rows", 0)
+      q_lens[:d] = 1
+      if d < k:
+        q_lens[d:k] = [n for _, n in plan[d:]]
     return Bookkeeping(register_seqs, register_cols, release_early, fork_parents,
                        fork_children, release_late, share_seqs, share_blocks,
                        share_counts, seq_ids, q_lens)
+
+  def _no_rows(self, n: int) -> np.ndarray:
+    """A read-only `i32[n]` of -1 (no release, no fork), made once per `n`
+    (copied before any row is written)."""
+    rows = self.__dict__.setdefault("_empty_rows", {})
+    out = rows.get(n)
+    if out is None:
+      out = np.full(n, -1, np.int32)
+      out.flags.writeable = False
+      rows[n] = out
+    return out
 
   def _no_cache_rows(self) -> tuple[np.ndarray, ...]:
     """The register and share rows of a step that registers and shares
@@ -141,13 +179,23 @@ class InputPacking:
     book = self._bookkeeping_inputs(plan, S) if book is None else book.cut(S)
     tokens = np.zeros(num_tokens, np.int32)
     token_slots = np.full(num_tokens, -1, np.int32)
-    token_rows: list[int] = []
-    seqs: list[Seq] = []
-    lanes: list[int] = []
     sample_seqs = np.full(S, -1, np.int32)
     seed_offsets = np.zeros(S, np.int32)
-    row = 0
-    for s, n in plan:
+    k = getattr(plan, "decode_rows", 0)
+    if k:  # steady decode rows: token row = sample row = entry row
+      seqs = [s for s, _ in plan[:k]]
+      token_rows = list(range(k))
+      lanes = [s.index for s in seqs]
+      slots = book.seq_ids[:k]
+      last = np.array([s.tokens[-1] for s in seqs], np.int32)
+      pending = last == PENDING  # sampled by the step in flight: on the device
+      tokens[:k] = np.where(pending, 0, last)
+      token_slots[:k] = np.where(pending, slots, -1)
+      sample_seqs[:k] = slots
+    else:
+      token_rows, seqs, lanes = [], [], []
+    row = k
+    for s, n in plan[k:] if k else plan:
       toks, start = s.tokens, s.num_cached
       end = start + n
       if toks[end - 1] == PENDING:  # sampled by the step in flight: on the device
@@ -159,16 +207,16 @@ class InputPacking:
       row += n
       if end == len(toks):  # the entry samples after this step
         g = s.group
-        k = len(seqs)
+        j = len(seqs)
         if g.unborn and not g.is_beam:  # the prompt's n samples, one row
           n_samples = g.params.n
           token_rows += [row - 1] * n_samples
           seqs += [s] * n_samples
           lanes += range(n_samples)
-          sample_seqs[k:k + n_samples] = s.slot
-          seed_offsets[k:k + n_samples] = np.arange(n_samples) - s.index
+          sample_seqs[j:j + n_samples] = s.slot
+          seed_offsets[j:j + n_samples] = np.arange(n_samples) - s.index
         else:
-          sample_seqs[k] = s.slot
+          sample_seqs[j] = s.slot
           token_rows.append(row - 1)
           seqs.append(s)
           lanes.append(s.index)

@@ -187,12 +187,14 @@ class Seq:
 
   __slots__ = ("group", "index", "tokens", "num_cached", "slot", "fork_from",
                "logprob", "last_token_time", "final", "done", "token_logprobs",
-               "hashes", "num_registered", "top_logprobs")
+               "hashes", "num_registered", "top_logprobs", "limit")
 
   def __init__(self, group: Group, index: int, tokens: list[int]):
     self.group = group
     self.index = index  # sample index (seed offset) or beam lane
     self.tokens = tokens  # prompt + generated; the last one may not be cached
+    # `len(tokens)` at the output budget (prompt + `max_new_tokens`).
+    self.limit = group.prompt_len + group.params.max_new_tokens
     self.num_cached = 0  # tokens whose K/V are in the cache
     self.slot = -1  # block-state sequence slot, -1 when not resident
     self.fork_from = -1  # slot to fork from at the next step, -1 = none

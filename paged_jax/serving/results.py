@@ -78,18 +78,33 @@ class Results:
     latency) waits for `resolve`."""
     for s in forks:
       s.fork_from = -1
-    computed = 0
-    for s, n in plan:
+    # The plan's steady decode rows (`packing.Plan`) first: entry, token row
+    # and sample row `i` are one, each appends one `PENDING` token.
+    k = getattr(plan, "decode_rows", 0)
+    computed = k
+    for s, n in plan[k:] if k else plan:
       s.num_cached += n
       computed += n
     self.stats.computed_tokens += computed
-    rows: list[int] = []  # the pending tokens, by column (`Pending`)
-    targets: list[Seq] = []
+    rows: list[int] = list(range(k))  # the pending tokens, by column (`Pending`)
+    targets: list[Seq] = samples.seqs[:k]
     indices: list[int] = []
     beam: list[BeamRow] = []
     finals = []
+    for t in targets:
+      toks = t.tokens
+      toks.append(PENDING)
+      t.num_cached += 1
+      indices.append(len(toks) - 1)
+      if len(toks) >= t.limit:  # its output budget
+        t.final = True
+        finals.append(t)
+    top = bool(k) and bool(self._slots.state.wants_top[x.sample_seqs[:k]].any())
+    if k:  # each row's token goes to its own slot
+      x.sample_slots[:k] = x.sample_seqs[:k]
     children: dict[int, Seq] = {}  # lane -> child of the prompt sampled now
-    for r, (s, lane) in enumerate(zip(samples.seqs, samples.lanes)):
+    tail = len(rows)
+    for r, s, lane in zip(range(k, len(samples)), samples.seqs[k:], samples.lanes[k:]):
       g = s.group
       if g.is_beam:
         beam.append(BeamRow(r, s))
@@ -111,19 +126,20 @@ class Results:
             g.live.append(child)
             children[child_lane] = child
           g.unborn = 0
+          self._irregular[[s.slot] + [c.slot for c in children.values()]] = False
       toks = t.tokens
       toks.append(PENDING)
       rows.append(r)
       targets.append(t)
       indices.append(len(toks) - 1)
-      if len(toks) - g.prompt_len >= g.params.max_new_tokens:
+      if len(toks) >= t.limit:
         t.final = True
         finals.append(t)
-    if rows:  # the slot each non-beam sample row's token goes to
-      x.sample_slots[np.asarray(rows, np.int32)] = [t.slot for t in targets]
+    if len(rows) > tail:  # the slot each other non-beam sample row's token goes to
+      x.sample_slots[np.asarray(rows[tail:], np.int32)] = [t.slot for t in targets[tail:]]
+      top = top or any(t.group.params.logprobs for t in targets[tail:])
     for t in finals:  # after every child exists (a parent may retire late)
       self._retire(t)
-    top = any(t.group.params.logprobs for t in targets)
     return Pending(rows, targets, indices, beam, len(plan), len(forks),
                    self._fingerprint, top)
 
@@ -138,7 +154,7 @@ class Results:
             and out.fork_ok[:pending.num_forks].all()):
       raise RuntimeError("the device refused what the host model granted: "
                          "the block states diverged (engine bug)")
-    if not np.array_equal(out.fingerprint, pending.fingerprint):
+    if (out.fingerprint != pending.fingerprint).any():
       raise RuntimeError(
           f"the device's block state fingerprint {out.fingerprint.tolist()} "
           f"differs from the host model's {pending.fingerprint.tolist()}: the "
@@ -150,14 +166,33 @@ class Results:
       top_lp, top_ids = out.top_logprobs.tolist(), out.top_ids.tolist()
     deltas = self._deltas if self.collect_deltas else None
     itls = []
-    for r, t, idx in pending.records:
-      if t.done:  # stopped by an EOS the step before; this token is void
-        continue
-      tok = tokens[r]
-      t.tokens[idx] = tok
-      self._take_token(t, idx, tok, logprobs[r],
-                       None if top_lp is None else (top_ids[r], top_lp[r]),
-                       now, deltas, itls)
+    if deltas is None and top_lp is None:
+      # No stream and no top log-probs: `_take_token` inlined, its finishing
+      # (`_end`) called only for a row that stops.
+      for r, t, idx in pending.records:
+        if t.done:  # stopped by an EOS the step before; this token is void
+          continue
+        tok = tokens[r]
+        toks = t.tokens
+        toks[idx] = tok
+        t.token_logprobs.append(logprobs[r])
+        last = t.last_token_time
+        if last is None:  # (its group's first token, unless a sibling's came)
+          self._first_token(t.group)
+        else:
+          itls.append(now - last)
+        t.last_token_time = now
+        if tok in t.group.eos or (t.final and idx == len(toks) - 1):
+          self._end(t, idx, tok)
+    else:
+      for r, t, idx in pending.records:
+        if t.done:  # stopped by an EOS the step before; this token is void
+          continue
+        tok = tokens[r]
+        t.tokens[idx] = tok
+        self._take_token(t, idx, tok, logprobs[r],
+                         None if top_lp is None else (top_ids[r], top_lp[r]),
+                         now, deltas, itls)
     self.stats.itl.add_many(itls)
     rows: dict[int, list] = {}
     for r, s in pending.beam:
@@ -187,18 +222,30 @@ class Results:
     if t.last_token_time is not None:
       itls.append(now - t.last_token_time)
     t.last_token_time = now
-    reason = None
-    if tok in g.eos:
-      reason = "stop"
-    elif t.final and idx == len(t.tokens) - 1:
-      reason = "length"
     if deltas is not None:
+      reason = self._reason(t, idx, tok)
       deltas.append(RequestDelta(g.request.request_id, t.index, [tok], reason,
                                  logprobs=[logprob],
                                  top_logprobs=None if top is None else [top]))
-    if reason is not None:
-      del t.tokens[idx + 1:]  # a token sampled after the EOS is void
-      self._finish_seq(t, reason)
+    if tok in g.eos or (t.final and idx == len(t.tokens) - 1):
+      self._end(t, idx, tok)
+
+  @staticmethod
+  def _reason(t: Seq, idx: int, tok: int) -> str | None:
+    """Why the token `tok` at `t.tokens[idx]` ends `t`: "stop" (an EOS or
+    stop id), "length" (its last token within the budget), or None."""
+    if tok in t.group.eos:
+      return "stop"
+    if t.final and idx == len(t.tokens) - 1:
+      return "length"
+    return None
+
+  def _end(self, t: Seq, idx: int, tok: int):
+    """Finishes `t` at its token `tok` (`t.tokens[idx]`, which ends it:
+    `_reason`); a token sampled after it is void."""
+    reason = self._reason(t, idx, tok)
+    del t.tokens[idx + 1:]
+    self._finish_seq(t, reason)
 
   def _first_token(self, g: Group):
     out = g.output

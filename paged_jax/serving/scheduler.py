@@ -51,7 +51,7 @@ from paged_jax.serving import spec_host
 from paged_jax.serving import window_pool
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.multistep_host import MultiStep
-from paged_jax.serving.packing import Bookkeeping, Entry, InputPacking
+from paged_jax.serving.packing import Bookkeeping, Entry, InputPacking, Plan
 from paged_jax.serving.prefix_offload import PrefixOffload
 from paged_jax.serving.prefix import (Candidate, PrefixCaching, Registration,
                                       register_rows)
@@ -167,6 +167,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     # `SlotState`, written when a sequence gets a slot (`_bind`: admission,
     # fork); only the rows written go to the device (`take_slot_updates`).
     self._slots = HostSlots(self.max_seqs, config.max_logit_bias)
+    self._irregular = np.zeros(self.max_seqs, bool)  # see `_bind`
     self._fork_pending = False  # a child may wait to fork (see `_forks`)
     self._init_swapping(initial_state)  # preemption by swap (`swap.py`)
     self._init_prefix_offload()  # the prefix cache's host level
@@ -284,6 +285,9 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     seq.slot = slot
     g = seq.group
     self._slots.bind(slot, g.params, seq.index, g.prompt_len, g.eos)
+    # Never a steady decode row (`Plan`): beam search, or a prompt whose
+    # samples are still to fork (cleared in `_commit` once they have).
+    self._irregular[slot] = g.is_beam or bool(g.unborn)
 
   def take_slot_updates(self, rows: int | None = None):
     """The slot-state rows written since the last call, for
@@ -326,6 +330,8 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     """Preempts `victim` (its whole group for beam search): its blocks are
     released, its tokens recomputed when it is admitted again (or swapped
     out: `swap.py`)."""
+    if isinstance(plan, Plan):  # an entry may leave its decode rows
+      plan.decode_rows = 0
     if self._swap_out_victim(victim, plan):
       return
     group = victim.group
@@ -367,19 +373,31 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     c = self.config
     bs = c.block_size
     budget = c.max_tokens_per_step
-    plan: list[Entry] = []
-    running = list(self._running)
+    running = self._running
     first = running[0] if running else None
-    growth = 0  # blocks the running entries take this step (no copies counted)
-    for i, seq in enumerate(running):
-      # Leave one token of budget for each running sequence after this one.
-      room = budget - (len(running) - 1 - i)
-      cached = seq.num_cached
-      n = min(len(seq.tokens) - cached, room)
-      if n > 0:
-        plan.append((seq, n))
-        budget -= n
-        growth += -(-(cached + n) // bs) - -(-cached // bs)
+    need = [len(s.tokens) - s.num_cached for s in running]
+    total = sum(need)
+    if total <= budget and (not need or min(need) >= 1):
+      # Every running entry gets all its tokens (then each one's room, the
+      # budget left after it minus one per later entry, holds them too).
+      plan = Plan(zip(running, need))
+      budget -= total
+      if total == len(need):  # one token each: steady decode (see `Plan`)
+        plan.decode_rows = len(need)
+    else:
+      plan = Plan()
+      for i, (seq, want) in enumerate(zip(running, need)):
+        # Leave one token of budget for each running sequence after this one.
+        n = min(want, budget - (len(running) - 1 - i))
+        if n > 0:
+          plan.append((seq, n))
+          budget -= n
+    admitted: list[Seq] = []
+    if not (self._waiting or self._swapped):  # nothing to admit: no scan
+      return plan, admitted, first
+    # Blocks the running entries take this step (no copies counted).
+    growth = sum(-(-(seq.num_cached + n) // bs) - -(-seq.num_cached // bs)
+                 for seq, n in plan)
     # Block-aware admission: a prompt is admitted only if its blocks leave
     # the running sequences room to grow for `admission_headroom_steps`
     # decode steps beyond this one (each crosses a block boundary once per
@@ -387,9 +405,6 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     # its recomputation. (An estimate: `_fit` stays exact.)
     free = self._pool.num_available - growth
     headroom = -(-len(plan) * c.admission_headroom_steps // bs)
-    admitted: list[Seq] = []
-    if not (self._waiting or self._swapped):  # nothing to admit: no scan
-      return plan, admitted, first
     rows = len(self._running) + sum(s.group.unborn for s in self._running
                                     if s.index == 0 and s.group.unborn)
     budget, rows = self._swap_in_admissions(plan, admitted, budget, rows)
@@ -437,7 +452,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     pool = self._pool
     while True:
       x = self._bookkeeping_inputs(plan, self.config.max_batch)
-      forks = int(np.sum(x.fork_parents >= 0))
+      forks = len(self._forks())
       pool.begin()
       fork_ok, res, cache_ok = pool.bookkeeping(*x)
       if not fork_ok[:forks].all():
@@ -447,9 +462,13 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
         pool.rollback()
         raise RuntimeError("a prefix-cache registration or hit was refused: "
                            "the index and the pool disagree (engine bug)")
-      refused = np.flatnonzero(~res.ok[:len(plan)])
-      if not refused.size:
+      granted = res.ok[:len(plan)].all()
+      refused = None if granted else np.flatnonzero(~res.ok[:len(plan)])
+      if granted:
         pool.commit()
+        k = getattr(plan, "decode_rows", 0)
+        if k and self._irregular[x.seq_ids[:k]].any():
+          plan.decode_rows = 0  # a beam or an unforked prompt among them
         self._fingerprint = pool.fingerprint()
         self._fitted = x  # `build_step` reuses them
         # A slot preempted here is released by this very step: blocks queued
