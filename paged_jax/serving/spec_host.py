@@ -291,12 +291,15 @@ def warmup(engine, buckets) -> None:
 
 
 def truncate(pool, seq_ids, new_lens) -> np.ndarray:
-  """`block_manager.truncate` on a `HostPool` without prefix caching (the
-  engine refuses speculation with it): each sequence keeps its first
-  `new_lens[i]` slots and the blocks holding them; a block past them drops
-  this sequence's reference and, at zero, goes back on the free stack
-  (ascending block ids, as the device pushes them). Journaled like every
-  `HostPool` change (`begin` / `rollback`).
+  """`block_manager.truncate` on a `HostPool`, in place: each sequence keeps
+  its first `new_lens[i]` slots and the blocks holding them; a block past
+  them drops this sequence's reference and, at zero, goes back on the free
+  stack (ascending block ids, as the device pushes them) or, with prefix
+  caching and registered (`cacheable`), to the tail of the cached-block
+  ring (entries in call order, each one's blocks last first, a block that
+  several entries drop counted at the last: `release`'s order). With
+  prefix caching a new end inside a cacheable block is refused, as on the
+  device. Journaled like every `HostPool` change (`begin` / `rollback`).
 
   Args:
     pool: the `HostPool`.
@@ -305,15 +308,10 @@ def truncate(pool, seq_ids, new_lens) -> np.ndarray:
 
   Returns:
     bool[n] `ok`, as `block_manager.truncate`'s.
-
-  Raises:
-    ValueError: if the pool has prefix caching.
   """
-  if pool.caching:
-    raise ValueError("spec_host.truncate models pools without prefix caching")
   seq_ids = np.asarray(seq_ids, np.int64)
   new_lens = np.asarray(new_lens, np.int64)
-  ms, bs = pool.max_seqs, pool.block_size
+  ms, bs, width = pool.max_seqs, pool.block_size, pool.width
   sid = np.clip(seq_ids, 0, ms - 1)
   length = pool.lens[sid].astype(np.int64)
   first = np.zeros(seq_ids.shape, bool)
@@ -323,28 +321,39 @@ def truncate(pool, seq_ids, new_lens) -> np.ndarray:
     seen.add(s)
   ok = ((seq_ids >= 0) & (seq_ids < ms) & (length > 0) & (new_lens >= 0)
         & (new_lens <= length) & first)
+  keep = -(-np.clip(new_lens, 0, length) // bs)  # blocks kept
+  if pool.caching:  # registered content is immutable: no new end inside it
+    end = pool.tables[sid, np.maximum(keep - 1, 0)]
+    ok &= ~((new_lens % bs != 0)
+            & pool.cacheable[np.clip(end, 0, pool.num_blocks - 1)])
   idx = np.flatnonzero(ok)
   if not idx.size:
     return ok
-  dropped = []
-  for i in idx.tolist():
-    s = int(seq_ids[i])
-    keep = -(-int(new_lens[i]) // bs)
-    have = -(-int(length[i]) // bs)
-    if have > keep:
-      cols = np.arange(keep, have)
-      dropped.append(pool.tables[s, cols].copy())
-      pool._set(pool.tables, (s, cols), -1)  # pylint: disable=protected-access
-    pool._set(pool.lens, s, int(new_lens[i]))  # pylint: disable=protected-access
-  if dropped:
-    blocks = np.concatenate(dropped)
-    pool._add_refs(blocks, -1)  # pylint: disable=protected-access
-    ids = np.unique(blocks)
-    freed = ids[pool.refs[ids] == 0]
-    if freed.size:
-      pool._set(pool.stack, np.arange(pool.num_free, pool.num_free + freed.size),  # pylint: disable=protected-access
-                freed)
-      pool.num_free += int(freed.size)
+  have = -(-length // bs)
+  n = have[idx] - keep[idx]  # blocks each entry drops
+  rows = np.repeat(idx, n)
+  cols = np.repeat(keep[idx], n) + (np.arange(int(n.sum()))
+                                    - np.repeat(np.cumsum(n) - n, n))
+  blocks = pool.tables[sid[rows], cols]
+  if blocks.size:
+    pool._set(pool.tables, (sid[rows], cols), -1)  # pylint: disable=protected-access
+  pool._set(pool.lens, sid[idx], new_lens[idx].astype(np.int32))  # pylint: disable=protected-access
+  if not blocks.size:
+    return ok
+  pool._add_refs(blocks, -1)  # pylint: disable=protected-access
+  ids = np.unique(blocks)
+  freed = ids[pool.refs[ids] == 0]  # ascending block ids
+  kept = freed[:0]
+  if pool.caching and freed.size:
+    kept, freed = freed[pool.cacheable[freed]], freed[~pool.cacheable[freed]]
+  if freed.size:
+    pool._set(pool.stack, np.arange(pool.num_free, pool.num_free + freed.size),  # pylint: disable=protected-access
+              freed)
+    pool.num_free += int(freed.size)
+  if kept.size:  # release order: entries as given, each one's blocks last first
+    last = np.full(pool.num_blocks, -1, np.int64)
+    np.maximum.at(last, blocks, rows * width + (width - 1 - cols))
+    pool._append_ring(kept[np.argsort(last[kept], kind="stable")])  # pylint: disable=protected-access
   return ok
 
 
