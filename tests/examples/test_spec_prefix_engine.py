@@ -111,8 +111,9 @@ def _cached_blocks_agree(spec: Engine, plain: Engine, requests: list[list[int]])
   rejected draft's K/V would differ. Returns the blocks compared."""
   (a,), (b,) = spec._pools, plain._pools  # pylint: disable=protected-access
   ia, ib = a.prefix_index, b.prefix_index
-  ka, kb = jax.device_get(spec._runner.cache), jax.device_get(plain._runner.cache)  # pylint: disable=protected-access
-  ka, kb = (ka[0], kb) if isinstance(ka, tuple) else (ka, kb)
+  runners = (spec._runner, plain._runner)  # pylint: disable=protected-access
+  ka, kb = (jax.device_get(r.cache) for r in runners)
+  ka = ka[0] if isinstance(ka, tuple) else ka  # a draft's pair: the target's
   pairs = set()
   for tokens in requests:
     for x, y in zip(ia.lookup(ia.block_hashes(tokens)), ib.lookup(ib.block_hashes(tokens))):
