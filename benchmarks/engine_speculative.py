@@ -15,11 +15,20 @@ is recorded per case.
 
   PYTHONPATH=. python benchmarks/engine_speculative.py [--rounds 2] [--new 48]
       [--batches 1,4,16] [--temperatures 0,0.8] [--workloads copying,chat]
-      [--method ngram|draft_model] [--draft-layers 2]
+      [--method ngram|draft_model] [--draft-layers 2] [--prefix-caching]
 
 `--method draft_model`: the draft is SmolLM2 itself cut to its first
 `--draft-layers` layers (`{"method": "draft_model", "draft_num_layers": n}`,
 `serving.spec_draft`), proposing `num_speculative_tokens` on the device.
+
+`--prefix-caching` turns on prefix caching in both engines and reports the
+prefix-cache hit rate (prompt tokens served from the cache / prompt
+tokens), spec on and off. The `questions` workload is made for it: several
+questions about one passage (the chat template and the passage are a
+shared prefix), then, once they are answered, a follow-up to each (its
+prompt is the first prompt, the answer and a new question), so the second
+wave's hits reach into the blocks that the first wave's decode (with
+speculation: its verification steps) wrote; both waves are timed.
 """
 
 from __future__ import annotations
@@ -49,6 +58,10 @@ CHAT = ["What are three good habits for staying healthy?",
         "Write a short poem about the autumn.",
         "Explain what a computer network is to a child.",
         "Give me some ideas for a weekend trip."]
+QUESTIONS = [f"Read the passage, then answer the question.\n\n{PASSAGE}\n\nQuestion: {q}"
+             for q in ("Where does the river rise?", "Which bank are the towns on?",
+                       "What do the farmers grow?", "Where do the birds gather?")]
+FOLLOW_UP = "Now quote the sentence of the passage that says so."
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2,
                          prompt_lookup_max=4)
 BLOCK_SIZE = 16
@@ -60,23 +73,46 @@ def prompts(tokenizer, texts):
       [{"role": "user", "content": t}]), add_special_tokens=False) for t in texts]
 
 
+def follow_up_ids(tokenizer) -> list[int]:
+  """The tokens that close an answer and ask `FOLLOW_UP` (chat template)."""
+  text = tokenizer.apply_chat_template(
+      [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+       {"role": "user", "content": FOLLOW_UP}])
+  return tokenizer.encode(text[text.index("y") + 1:], add_special_tokens=False)
+
+
 def run_case(model, prompt_ids, batch: int, new: int, spec,
-             temperature: float = 0.0) -> dict:
+             temperature: float = 0.0, caching: bool = False,
+             follow_up: list[int] | None = None) -> dict:
   """One engine serving `batch` requests; `spec`: a `SpeculativeConfig`, or
-  None (off)."""
+  None (off). With `follow_up` (tokens), a second wave of `batch` requests,
+  each the first wave's prompt, its answer and `follow_up`, once the first
+  is done."""
   prompt_ids = [prompt_ids[i % len(prompt_ids)] for i in range(batch)]
-  longest = max(len(p) for p in prompt_ids) + new
+  waves = 2 if follow_up else 1
+  longest = max(len(p) for p in prompt_ids) + waves * new + len(follow_up or ())
   engine = Engine(model, EngineConfig(
-      num_blocks=batch * -(-longest // BLOCK_SIZE) + 8, block_size=BLOCK_SIZE,
+      # every wave's blocks fit with the first wave's cached: no eviction
+      num_blocks=waves * batch * -(-longest // BLOCK_SIZE) + 8, block_size=BLOCK_SIZE,
       max_batch=batch, max_tokens_per_step=TOKENS, max_model_len=longest,
       min_bucket=TOKENS, bucket_midpoints=False,  # one decode, one mixed shape
-      speculative_config=spec or None))
+      enable_prefix_caching=caching, speculative_config=spec or None))
   engine.warmup()
+
+  def params(i):
+    return SamplingParams(max_new_tokens=new, ignore_eos=True,
+                          temperature=temperature, seed=i)
+
   for i in range(batch):
-    engine.add_request(Request(i, prompt_ids[i], SamplingParams(
-        max_new_tokens=new, ignore_eos=True, temperature=temperature, seed=i)))
+    engine.add_request(Request(i, prompt_ids[i], params(i)))
   t0, c0 = time.perf_counter(), time.process_time()
   outs = engine.run_until_done()
+  if follow_up:
+    first = {o.request_id: o.completions[0].token_ids for o in outs}
+    for i in range(batch):
+      engine.add_request(Request(batch + i, prompt_ids[i] + first[i] + follow_up,
+                                 params(batch + i)))
+    outs += engine.run_until_done()
   cpu = time.process_time() - c0
   st = engine.stats
   # The verification step compiles on first use (once per process, shared
@@ -93,6 +129,10 @@ def run_case(model, prompt_ids, batch: int, new: int, spec,
           "acceptance_rate": st.acceptance_rate,
           "mean_accepted_length": st.mean_accepted_length,
           "steps": st.steps, "compile_s": st.compile_seconds,
+          "prefix_hit_rate": st.prefix_hit_tokens / max(st.prefix_queried_tokens, 1),
+          # the second wave's alone: hits into the first wave's answers
+          "follow_up_hit_rate": (sum(o.num_cached_tokens for o in outs[batch:])
+                                 / max(sum(o.prompt_len for o in outs[batch:]), 1)),
           "outputs": {o.request_id: o.completions[0].token_ids for o in outs}}
 
 
@@ -106,6 +146,8 @@ def main(argv=None):
   ap.add_argument("--method", default="ngram", choices=("ngram", "draft_model"))
   ap.add_argument("--draft-layers", type=int, default=2,
                   help="draft_model: the target's first layers kept")
+  ap.add_argument("--prefix-caching", action="store_true",
+                  help="prefix caching in both engines; report the hit rates")
   ap.add_argument("--json", default=None, help="append the medians to this file")
   args = ap.parse_args(argv)
   spec = SPEC if args.method == "ngram" else SpeculativeConfig(
@@ -113,7 +155,9 @@ def main(argv=None):
       draft_num_layers=args.draft_layers)
   loaded = loader.load("smollm2")
   work = {"copying": prompts(loaded.tokenizer, COPYING),
-          "chat": prompts(loaded.tokenizer, CHAT)}
+          "chat": prompts(loaded.tokenizer, CHAT),
+          "questions": prompts(loaded.tokenizer, QUESTIONS)}
+  follow = {"questions": follow_up_ids(loaded.tokenizer)}
   work = {w: work[w] for w in args.workloads.split(",")}
   batches = [int(b) for b in args.batches.split(",")]
   temps = [float(t) for t in args.temperatures.split(",")]
@@ -122,8 +166,10 @@ def main(argv=None):
     for name, ids in work.items():
       for batch in batches:
         for temp in temps:
-          off = run_case(loaded.model, ids, batch, args.new, None, temp)
-          on = run_case(loaded.model, ids, batch, args.new, spec, temp)
+          case = (loaded.model, ids, batch, args.new)
+          kw = dict(caching=args.prefix_caching, follow_up=follow.get(name))
+          off = run_case(*case, None, temp, **kw)
+          on = run_case(*case, spec, temp, **kw)
           assert on["outputs"] == off["outputs"], (name, batch, temp, "outputs differ")
           runs.setdefault((name, batch, temp), []).append((off, on))
           print(f"round {rnd} {name:8s} batch {batch:2d} T={temp}: off "
@@ -132,14 +178,21 @@ def main(argv=None):
                 f"tok/s {on['tokens_per_cpu_s']:6.1f} tok/cpu-s ({on['steps']} "
                 f"steps, {on['spec_steps']} verifying), acceptance "
                 f"{on['acceptance_rate']:.2f}, mean accepted "
-                f"{on['mean_accepted_length']:.2f}, load {on['load_average']:.1f}",
+                f"{on['mean_accepted_length']:.2f}, prefix hits off "
+                f"{off['prefix_hit_rate']:.3f} on {on['prefix_hit_rate']:.3f} "
+                f"(follow-ups {off['follow_up_hit_rate']:.3f} / "
+                f"{on['follow_up_hit_rate']:.3f}), load {on['load_average']:.1f}",
                 flush=True)
   rows = []
   for (name, batch, temp), rs in runs.items():
     med = lambda f, i: statistics.median(r[i][f] for r in rs)  # noqa: E731
     ratio = lambda f: statistics.median(r[1][f] / r[0][f] for r in rs)  # noqa: E731
     row = {"workload": name, "batch": batch, "temperature": temp,
-           "method": args.method,
+           "method": args.method, "prefix_caching": args.prefix_caching,
+           "prefix_hit_rate_off": med("prefix_hit_rate", 0),
+           "prefix_hit_rate_on": med("prefix_hit_rate", 1),
+           "follow_up_hit_rate_off": med("follow_up_hit_rate", 0),
+           "follow_up_hit_rate_on": med("follow_up_hit_rate", 1),
            "tokens_per_s_off": med("tokens_per_s", 0),
            "tokens_per_s_on": med("tokens_per_s", 1),
            "tokens_per_cpu_s_off": med("tokens_per_cpu_s", 0),
@@ -158,7 +211,10 @@ def main(argv=None):
           f"({row['speedup']:.2f}x; per CPU-s {row['speedup_per_cpu_s']:.2f}x), TPOT "
           f"{row['tpot_ms_off']:.1f} -> {row['tpot_ms_on']:.1f} ms, acceptance "
           f"{row['acceptance_rate']:.2f}, mean accepted "
-          f"{row['mean_accepted_length']:.2f}, load {row['load_average']:.1f}",
+          f"{row['mean_accepted_length']:.2f}, prefix hits "
+          f"{row['prefix_hit_rate_off']:.3f} -> {row['prefix_hit_rate_on']:.3f} "
+          f"(follow-ups {row['follow_up_hit_rate_off']:.3f} -> "
+          f"{row['follow_up_hit_rate_on']:.3f}), load {row['load_average']:.1f}",
           flush=True)
   if args.json:
     with open(args.json, "a", encoding="utf-8") as f:

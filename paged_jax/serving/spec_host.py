@@ -36,9 +36,16 @@ row's drafts (`room` above) and the draft model proposes them inside the
 verification step; every ordinary step also runs the draft over its
 tokens (`spec_draft.DraftPair`), so its KV stays level with the target's.
 
+With prefix caching, the step's bookkeeping registers only blocks full
+within `seq_lens` before the step (no draft is in one yet), the draft
+reserve's evictions leave the host index as every reserve's do, and the
+rollback runs in the same program, so no later step can register a block
+holding a rejected draft; `truncate` models the cached-block ring and
+would refuse (as the device does) a new end inside a registered block.
+
 Refused with speculation, by name: beam search (`max_beam_width > 1`,
-`beam_width > 1`), `n > 1`, prefix caching, multi-step decode and a device
-mesh.
+`beam_width > 1`), `n > 1`, multi-step decode, the prefix cache's host
+level (`kv_offloading_size`) and a device mesh.
 """
 
 from __future__ import annotations
@@ -71,13 +78,12 @@ def check_config(config):
                      f"SpeculativeConfig.from_json(...)), got {spec!r}")
   for bad, name in ((config.max_beam_width > 1, f"max_beam_width={config.max_beam_width} "
                      "(beam search)"),
-                    (config.enable_prefix_caching, "enable_prefix_caching"),
                     (config.num_scheduler_steps > 1,
                      f"num_scheduler_steps={config.num_scheduler_steps}")):
     if bad:
       raise ValueError(f"speculative_config cannot be combined with {name}; "
                        "speculative decoding supports single-sample "
-                       "requests on one device without prefix caching")
+                       "requests on one device, one step per dispatch")
 
 
 def check_mesh(config, mesh):
@@ -291,12 +297,15 @@ def warmup(engine, buckets) -> None:
 
 
 def truncate(pool, seq_ids, new_lens) -> np.ndarray:
-  """`block_manager.truncate` on a `HostPool` without prefix caching (the
-  engine refuses speculation with it): each sequence keeps its first
-  `new_lens[i]` slots and the blocks holding them; a block past them drops
-  this sequence's reference and, at zero, goes back on the free stack
-  (ascending block ids, as the device pushes them). Journaled like every
-  `HostPool` change (`begin` / `rollback`).
+  """`block_manager.truncate` on a `HostPool`, in place: each sequence keeps
+  its first `new_lens[i]` slots and the blocks holding them; a block past
+  them drops this sequence's reference and, at zero, goes back on the free
+  stack (ascending block ids, as the device pushes them) or, with prefix
+  caching and registered (`cacheable`), to the tail of the cached-block
+  ring (entries in call order, each one's blocks last first, a block that
+  several entries drop counted at the last: `release`'s order). With
+  prefix caching a new end inside a cacheable block is refused, as on the
+  device. Journaled like every `HostPool` change (`begin` / `rollback`).
 
   Args:
     pool: the `HostPool`.
@@ -305,15 +314,11 @@ def truncate(pool, seq_ids, new_lens) -> np.ndarray:
 
   Returns:
     bool[n] `ok`, as `block_manager.truncate`'s.
-
-  Raises:
-    ValueError: if the pool has prefix caching.
   """
-  if pool.caching:
-    raise ValueError("spec_host.truncate models pools without prefix caching")
   seq_ids = np.asarray(seq_ids, np.int64)
   new_lens = np.asarray(new_lens, np.int64)
-  ms, bs = pool.max_seqs, pool.block_size
+  ms, bs, width = pool.max_seqs, pool.block_size, pool.width
+  put = pool._set  # pylint: disable=protected-access  (journaled writes)
   sid = np.clip(seq_ids, 0, ms - 1)
   length = pool.lens[sid].astype(np.int64)
   first = np.zeros(seq_ids.shape, bool)
@@ -323,28 +328,39 @@ def truncate(pool, seq_ids, new_lens) -> np.ndarray:
     seen.add(s)
   ok = ((seq_ids >= 0) & (seq_ids < ms) & (length > 0) & (new_lens >= 0)
         & (new_lens <= length) & first)
+  keep = -(-np.clip(new_lens, 0, length) // bs)  # blocks kept
+  if pool.caching:  # registered content is immutable: no new end inside it
+    end = pool.tables[sid, np.maximum(keep - 1, 0)]
+    ok &= ~((new_lens % bs != 0)
+            & pool.cacheable[np.clip(end, 0, pool.num_blocks - 1)])
   idx = np.flatnonzero(ok)
   if not idx.size:
     return ok
-  dropped = []
-  for i in idx.tolist():
-    s = int(seq_ids[i])
-    keep = -(-int(new_lens[i]) // bs)
-    have = -(-int(length[i]) // bs)
-    if have > keep:
-      cols = np.arange(keep, have)
-      dropped.append(pool.tables[s, cols].copy())
-      pool._set(pool.tables, (s, cols), -1)  # pylint: disable=protected-access
-    pool._set(pool.lens, s, int(new_lens[i]))  # pylint: disable=protected-access
-  if dropped:
-    blocks = np.concatenate(dropped)
-    pool._add_refs(blocks, -1)  # pylint: disable=protected-access
-    ids = np.unique(blocks)
-    freed = ids[pool.refs[ids] == 0]
-    if freed.size:
-      pool._set(pool.stack, np.arange(pool.num_free, pool.num_free + freed.size),  # pylint: disable=protected-access
-                freed)
-      pool.num_free += int(freed.size)
+  have = -(-length // bs)
+  n = have[idx] - keep[idx]  # blocks each entry drops
+  rows = np.repeat(idx, n)
+  cols = np.repeat(keep[idx], n) + (np.arange(int(n.sum()))
+                                    - np.repeat(np.cumsum(n) - n, n))
+  blocks = pool.tables[sid[rows], cols]
+  if blocks.size:
+    put(pool.tables, (sid[rows], cols), -1)
+  put(pool.lens, sid[idx], new_lens[idx].astype(np.int32))
+  if not blocks.size:
+    return ok
+  pool._add_refs(blocks, -1)  # pylint: disable=protected-access
+  ids = np.unique(blocks)
+  freed = ids[pool.refs[ids] == 0]  # ascending block ids
+  kept = freed[:0]
+  if pool.caching and freed.size:
+    kept, freed = freed[pool.cacheable[freed]], freed[~pool.cacheable[freed]]
+  if freed.size:
+    put(pool.stack, np.arange(pool.num_free, pool.num_free + freed.size), freed)
+    pool.num_free += int(freed.size)
+  if kept.size:  # release order: entries as given, each one's blocks last first
+    last = np.full(pool.num_blocks, -1, np.int64)
+    np.maximum.at(last, blocks, rows * width + (width - 1 - cols))
+    ring = pool._append_ring  # pylint: disable=protected-access
+    ring(kept[np.argsort(last[kept], kind="stable")])
   return ok
 
 
@@ -385,6 +401,9 @@ def dispatch(engine, built, bucket, drafts):
     if not (d[bad] > 0).any():
       raise RuntimeError("a reservation of 0 drafts was refused (engine bug)")
     d[bad] = 0
+  index = sched.prefix_index
+  if index is not None and res.evicted is not None:  # cached blocks the drafts took
+    engine.stats.prefix_blocks_evicted += index.evict(res.evicted[res.evicted >= 0])
   budget = choose_budget(draft_budgets(S, k), int(d.sum()))
   si = _inputs(x, drafts, d, k, budget)
   out = dispatch_spec(engine._runner, bucket, x, si)  # pylint: disable=protected-access
@@ -419,7 +438,9 @@ def resolve(engine, flight) -> float:
   pool = sched._pool  # pylint: disable=protected-access
   ids = np.where(real, sp.seq_ids, -1)
   keep = pool.lens[np.clip(ids, 0, pool.max_seqs - 1)] - (sp.num_draft - accepted)
-  truncate(pool, ids, np.where(real, keep, 0))
+  if not truncate(pool, ids, np.where(real, keep, 0))[real].all():
+    raise RuntimeError("the rollback of a verification step was refused (a new "
+                       "end inside a registered block: engine bug)")
   sched._fingerprint = pool.fingerprint()  # pylint: disable=protected-access
   pending.fingerprint = sched._fingerprint  # pylint: disable=protected-access
   sched.resolve(pending, StepOutputs(out.tokens[:, 0], None, None, out.ok,

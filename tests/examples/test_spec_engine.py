@@ -132,7 +132,6 @@ def test_a_request_that_stops_on_an_accepted_draft_stops_there(model):
 
 @pytest.mark.parametrize("kw,name", [
     (dict(max_beam_width=2), "max_beam_width=2 (beam search)"),
-    (dict(enable_prefix_caching=True), "enable_prefix_caching"),
     (dict(num_scheduler_steps=4), "num_scheduler_steps=4"),
 ])
 def test_unsupported_configs_are_refused_by_name(kw, name):
@@ -162,10 +161,10 @@ def test_speculative_config_flag(capsys):
   assert args.speculative_config == SpeculativeConfig(
       num_speculative_tokens=2, prompt_lookup_min=4, prompt_lookup_max=4)
   assert generate.parse_args([]).speculative_config is None
-  code = generate.main(["--speculative-config", flag, "--enable-prefix-caching",
+  code = generate.main(["--speculative-config", flag, "--num-scheduler-steps", "4",
                         "--num-requests", "1", "--no-progress"])
   assert code == 2
-  assert ("--speculative-config cannot be combined with --enable-prefix-caching"
+  assert ("--speculative-config cannot be combined with --num-scheduler-steps"
           in capsys.readouterr().err)
   with pytest.raises(SystemExit):
     generate.parse_args(["--speculative-config", '{"method": "eagle"}'])
