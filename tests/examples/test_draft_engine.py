@@ -75,6 +75,9 @@ def _requests(**params) -> list:
           ] + random_requests(3, 3, prompt=(3, 14), new=(6, 18), **params)
 
 
+# By default the identical draft runs with prefix caching and preemption
+# (test_spec_prefix_engine.py: acceptance 1.0, both caches poisoned).
+@pytest.mark.slow
 def test_a_draft_identical_to_the_target_accepts_every_proposal(model):
   """The strongest check of the draft's cache: its KV, written by ordinary
   steps and by its own decode loop at the target's slots, gives the

@@ -119,6 +119,7 @@ def test_swap_preemption_is_refused_by_name(model):
     engine.resize_kv_cache(2 * POOL)
 
 
+@pytest.mark.slow  # the suite's time: greedy resizes run by default
 def test_sampled_tokens_are_unchanged_by_a_resize(model):
   sampled = dict(temperature=0.9, top_p=0.9)
   want = _serve(make_engine(model, POOL, **SHAPES), _requests(5, **sampled))

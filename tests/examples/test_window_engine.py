@@ -118,8 +118,9 @@ def _all_free(engine) -> bool:
 
 
 @pytest.mark.parametrize("kind, async_scheduling", [
-    ("mistral", True), ("mistral", False), ("gemma3", True),
-    pytest.param("gemma3", False, marks=pytest.mark.slow)])  # the suite's time
+    ("mistral", False), ("gemma3", True),  # one synchronous, one asynchronous
+    pytest.param("mistral", True, marks=pytest.mark.slow),  # the suite's time
+    pytest.param("gemma3", False, marks=pytest.mark.slow)])
 def test_reclamation_gives_the_outputs_of_keeping_every_block(
     request, kind, async_scheduling):
   model = request.getfixturevalue(kind)

@@ -239,20 +239,35 @@ def test_cli_errors_are_one_line(capsys, args, match):
   assert re.search(match, lines[0]), lines[0]
 
 
-def test_module_entry_point():
+def _run_main(argv, capsys) -> tuple[int, str]:
+  try:
+    rc = capacity.main(argv)
+  except SystemExit as e:  # argparse's own errors
+    rc = e.code
+  return rc, capsys.readouterr().err
+
+
+BAD_VALUES = (["--avg-tokens", "0"], [*EXAMPLE_80.split(), "--mem-gib", "1e99999999", "--json"],
+              [*EXAMPLE_80.split(), "--params", "inf"])
+
+
+def test_module_entry_point(capsys):
   result = subprocess.run(
       [sys.executable, "-m", "paged_jax.capacity", *EXAMPLE_80.split(), "--json"],
       capture_output=True, text=True, check=True)
   assert json.loads(result.stdout)["concurrency_ratio"] == 16.0
-  # Bad values end to end: one line, exit 2, no traceback, no hang.
-  for bad in (["--avg-tokens", "0"], [*EXAMPLE_80.split(), "--mem-gib", "1e99999999", "--json"],
-              [*EXAMPLE_80.split(), "--params", "inf"]):
-    result = subprocess.run(
-        [sys.executable, "-m", "paged_jax.capacity", *bad],
-        capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2
-    assert result.stderr.count("\n") == 1, result.stderr
-    assert result.stderr.startswith("python -m paged_jax.capacity: error: ")
+  # A bad value end to end (a process of its own: exit 2, one line, no
+  # traceback, no hang); the others through `main`, which the module runs.
+  result = subprocess.run([sys.executable, "-m", "paged_jax.capacity", *BAD_VALUES[0]],
+                          capture_output=True, text=True, timeout=60)
+  assert result.returncode == 2
+  assert result.stderr.count("\n") == 1, result.stderr
+  assert result.stderr.startswith("python -m paged_jax.capacity: error: ")
+  for bad in BAD_VALUES:
+    rc, err = _run_main(bad, capsys)
+    assert rc == 2
+    assert err.count("\n") == 1, err
+    assert err.startswith("python -m paged_jax.capacity: error: ")
 
 
 # Published Hugging Face config.json values of each preset: vocab, hidden,
