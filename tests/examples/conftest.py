@@ -6,6 +6,8 @@ Every engine in these tests uses the same model structure and the sizes in
 
 from __future__ import annotations
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,36 @@ from paged_jax.models.llama import model as model_lib
 from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
+
+# Which worker runs what (`--dist loadgroup`, pyproject's addopts): each
+# distinct engine configuration compiles its step programs once per process
+# (`paged_jax.serving.compiler`); a second worker pays the tracing and
+# lowering again (about half a step's compile on CPU; the persistent cache
+# saves only XLA's part). So the modules whose engines share sizes (`SIZES`,
+# `BIG_POOL`, `SMALL_POOL`, the CLI's 32-block pool of test_generate.SMALL)
+# run on one worker, one after another, and every other module runs whole on
+# one worker (its own configurations compile once). On 2026-12-04 (loaded
+# 2-core AMD EPYC, JAX 0.10.2) the default `load` compiled 43 step programs
+# of tests/examples on both workers; see BUILD.md's suite section.
+SHARED_SIZES_GROUP = "examples-shared-sizes"
+SHARED_SIZES_MODULES = frozenset({
+    "test_async", "test_engine", "test_engine_model", "test_engine_text_support",
+    "test_generate", "test_generate_text", "test_multihost", "test_multistep",
+    "test_prefix_engine", "test_prefix_offload_engine", "test_resize_engine",
+    "test_serving_api", "test_spec_engine", "test_swap_engine"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+def pytest_collection_modifyitems(config, items):
+  del config
+  here = pathlib.Path(__file__).parent
+  for item in items:
+    if item.path.parent != here:
+      continue
+    name = item.path.stem
+    item.add_marker(pytest.mark.xdist_group(
+        SHARED_SIZES_GROUP if name in SHARED_SIZES_MODULES else f"examples-{name}"))
+
 
 SIZES = dict(block_size=4, max_batch=4, max_tokens_per_step=16, max_model_len=64,
              min_bucket=8, bucket_midpoints=False)  # decode 4; mixed 8, 16
