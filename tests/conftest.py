@@ -1,4 +1,5 @@
 import os
+import re
 
 import pytest
 
@@ -54,6 +55,52 @@ def pytest_unconfigure(config):
   if getattr(config, "_paged_jax_cache_owner", False):
     import shutil  # pylint: disable=import-outside-toplevel
     shutil.rmtree(os.environ.pop(_CACHE_ENV), ignore_errors=True)
+
+
+# Which xdist worker runs what. Each distinct engine configuration compiles
+# its step programs once per process (`paged_jax.serving.compiler`); a second
+# worker pays the tracing and lowering again (about half of a step's compile
+# on CPU: the persistent cache above saves only XLA's part). So the engine
+# test modules whose engines share sizes (tests/examples/conftest.py's
+# `SIZES`, `BIG_POOL`, `SMALL_POOL`, and test_generate's 32-block CLI pool)
+# are one unit of work, run on one worker one after another, and every other
+# module of tests/examples is a unit of its own (its configurations compile
+# on one worker); every other test is its own unit, as with xdist's default
+# `--dist load`. (pytest-xdist's `--dist loadgroup` would do it with marks,
+# but 3.8 renames the node ids to group them, which pytest 9 ignores.) On
+# 2026-12-04 (loaded 2-core AMD EPYC, JAX 0.10.2) the default scheduling
+# compiled 43 of tests/examples' step programs on both workers; BUILD.md's
+# suite section has the times.
+SHARED_ENGINE_SIZES = frozenset({
+    "test_async", "test_engine", "test_engine_model", "test_engine_text_support",
+    "test_generate", "test_generate_text", "test_multihost", "test_multistep",
+    "test_prefix_engine", "test_prefix_offload_engine", "test_resize_engine",
+    "test_serving_api", "test_spec_engine", "test_swap_engine"})
+_EXAMPLE = re.compile(r"tests/examples/(test_\w+)\.py::")
+
+
+def work_unit(nodeid: str) -> str:
+  """The unit of work (run whole by one worker) that test `nodeid` is in."""
+  m = _EXAMPLE.match(nodeid)
+  if m is None:
+    return nodeid
+  return ("tests/examples:shared-sizes" if m.group(1) in SHARED_ENGINE_SIZES
+          else m.group(0))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+  """xdist's default (`--dist load`) becomes `work_unit`'s scheduling (its
+  largest units first); any other `--dist` is xdist's own."""
+  if config.getvalue("dist") != "load":
+    return None
+  from xdist.scheduler import LoadScopeScheduling  # pylint: disable=import-outside-toplevel
+
+  class WorkUnits(LoadScopeScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+      return work_unit(nodeid)
+
+  return WorkUnits(config, log)
 
 
 # Compiled executables keep memory maps: a small program about six, an

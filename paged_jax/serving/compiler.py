@@ -28,6 +28,7 @@ from typing import Callable, Hashable
 import jax
 
 _TABLE: dict[Hashable, jax.stages.Compiled] = {}
+_USES: dict[Hashable, int] = {}  # `compile_all` calls that asked for each key
 _LOCK = threading.Lock()
 _COUNT = 0
 
@@ -50,18 +51,27 @@ def spec(a, sharding=None) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
 
 
-def clear() -> int:
-  """Forgets every executable in the process-wide table, so that they can be
-  freed (an engine that still holds its own keeps them alive); later engines
-  compile again. For processes that build many engines of different sizes
-  (tests, sweeps): each CPU executable of a serving step keeps hundreds of
-  memory maps, and Linux's default limit per process is 65,530
-  (`vm.max_map_count`). Returns how many were dropped; `compiled_count` is
-  not reset."""
+def use_counts() -> dict[Hashable, int]:
+  """`{key: how many compile_all calls asked for it}` (compiled or found)
+  for every executable in the table."""
   with _LOCK:
-    n = len(_TABLE)
-    _TABLE.clear()
-  return n
+    return {k: _USES.get(k, 0) for k in _TABLE}
+
+
+def clear(keep: Callable[[Hashable], bool] | None = None) -> int:
+  """Forgets the executables in the process-wide table (all, or those whose
+  key `keep` does not accept), so that they can be freed (an engine that
+  still holds its own keeps them alive); later engines compile again. For
+  processes that build many engines of different sizes (tests, sweeps):
+  each CPU executable of a serving step keeps hundreds of memory maps, and
+  Linux's default limit per process is 65,530 (`vm.max_map_count`). Returns
+  how many were dropped; `compiled_count` is not reset."""
+  with _LOCK:
+    drop = [k for k in _TABLE if keep is None or not keep(k)]
+    for k in drop:
+      del _TABLE[k]
+      _USES.pop(k, None)
+  return len(drop)
 
 
 def compile_all(jobs: dict[Hashable, Callable[[], jax.stages.Lowered]],
@@ -79,6 +89,8 @@ def compile_all(jobs: dict[Hashable, Callable[[], jax.stages.Lowered]],
   global _COUNT
   t0 = time.perf_counter()
   with _LOCK:
+    for k in jobs:
+      _USES[k] = _USES.get(k, 0) + 1
     todo = {k: fn for k, fn in jobs.items() if k not in _TABLE}
     if todo:
       lowered = {k: fn() for k, fn in todo.items()}  # tracing: one at a time

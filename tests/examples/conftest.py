@@ -6,7 +6,8 @@ Every engine in these tests uses the same model structure and the sizes in
 
 from __future__ import annotations
 
-import pathlib
+import collections
+import gc
 
 import jax
 import jax.numpy as jnp
@@ -16,38 +17,35 @@ from flax import nnx
 
 from paged_jax import block_manager as bm
 from paged_jax.models.llama import model as model_lib
+from paged_jax.serving import compiler
 from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
+from tests import conftest as root_conftest
 
-# Which worker runs what (`--dist loadgroup`, pyproject's addopts): each
-# distinct engine configuration compiles its step programs once per process
-# (`paged_jax.serving.compiler`); a second worker pays the tracing and
-# lowering again (about half a step's compile on CPU; the persistent cache
-# saves only XLA's part). So the modules whose engines share sizes (`SIZES`,
-# `BIG_POOL`, `SMALL_POOL`, the CLI's 32-block pool of test_generate.SMALL)
-# run on one worker, one after another, and every other module runs whole on
-# one worker (its own configurations compile once). On 2026-12-04 (loaded
-# 2-core AMD EPYC, JAX 0.10.2) the default `load` compiled 43 step programs
-# of tests/examples on both workers; see BUILD.md's suite section.
-SHARED_SIZES_GROUP = "examples-shared-sizes"
-SHARED_SIZES_MODULES = frozenset({
-    "test_async", "test_engine", "test_engine_model", "test_engine_text_support",
-    "test_generate", "test_generate_text", "test_multihost", "test_multistep",
-    "test_prefix_engine", "test_prefix_offload_engine", "test_resize_engine",
-    "test_serving_api", "test_spec_engine", "test_swap_engine"})
+# Which step programs a worker keeps when it passes the memory-map high water
+# (`tests/conftest.py`, whose fixture of this name this one replaces here):
+# those that two or more modules of this process asked for (the shared sizes'
+# steps, which the next module of the group above will ask for again) stay,
+# the rest go. If what stays still holds more than half the high water,
+# everything goes, as there.
+_MODULES_ASKING: collections.Counter = collections.Counter()
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
-def pytest_collection_modifyitems(config, items):
-  del config
-  here = pathlib.Path(__file__).parent
-  for item in items:
-    if item.path.parent != here:
-      continue
-    name = item.path.stem
-    item.add_marker(pytest.mark.xdist_group(
-        SHARED_SIZES_GROUP if name in SHARED_SIZES_MODULES else f"examples-{name}"))
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_memory_maps():  # pylint: disable=protected-access
+  before = compiler.use_counts()
+  yield
+  for key, n in compiler.use_counts().items():
+    if n > before.get(key, 0):
+      _MODULES_ASKING[key] += 1
+  if root_conftest._map_count() > root_conftest._MAPS_HIGH_WATER:
+    compiler.clear(keep=lambda key: _MODULES_ASKING[key] >= 2)
+    jax.clear_caches()
+    gc.collect()
+    if root_conftest._map_count() > root_conftest._MAPS_HIGH_WATER // 2:
+      compiler.clear()
+      gc.collect()
 
 
 SIZES = dict(block_size=4, max_batch=4, max_tokens_per_step=16, max_model_len=64,
