@@ -25,10 +25,11 @@ from tests import conftest as root_conftest
 
 # Which step programs a worker keeps when it passes the memory-map high water
 # (`tests/conftest.py`, whose fixture of this name this one replaces here):
-# those that two or more modules of this process asked for (the shared sizes'
-# steps, which the next module of the same xdist work unit, tests/conftest.py's
-# `work_unit`, will ask for again) stay, the rest go. If what stays still holds more than half the high water,
-# everything goes, as there.
+# those that two or more modules of this process asked for (the shared
+# sizes' steps, which the next module of the same xdist work unit,
+# tests/conftest.py's `work_unit`, will ask for again) stay, the rest go. If
+# what stays still holds more than half the high water, everything goes, as
+# there.
 _MODULES_ASKING: collections.Counter = collections.Counter()
 
 
