@@ -209,10 +209,10 @@ def test_bookkeeping_matches_the_device_step(caching):
     fork_ok, res, cache_ok = pool.bookkeeping(*args)
     got_packed = packed.bookkeeping(*args, packed=3)
     state, want_fork, want_res, want_cache = _bookkeeping(state, *args)
-    for f, r, c in ((fork_ok, res, cache_ok), got_packed):
-      np.testing.assert_array_equal(f, want_fork)
-      np.testing.assert_array_equal(r.ok, want_res.ok)
-      np.testing.assert_array_equal(c, want_cache)
+    for got_fork, got_res, got_cache in ((fork_ok, res, cache_ok), got_packed):
+      np.testing.assert_array_equal(got_fork, want_fork)
+      np.testing.assert_array_equal(got_res.ok, want_res.ok)
+      np.testing.assert_array_equal(got_cache, want_cache)
     assert_same(pool, state)
     assert_same(packed, state)
 
