@@ -74,6 +74,12 @@ def _any_real(ids) -> bool:
   return bool(ids.size) and int(ids.max()) >= 0
 
 
+def _leads(ids: np.ndarray) -> bool:
+  """`_any_real` for an argument that lists its entries first (then
+  padding): its first entry tells."""
+  return bool(ids.shape[0]) and ids[0] >= 0
+
+
 def _cdiv(a, b):
   return -(-a // b)
 
@@ -358,15 +364,19 @@ class HostPool:
       self.lru_len = 0
     return ok
 
-  def reserve(self, seq_ids, num_new) -> HostReservation:
-    """`block_manager.reserve`."""
+  def reserve(self, seq_ids, num_new, leading: int | None = None
+              ) -> HostReservation:
+    """`block_manager.reserve`. `leading`: the caller's promise that the
+    first `leading` entries are distinct valid slots with sizes >= 0 and the
+    rest padding (-1), the scheduler's layout (see `bookkeeping`'s
+    `packed`); None: found out here."""
     seq_ids, num_new = np.asarray(seq_ids), np.asarray(num_new)
     n, ms = seq_ids.shape[0], self.max_seqs
     null = self._no_copies(n)
     res = HostReservation(
         ok=np.zeros(n, bool), copy_src=null, copy_dst=null,
         evicted=self._no_evictions(n) if self.caching else None)
-    k = self._leading_unique(seq_ids, num_new)
+    k = self._leading_unique(seq_ids, num_new) if leading is None else leading
     if k is not None:  # the scheduler's layout: k valid entries, then padding
       real = self._arange[:k]
       s, q = seq_ids[:k].copy(), num_new[:k]  # (`s` is journaled: a copy)
@@ -528,30 +538,39 @@ class HostPool:
 
   def bookkeeping(self, register_seqs, register_cols, release_early,
                   fork_parents, fork_children, release_late, share_seqs,
-                  share_blocks, share_counts, seq_ids, q_lens):
+                  share_blocks, share_counts, seq_ids, q_lens, *,
+                  packed: int | None = None):
     """`step.bookkeeping` on the model, in place (the same order: register ->
     release -> fork -> release -> share -> reserve; arguments in
     `step.BOOKKEEPING_FIELDS` order), then, with a `window`, the reclamation
     the device step runs after its model (`window_reclaim.reclaim`): the
     model is the pool as the step leaves it.
 
+    `packed`: the caller's promise of the layout `Scheduler._fit` sends
+    (`packing.InputPacking._bookkeeping_inputs`): each id argument lists its
+    entries first, then padding (-1), and `seq_ids[:packed]` are distinct
+    valid slots with sizes >= 0, the rest padding. The call then skips the
+    scans that find that out (an all-padding argument is told by its first
+    entry); the results are the same. None (the default): any inputs.
+
     Returns:
       `(fork_ok bool[max_batch], HostReservation, cache_ok bool[R + H])`.
     """
+    real = _any_real if packed is None else _leads
     cache_ok = np.ones((0,), bool)
     if self.caching:
       cache_ok = self.register(register_seqs, register_cols) | (register_seqs < 0)
-    if _any_real(release_early):
+    if real(release_early):
       self.release(release_early)
     fork_ok = (self.fork(fork_parents, fork_children)
-               if _any_real(fork_parents) or _any_real(fork_children)
+               if real(fork_parents) or real(fork_children)
                else np.zeros(np.shape(fork_parents), bool))
-    if _any_real(release_late):
+    if real(release_late):
       self.release(release_late)
     if self.caching:
       share_ok = self.share(share_seqs, share_blocks, np.maximum(share_counts, 1))
       cache_ok = np.concatenate([cache_ok, share_ok | (share_seqs < 0)])
-    res = self.reserve(seq_ids, q_lens)
+    res = self.reserve(seq_ids, q_lens, packed)
     if self.window is not None:
       window_reclaim.reclaim_host(self, seq_ids, q_lens, res.ok)
     return fork_ok, res, cache_ok

@@ -50,6 +50,7 @@ from paged_jax.serving import sampling as sampling_lib
 from paged_jax.serving import spec_host
 from paged_jax.serving import window_pool
 from paged_jax.serving.buckets import Bucket
+from paged_jax.serving.host_pool import HostPool
 from paged_jax.serving.multistep_host import MultiStep
 from paged_jax.serving.packing import Bookkeeping, Entry, InputPacking, Plan
 from paged_jax.serving.prefix_offload import PrefixOffload
@@ -454,7 +455,11 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
       x = self._bookkeeping_inputs(plan, self.config.max_batch)
       forks = len(self._forks())
       pool.begin()
-      fork_ok, res, cache_ok = pool.bookkeeping(*x)
+      if type(pool) is HostPool:  # pylint: disable=unidiomatic-typecheck
+        # (not a subclass or a pool per window: they take no layout promise)
+        fork_ok, res, cache_ok = pool.bookkeeping(*x, packed=len(plan))
+      else:
+        fork_ok, res, cache_ok = pool.bookkeeping(*x)
       if not fork_ok[:forks].all():
         pool.rollback()
         raise RuntimeError(f"a fork was refused: engine bookkeeping bug ({self.usage()})")

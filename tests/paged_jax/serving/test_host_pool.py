@@ -182,11 +182,13 @@ TestCachingHostPool.settings = _SETTINGS
 @pytest.mark.parametrize("caching", [False, True])
 def test_bookkeeping_matches_the_device_step(caching):
   """The whole step's bookkeeping (register -> ... -> reserve) on the model
-  and on the device give the same state and results."""
+  and on the device give the same state and results; so does the model told
+  the scheduler's layout (`packed`: these inputs have it)."""
   rng = np.random.default_rng(0)
   state = bm.init(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_seqs=MAX_SEQS,
                   max_blocks_per_seq=WIDTH, prefix_caching=caching)
   pool = HostPool(state)
+  packed = HostPool(state)
   r = N if caching else 0
   for _ in range(30):
     live = np.flatnonzero(pool.lens > 0)
@@ -205,11 +207,14 @@ def test_bookkeeping_matches_the_device_step(caching):
     args = (reg_s, reg_c, rel, fp, fc, _pad([], n=MAX_SEQS), share_s, share_b,
             share_c, seq, q)
     fork_ok, res, cache_ok = pool.bookkeeping(*args)
+    got_packed = packed.bookkeeping(*args, packed=3)
     state, want_fork, want_res, want_cache = _bookkeeping(state, *args)
-    np.testing.assert_array_equal(fork_ok, want_fork)
-    np.testing.assert_array_equal(res.ok, want_res.ok)
-    np.testing.assert_array_equal(cache_ok, want_cache)
+    for got_fork, got_res, got_cache in ((fork_ok, res, cache_ok), got_packed):
+      np.testing.assert_array_equal(got_fork, want_fork)
+      np.testing.assert_array_equal(got_res.ok, want_res.ok)
+      np.testing.assert_array_equal(got_cache, want_cache)
     assert_same(pool, state)
+    assert_same(packed, state)
 
 
 @pytest.mark.parametrize("caching", [False, True])
