@@ -15,6 +15,14 @@ compilation cache (`jax_compilation_cache_dir`, on by default in
 Why ahead of time rather than `jax.jit`'s own cache: compiling the warm-up
 set concurrently needs no inputs (shapes only, nothing runs), and the count
 of compiles is exact (`compiled_count`), which the tests assert.
+
+On CPU the steps compile without XLA's YNNPACK library fusions
+(`CPU_COMPILER_OPTIONS`: `xla_cpu_experimental_ynn_fusion_type` empty), so
+their dots run on XLA's own Eigen kernels: on the 2-core AMD EPYC (AVX2) the
+YNNPACK dots of a batch-32 decode step (`[32, 512] @ [512, 2048]`, weights
+read once per step) ran at ~15 GFLOP/s a core, and the step of the random
+30.7M Llama was 1.2-1.4x slower with them (`benchmarks/RESULTS.md` 7f). A
+setting of that flag in your own `XLA_FLAGS` wins.
 """
 
 from __future__ import annotations
@@ -30,6 +38,19 @@ import jax
 _TABLE: dict[Hashable, jax.stages.Compiled] = {}
 _LOCK = threading.Lock()
 _COUNT = 0
+# XLA debug options every CPU step compiles with (see the module doc); the
+# benchmarks set it to {} to compare. Keys already in `XLA_FLAGS` are left to
+# the flag.
+CPU_COMPILER_OPTIONS: dict[str, str] = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def compiler_options() -> dict[str, str] | None:
+  """The options `compile_all` passes to XLA: `CPU_COMPILER_OPTIONS` on the
+  CPU backend, less those the user's `XLA_FLAGS` sets; None elsewhere."""
+  if jax.default_backend() != "cpu":
+    return None
+  flags = os.environ.get("XLA_FLAGS", "")
+  return {k: v for k, v in CPU_COMPILER_OPTIONS.items() if k not in flags} or None
 
 
 def compiled_count() -> int:
@@ -83,11 +104,12 @@ def compile_all(jobs: dict[Hashable, Callable[[], jax.stages.Lowered]],
     if todo:
       lowered = {k: fn() for k, fn in todo.items()}  # tracing: one at a time
       n = min(len(lowered), workers or os.cpu_count() or 1)
+      options = compiler_options()
       if n == 1:
-        done = {k: lo.compile() for k, lo in lowered.items()}
+        done = {k: lo.compile(options) for k, lo in lowered.items()}
       else:
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
-          futures = {k: pool.submit(lo.compile) for k, lo in lowered.items()}
+          futures = {k: pool.submit(lo.compile, options) for k, lo in lowered.items()}
           done = {k: f.result() for k, f in futures.items()}
       _TABLE.update(done)
       _COUNT += len(done)
