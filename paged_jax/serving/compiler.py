@@ -15,6 +15,16 @@ compilation cache (`jax_compilation_cache_dir`, on by default in
 Why ahead of time rather than `jax.jit`'s own cache: compiling the warm-up
 set concurrently needs no inputs (shapes only, nothing runs), and the count
 of compiles is exact (`compiled_count`), which the tests assert.
+
+On CPU the steps of at most `CPU_XLA_DOTS_MAX_ROWS` token rows (decode
+steps) compile without XLA's YNNPACK library fusions (`CPU_COMPILER_OPTIONS`:
+`xla_cpu_experimental_ynn_fusion_type` empty), so their dots run on XLA's own
+kernels: on the 2-core AMD EPYC (AVX2) YNNPACK's dots of a batch-32 decode
+step (`[32, 512] @ [512, 2048]`, weights read once per step) ran at ~15-30
+GFLOP/s, and the decode step of the random 30.7M Llama took 0.84x the time
+without them, the 8 layers' matmuls alone 0.4-0.8x at 4-32 rows; at 64 rows
+and more YNNPACK was faster, so wider steps keep it (`benchmarks/RESULTS.md`
+7f). A setting of that flag in your own `XLA_FLAGS` wins.
 """
 
 from __future__ import annotations
@@ -31,6 +41,22 @@ _TABLE: dict[Hashable, jax.stages.Compiled] = {}
 _USES: dict[Hashable, int] = {}  # `compile_all` calls that asked for each key
 _LOCK = threading.Lock()
 _COUNT = 0
+# XLA debug options of the CPU steps of at most `CPU_XLA_DOTS_MAX_ROWS` token
+# rows (see the module doc); the benchmarks set it to {} to compare. Keys
+# already in `XLA_FLAGS` are left to the flag.
+CPU_COMPILER_OPTIONS: dict[str, str] = {"xla_cpu_experimental_ynn_fusion_type": ""}
+CPU_XLA_DOTS_MAX_ROWS = 32
+
+
+def compiler_options(rows: int | None) -> dict[str, str] | None:
+  """The options `compile_all` passes to XLA for a step of `rows` token rows
+  (None: not a model step): `CPU_COMPILER_OPTIONS` on the CPU backend up to
+  `CPU_XLA_DOTS_MAX_ROWS` rows, less those the user's `XLA_FLAGS` sets; None
+  otherwise (XLA's defaults)."""
+  if rows is None or rows > CPU_XLA_DOTS_MAX_ROWS or jax.default_backend() != "cpu":
+    return None
+  flags = os.environ.get("XLA_FLAGS", "")
+  return {k: v for k, v in CPU_COMPILER_OPTIONS.items() if k not in flags} or None
 
 
 def compiled_count() -> int:
@@ -75,13 +101,17 @@ def clear(keep: Callable[[Hashable], bool] | None = None) -> int:
 
 
 def compile_all(jobs: dict[Hashable, Callable[[], jax.stages.Lowered]],
-                workers: int | None = None) -> tuple[dict, float]:
+                workers: int | None = None, *,
+                rows: dict[Hashable, int] | None = None) -> tuple[dict, float]:
   """The executables of `jobs` (`{key: function returning the Lowered}`),
   compiling those the process does not have yet, concurrently.
 
   Args:
     jobs: what to compile, by key (see `signature`).
     workers: compile threads (default: the CPU count).
+    rows: the token rows of the model steps among `jobs`, by key (they pick
+      the compile options: `compiler_options`); other jobs compile with
+      XLA's defaults.
 
   Returns:
     `({key: Compiled}, seconds spent compiling here)`.
@@ -95,11 +125,13 @@ def compile_all(jobs: dict[Hashable, Callable[[], jax.stages.Lowered]],
     if todo:
       lowered = {k: fn() for k, fn in todo.items()}  # tracing: one at a time
       n = min(len(lowered), workers or os.cpu_count() or 1)
+      rows = rows or {}
+      options = {k: compiler_options(rows.get(k)) for k in lowered}
       if n == 1:
-        done = {k: lo.compile() for k, lo in lowered.items()}
+        done = {k: lo.compile(options[k]) for k, lo in lowered.items()}
       else:
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
-          futures = {k: pool.submit(lo.compile) for k, lo in lowered.items()}
+          futures = {k: pool.submit(lo.compile, options[k]) for k, lo in lowered.items()}
           done = {k: f.result() for k, f in futures.items()}
       _TABLE.update(done)
       _COUNT += len(done)

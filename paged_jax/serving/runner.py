@@ -273,7 +273,7 @@ class Runner:
     compiled yet, in parallel; runs nothing. Returns the seconds spent."""
     jobs = {(self._key, b): self._lowerer(b, xs) for b, xs in inputs.items()
             if b not in self._steps}
-    done, seconds = compiler.compile_all(jobs)
+    done, seconds = compiler.compile_all(jobs, rows={k: k[1].num_tokens for k in jobs})
     for (_, b), exe in done.items():
       self._steps[b] = exe
     self.compile_seconds += seconds
@@ -433,7 +433,7 @@ class Runner:
           self.slots, *specs, num_steps=num_steps, num_logprobs=self.num_logprobs)
     jobs = {(self._key, "multistep", num_steps, b): lowerer(b, x, m)
             for b, (x, m) in inputs.items() if (b, num_steps) not in self._multi}
-    done, seconds = compiler.compile_all(jobs)
+    done, seconds = compiler.compile_all(jobs, rows={k: k[3].num_tokens for k in jobs})
     for (_, _, k, b), exe in done.items():
       self._multi[b, k] = exe
     self.compile_seconds += seconds

@@ -1,0 +1,41 @@
+"""The CPU compile options of the engine's steps (`compiler.compiler_options`):
+decode-sized steps' dots on XLA's own kernels, not YNNPACK's library fusions;
+wider steps and other programs keep XLA's defaults (RESULTS 7f)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from paged_jax.serving import compiler
+
+cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU compile options")
+YNN = "__ynn_fusion"
+
+
+def _compiled_text(name, rows):
+  f = jax.jit(lambda x, w: jax.nn.silu(x @ w).sum(-1))
+  key = ("test_compiler_options", name, rows)
+  lowered = lambda: f.lower(jnp.ones((32, 64)), jnp.ones((64, 128)))  # noqa: E731
+  out, _ = compiler.compile_all({key: lowered}, workers=1,
+                                rows=None if rows is None else {key: rows})
+  return out[key].as_text()
+
+
+@cpu_only
+def test_decode_sized_steps_compile_without_ynn_fusions(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "")
+  limit = compiler.CPU_XLA_DOTS_MAX_ROWS
+  assert compiler.compiler_options(limit) == {"xla_cpu_experimental_ynn_fusion_type": ""}
+  assert compiler.compiler_options(limit + 1) is None
+  assert compiler.compiler_options(None) is None
+  assert YNN not in _compiled_text("decode", limit)
+  # Wider steps and jobs without rows keep XLA's choice, YNNPACK for this
+  # dot: the check above can fail.
+  assert YNN in _compiled_text("wide", limit + 1)
+  assert YNN in _compiled_text("other", None)
+
+
+@cpu_only
+def test_the_users_xla_flags_win(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=dot")
+  assert compiler.compiler_options(1) is None
