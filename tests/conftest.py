@@ -19,16 +19,36 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # serving step of the tiny model in about 40% of the default's CPU time
 # (2026-12-01, JAX 0.10.2: 2 step shapes 11-16 s -> 4.4-5 s) and run the
 # tests no slower; the results are the same programs' (tests compare with
-# tolerances, never against one backend's bits). The legacy emitters exist
-# only before jaxlib 0.11 (0.11.2 and 0.12 abort on an unknown flag), so
-# later ones get -O0 alone; an explicit setting in XLA_FLAGS wins.
+# tolerances, never against one backend's bits). How to ask for the legacy
+# emitters depends on the jaxlib:
+# - before 0.11, the flag `--xla_cpu_use_fusion_emitters=false`;
+# - 0.11 has no such flag (it aborts on an unknown flag) but keeps the legacy
+#   path behind a backend option, `xla_cpu_disable_new_fusion_emitters`: the
+#   three step shapes of `tests/examples` compile in 4.9 s of CPU instead of
+#   13.6 s (2026-12-04, 0.11.2, loaded 2-core AMD EPYC, process CPU time;
+#   0.10.2 with its flag: 4.75 s). Without it each of the ~290 fusions of a
+#   step runs the MLIR emitters' fixed pass pipeline (perf: 26% of the
+#   probe's samples in `FusionCompiler::Compile`), ~10 ms of CPU more each:
+#   most of why the 0.11.2 leg cost ~1.45x the 0.10.2 leg (BUILD.md).
+# - 0.12 removed the legacy path (the option is gone from its binary and
+#   changes nothing: 11.4 s either way), and none of 0.12's CPU flags we
+#   tried shortens the MLIR pipeline (BUILD.md lists them).
+# Every jaxlib gets -O0; an explicit setting of a flag in XLA_FLAGS wins.
 def _jaxlib_version() -> tuple[int, ...]:
   from importlib import metadata  # pylint: disable=import-outside-toplevel
   return tuple(int(p) for p in metadata.version("jaxlib").split(".")[:2])
 
 
-TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",) + (
-    ("--xla_cpu_use_fusion_emitters=false",) if _jaxlib_version() < (0, 11) else ())
+def _legacy_emitter_flags(version: tuple[int, ...]) -> tuple[str, ...]:
+  if version < (0, 11):
+    return ("--xla_cpu_use_fusion_emitters=false",)
+  if version < (0, 12):
+    return ("--xla_backend_extra_options=xla_cpu_disable_new_fusion_emitters",)
+  return ()
+
+
+TEST_XLA_FLAGS = (("--xla_backend_optimization_level=0",)
+                  + _legacy_emitter_flags(_jaxlib_version()))
 for _flag in TEST_XLA_FLAGS:
   if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + _flag
