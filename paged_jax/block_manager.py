@@ -330,6 +330,42 @@ def _cdiv(a, b):
   return a // b + (a % b != 0).astype(a.dtype)
 
 
+# Rows a call handles on its short path (`_leading_rows`): a step releases,
+# forks or truncates a few sequences at a time, out of `max_seqs` rows.
+LEADING_ROWS = 8
+
+
+def _leading_rows(op, state: BlockState, ids: jax.Array, *rows: jax.Array):
+  """`op(state, ids, *rows)` (an op with an `ok` per row that leaves rows
+  whose `ids` are negative untouched), at the cost of its first
+  `LEADING_ROWS` rows when every other row is padding (`ids < 0`).
+
+  Those trailing rows change nothing and are refused (`ok` False) either
+  way, so the two give the same result, bit for bit; but the op's work is
+  O(rows x max_blocks_per_seq) (a sort of every entry, for `release`), and
+  the engine's steps pass `max_seqs` rows, entries first, of which one or
+  two are real. When a later row holds an id the whole call runs as well:
+  a `while_loop` that runs once or not at all (a `cond` would become a
+  `select` under `vmap` and pay the full call every time).
+  """
+  n = ids.shape[0]
+  k = LEADING_ROWS
+  if n <= k:
+    return op(state, ids, *rows)
+  short_state, short_ok = op(state, ids[:k], *(r[:k] for r in rows))
+  short_ok = jnp.concatenate([short_ok, jnp.zeros((n - k,), bool)])
+  whole = jnp.any(ids[k:] >= 0)
+
+  def run_whole(carry):
+    del carry
+    new_state, ok = op(state, ids, *rows)
+    return new_state, ok, jnp.zeros((), bool)
+
+  new_state, ok, _ = jax.lax.while_loop(lambda c: c[2], run_whole,
+                                        (short_state, short_ok, whole))
+  return new_state, ok
+
+
 def _scatter_add(x: jax.Array, idx: jax.Array, mask: jax.Array, val):
   """`x[idx] += val` where `mask`; one scatter, in place when `x` is donated."""
   return x.at[jnp.where(mask, idx, x.shape[0])].add(val, mode="drop")
@@ -533,7 +569,10 @@ def release(state: BlockState, seq_ids) -> tuple[BlockState, jax.Array]:
   Raises:
     ValueError: if `seq_ids` is not a 1-D integer array.
   """
-  seq_ids = _as_ids("seq_ids", seq_ids)
+  return _leading_rows(_release, state, _as_ids("seq_ids", seq_ids))
+
+
+def _release(state: BlockState, seq_ids) -> tuple[BlockState, jax.Array]:
   bs = state.block_size
   max_seqs, width = state.max_seqs, state.max_blocks_per_seq
   sid = jnp.clip(seq_ids, 0, max_seqs - 1)
@@ -643,6 +682,11 @@ def truncate(state: BlockState, seq_ids, new_lens
   seq_ids = _as_ids("seq_ids", seq_ids)
   new_lens = _as_ids("new_lens", new_lens)
   _same_length("seq_ids", seq_ids, "new_lens", new_lens)
+  return _leading_rows(_truncate, state, seq_ids, new_lens)
+
+
+def _truncate(state: BlockState, seq_ids, new_lens
+              ) -> tuple[BlockState, jax.Array]:
   bs = state.block_size
   num_blocks, max_seqs, width = (state.num_blocks, state.max_seqs,
                                  state.max_blocks_per_seq)
@@ -763,6 +807,11 @@ def fork(state: BlockState, parent_ids, child_ids
   parent_ids = _as_ids("parent_ids", parent_ids)
   child_ids = _as_ids("child_ids", child_ids)
   _same_length("parent_ids", parent_ids, "child_ids", child_ids)
+  return _leading_rows(_fork, state, parent_ids, child_ids)
+
+
+def _fork(state: BlockState, parent_ids, child_ids
+          ) -> tuple[BlockState, jax.Array]:
   bs = state.block_size
   max_seqs, width = state.max_seqs, state.max_blocks_per_seq
   pid = jnp.clip(parent_ids, 0, max_seqs - 1)
@@ -866,6 +915,12 @@ def share(state: BlockState, seq_ids, block_ids, num_shared
         f"block_ids must have shape [len(seq_ids)={seq_ids.shape[0]}, m] with "
         f"m <= max_blocks_per_seq={state.max_blocks_per_seq}, got "
         f"{block_ids.shape}")
+  return _leading_rows(_share, state, seq_ids, block_ids, num_shared)
+
+
+def _share(state: BlockState, seq_ids, block_ids, num_shared
+           ) -> tuple[BlockState, jax.Array]:
+  n, m = block_ids.shape
   num_blocks, max_seqs, width = (state.num_blocks, state.max_seqs,
                                  state.max_blocks_per_seq)
   sid = jnp.clip(seq_ids, 0, max_seqs - 1)

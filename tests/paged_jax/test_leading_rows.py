@@ -1,0 +1,126 @@
+"""The short path of `release`, `fork`, `truncate` and `share`
+(`block_manager._leading_rows`): a call whose entries all sit in its first
+`LEADING_ROWS` rows does only their work, and must give exactly what the whole
+call gives, wherever the entries are, jitted and under `vmap`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_jax import block_manager as bm
+
+MAX_SEQS, WIDTH, BS = 24, 6, 4
+K = bm.LEADING_ROWS
+_JIT = {f: jax.jit(f) for f in (bm.release, bm._release, bm.fork, bm._fork,
+                                bm.truncate, bm._truncate, bm.share, bm._share,
+                                bm.reserve, bm.register)}
+
+
+def _state(rng: np.random.Generator, caching: bool) -> bm.BlockState:
+  """A pool with live, forked, registered and cached blocks."""
+  state = bm.init(num_blocks=96, block_size=BS, max_seqs=MAX_SEQS,
+                  max_blocks_per_seq=WIDTH, prefix_caching=caching)
+  live = rng.choice(MAX_SEQS, size=14, replace=False).astype(np.int32)
+  lens = rng.integers(1, WIDTH * BS - 4, size=live.size).astype(np.int32)
+  state, res = _JIT[bm.reserve](state, jnp.asarray(live[:10]), jnp.asarray(lens[:10]))
+  assert bool(jnp.all(res.ok))
+  state, ok = _JIT[bm.fork](state, jnp.asarray(live[:4]), jnp.asarray(live[10:]))
+  assert bool(jnp.all(ok))
+  if caching:
+    full = np.asarray(state.seq_lens)[live[:10]] // BS
+    seqs = np.repeat(live[:10], np.maximum(full, 0))
+    cols = np.concatenate([np.arange(f) for f in full]).astype(np.int32)
+    state, ok = _JIT[bm.register](state, jnp.asarray(seqs), jnp.asarray(cols))
+    assert bool(jnp.all(ok))
+    state, _ = _JIT[bm.release](state, jnp.asarray(live[4:6]))  # cached blocks
+  return state
+
+
+def _ids(rng: np.random.Generator, n: int, trailing: bool) -> np.ndarray:
+  """`n` ids, padding (-1) but for a few entries: in the first `K` rows, or
+  (trailing) one of them past them; slot 0 and out-of-range ids included."""
+  ids = np.full(n, -1, np.int32)
+  pool = np.concatenate([np.arange(MAX_SEQS), [MAX_SEQS, 10**6, -5]])
+  lead = rng.choice(min(K, n), size=min(3, n), replace=False)
+  ids[lead] = rng.choice(pool, size=lead.size)
+  if trailing:
+    ids[rng.integers(K, n)] = rng.choice([0, *rng.integers(1, MAX_SEQS, 3)])
+  return ids
+
+
+def _cases(rng, state, n, trailing):
+  """(name, public op, whole op, args) for each op at batch `n`."""
+  ids = _ids(rng, n, trailing)
+  other = np.where(ids >= 0, rng.permutation(MAX_SEQS)[:n] if n <= MAX_SEQS
+                   else rng.integers(0, MAX_SEQS, n), -1).astype(np.int32)
+  lens = np.asarray(state.seq_lens)[np.clip(ids, 0, MAX_SEQS - 1)]
+  cut = (lens * rng.uniform(0, 1.2, n)).astype(np.int32)
+  cases = [("release", bm.release, bm._release, (ids,)),
+           ("fork", bm.fork, bm._fork, (ids, other)),
+           ("truncate", bm.truncate, bm._truncate, (ids, cut))]
+  if state.prefix_caching:
+    blocks = np.asarray(bm.cached_blocks(state), np.int32)
+    m = 3
+    rows = rng.choice(np.concatenate([blocks, [-1, 0, 95]]), size=(n, m))
+    counts = rng.integers(0, m + 1, n).astype(np.int32)
+    cases.append(("share", bm.share, bm._share, (other, rows, counts)))
+  return cases
+
+
+def _assert_same(a, b, what):
+  leaves_a, tree_a = jax.tree.flatten(a)
+  leaves_b, tree_b = jax.tree.flatten(b)
+  assert tree_a == tree_b, what
+  for x, y in zip(leaves_a, leaves_b):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=what)
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_the_short_path_gives_the_whole_calls_result(caching):
+  rng = np.random.default_rng(7 + caching)
+  hits = {"short": 0, "whole": 0}
+  for trial in range(4):
+    state = _state(rng, caching)
+    for n in (3 * K,):
+      trailing = trial % 2 == 1
+      for name, op, whole, args in _cases(rng, state, n, trailing):
+        args = tuple(jnp.asarray(a) for a in args)
+        got = _JIT[op](state, *args)
+        want = _JIT[whole](state, *args)
+        _assert_same(got, want, f"{name} n={n} trailing={trailing}")
+        hits["whole" if trailing else "short"] += 1
+  assert hits["short"] and hits["whole"]
+
+
+def test_under_vmap_each_shard_gets_its_own_answer():
+  """One shard with an entry past the first rows, one without: the loop runs
+  for both, and each keeps exactly its own whole call's result."""
+  rng = np.random.default_rng(3)
+  states = [_state(rng, True), _state(rng, True)]
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *states)
+  n = 2 * K
+  for name in ("release", "fork", "truncate", "share"):
+    per_shard = [dict((c[0], c) for c in _cases(rng, s, n, trailing=t))[name]
+                 for s, t in zip(states, (True, False))]
+    _, op, whole, _ = per_shard[0]
+    args = tuple(jnp.stack([jnp.asarray(a) for a in col])
+                 for col in zip(*(c[3] for c in per_shard)))
+    got = jax.jit(jax.vmap(op))(stacked, *args)
+    want = jax.jit(jax.vmap(whole))(stacked, *args)
+    _assert_same(got, want, name)
+
+
+def test_padding_past_the_first_rows_costs_only_the_first_rows():
+  """The compiled release of `MAX_SEQS` rows with padding past row `K` must
+  not sort `MAX_SEQS * WIDTH` entries unless a later row holds an id: the
+  whole call sits inside the loop that runs once or not at all."""
+  state = _state(np.random.default_rng(0), False)
+  ids = jax.ShapeDtypeStruct((MAX_SEQS,), jnp.int32)
+  text = jax.jit(bm.release).lower(state, ids).as_text()
+  body = text.split("stablehlo.while")[0]  # what runs before the loop
+  assert f"tensor<{K * WIDTH}xi32>" in body  # the short path's sort
+  assert f"tensor<{MAX_SEQS * WIDTH}xi32>" not in body
+  assert f"tensor<{MAX_SEQS * WIDTH}xi32>" in text  # the whole call, in the loop
