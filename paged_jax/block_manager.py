@@ -454,6 +454,12 @@ def reserve(state: BlockState, seq_ids, num_new_tokens
   Raises:
     ValueError: if the arguments are not 1-D integer arrays of equal length.
   """
+  return _reserve(state, seq_ids, num_new_tokens)
+
+
+def _reserve(state: BlockState, seq_ids, num_new_tokens, *,
+             ordered: bool = False) -> tuple[BlockState, Reservation]:
+  """`reserve`; `ordered` (static, for tests) always decides by the scan."""
   seq_ids = _as_ids("seq_ids", seq_ids)
   num_new_tokens = _as_ids("num_new_tokens", num_new_tokens)
   _same_length("seq_ids", seq_ids, "num_new_tokens", num_new_tokens)
@@ -494,9 +500,28 @@ def reserve(state: BlockState, seq_ids, num_new_tokens
     copied = copied.at[i].set(jnp.where(ok & cow, last[i], NULL_BLOCK))
     return (num_free, copied), (ok, cow & ok, jnp.where(ok, need, 0))
 
-  init = (state.num_available, jnp.full((n,), NULL_BLOCK, jnp.int32))
-  (num_left, _), (ok, cow, need) = jax.lax.scan(
-      step, init, jnp.arange(n, dtype=jnp.int32))
+  def serve_in_order(carry):
+    del carry
+    init = (state.num_available, jnp.full((n,), NULL_BLOCK, jnp.int32))
+    (num_left, _), (ok, cow, need) = jax.lax.scan(
+        step, init, jnp.arange(n, dtype=jnp.int32))
+    return num_left, ok, cow, need, jnp.zeros((), bool)
+
+  # The common case needs no scan: when no two requests grow into the same
+  # shared partial block (the only way one request changes another's need)
+  # and the pool holds what they all ask for, every valid request is served
+  # with its own need. Otherwise the scan decides, in a `while_loop` that runs
+  # once or not at all (a `cond` would become a `select` under `vmap` and pay
+  # the scan every time). Same results either way.
+  cow_all = partial & (last_refs > 1)
+  need_all = jnp.where(valid, new_blocks - cur_blocks + cow_all.astype(jnp.int32), 0)
+  total_all = jnp.sum(need_all, dtype=jnp.int32)  # <= max_seqs * width
+  shared = jnp.sort(jnp.where(cow_all, last, NULL_BLOCK))
+  siblings = jnp.any((shared[1:] == shared[:-1]) & (shared[1:] >= 0))
+  in_order = ordered | siblings | (total_all > state.num_available)
+  num_left, ok, cow, need, _ = jax.lax.while_loop(
+      lambda c: c[-1], serve_in_order,
+      (state.num_available - total_all, valid, cow_all, need_all, in_order))
 
   offset = jnp.cumsum(need) - need  # blocks taken by earlier requests
   first = cur_blocks - cow.astype(jnp.int32)  # first table column to fill

@@ -1,9 +1,15 @@
-"""The short path of `release`, `fork`, `truncate` and `share`
-(`block_manager._leading_rows`): a call whose entries all sit in its first
-`LEADING_ROWS` rows does only their work, and must give exactly what the whole
-call gives, wherever the entries are, jitted and under `vmap`."""
+"""The block manager's short paths, each against the long one it skips:
+
+* `release`, `fork`, `truncate` and `share` (`block_manager._leading_rows`):
+  a call whose entries all sit in its first `LEADING_ROWS` rows does only
+  their work, and must give exactly what the whole call gives, wherever the
+  entries are, jitted and under `vmap`;
+* `reserve` without its in-order scan when no siblings grow into one shared
+  block and the pool holds every request: exactly what the scan gives."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +23,7 @@ K = bm.LEADING_ROWS
 _JIT = {f: jax.jit(f) for f in (bm.release, bm._release, bm.fork, bm._fork,
                                 bm.truncate, bm._truncate, bm.share, bm._share,
                                 bm.reserve, bm.register)}
+_RESERVE_IN_ORDER = jax.jit(functools.partial(bm._reserve, ordered=True))
 
 
 def _state(rng: np.random.Generator, caching: bool) -> bm.BlockState:
@@ -124,3 +131,37 @@ def test_padding_past_the_first_rows_costs_only_the_first_rows():
   assert f"tensor<{K * WIDTH}xi32>" in body  # the short path's sort
   assert f"tensor<{MAX_SEQS * WIDTH}xi32>" not in body
   assert f"tensor<{MAX_SEQS * WIDTH}xi32>" in text  # the whole call, in the loop
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_reserve_without_the_scan_gives_the_scans_result(caching):
+  """Random requests on pools with forked siblings (their shared partial last
+  blocks: copy-on-write, where one sibling's copy changes the other's need)
+  and requests that outgrow the pool; both paths must be taken."""
+  rng = np.random.default_rng(11 + caching)
+  paths = {"scan": 0, "direct": 0, "siblings": 0}
+  for _ in range(12):
+    state = _state(rng, caching)
+    n = int(rng.integers(1, MAX_SEQS + 4))
+    ids = rng.choice(np.arange(-1, MAX_SEQS + 1), size=n).astype(np.int32)
+    big = rng.random() < 0.3
+    counts = rng.integers(0, 40 if big else 6, n).astype(np.int32)
+    got = _JIT[bm.reserve](state, jnp.asarray(ids), jnp.asarray(counts))
+    want = _RESERVE_IN_ORDER(state, jnp.asarray(ids), jnp.asarray(counts))
+    _assert_same(got, want, f"ids={ids} counts={counts}")
+    # Which path ran: the scan's condition, in NumPy.
+    lens = np.asarray(state.seq_lens)
+    first = np.array([i not in ids[:k] for k, i in enumerate(ids)])
+    sid = np.clip(ids, 0, MAX_SEQS - 1)
+    valid = (ids >= 0) & (ids < MAX_SEQS) & first & (
+        counts <= WIDTH * BS - lens[sid])
+    old = lens[sid]
+    last = np.asarray(state.block_tables)[sid, np.maximum(-(-old // BS) - 1, 0)]
+    cow = valid & (counts > 0) & (old % BS != 0) & (
+        np.asarray(state.refcounts)[np.clip(last, 0, None)] > 1)
+    need = np.where(valid, -(-(old + counts) // BS) - (-(-old // BS)) + cow, 0)
+    siblings = len(set(last[cow])) < cow.sum()
+    scan = siblings or need.sum() > int(state.num_available)
+    paths["scan" if scan else "direct"] += 1
+    paths["siblings"] += siblings
+  assert paths["scan"] and paths["direct"] and paths["siblings"], paths
