@@ -420,6 +420,66 @@ def _evict(state: BlockState, count, out_len: int):
   return out, head, length
 
 
+def _serve(valid, partial, last, last_refs, grow, num_available, *,
+           ordered: bool = False):
+  """`reserve`'s decision: who of the `n` requests is served, and at what cost.
+
+  Requests are served in order; request `i` needs `grow[i]` new blocks, plus
+  one if it grows into a partial last block (`partial`) that is still shared
+  (copy-on-write), and is served if that many are available after the
+  earlier ones. A sibling that copied the same shared block earlier in the
+  call lowers its count, so one request can change another's need.
+
+  Args:
+    valid: `bool[n]` the requests that may be served.
+    partial: `bool[n]` valid requests growing into their partial last block.
+    last: `i32[n]` that block; `last_refs`: `i32[n]` its refcount.
+    grow: `i32[n]` blocks past the current ones.
+    num_available: `i32[]` blocks the pool can give.
+    ordered: static, for tests: always decide by the scan.
+
+  Returns:
+    `(num_left i32[], ok bool[n], cow bool[n], need i32[n])`.
+  """
+  n = valid.shape[0]
+
+  # Serve in order: a scan over the batch with O(n) carry decides who fits and
+  # who must copy (siblings that copied earlier in this call lower the count).
+  def step(carry, i):
+    num_free, copied = carry  # copied: i32[n] blocks left by earlier copies
+    drops = jnp.sum((copied == last[i]) & partial[i], dtype=jnp.int32)
+    cow = partial[i] & (last_refs[i] - drops > 1)
+    need = grow[i] + cow.astype(jnp.int32)
+    ok = valid[i] & (need <= num_free)
+    num_free = num_free - jnp.where(ok, need, 0)
+    copied = copied.at[i].set(jnp.where(ok & cow, last[i], NULL_BLOCK))
+    return (num_free, copied), (ok, cow & ok, jnp.where(ok, need, 0))
+
+  def serve_in_order(carry):
+    del carry
+    init = (num_available, jnp.full((n,), NULL_BLOCK, jnp.int32))
+    (num_left, _), (ok, cow, need) = jax.lax.scan(
+        step, init, jnp.arange(n, dtype=jnp.int32))
+    return num_left, ok, cow, need, jnp.zeros((), bool)
+
+  # The common case needs no scan: when no two requests grow into the same
+  # shared partial block (the only way one request changes another's need)
+  # and the pool holds what they all ask for, every valid request is served
+  # with its own need. Otherwise the scan decides, in a `while_loop` that runs
+  # once or not at all (a `cond` would become a `select` under `vmap` and pay
+  # the scan every time). The same results either way.
+  cow_all = partial & (last_refs > 1)
+  need_all = jnp.where(valid, grow + cow_all.astype(jnp.int32), 0)
+  total_all = jnp.sum(need_all, dtype=jnp.int32)  # <= max_seqs * width
+  shared = jnp.sort(jnp.where(cow_all, last, NULL_BLOCK))
+  siblings = jnp.any((shared[1:] == shared[:-1]) & (shared[1:] >= 0))
+  in_order = ordered | siblings | (total_all > num_available)
+  num_left, ok, cow, need, _ = jax.lax.while_loop(
+      lambda c: c[-1], serve_in_order,
+      (num_available - total_all, valid, cow_all, need_all, in_order))
+  return num_left, ok, cow, need
+
+
 def reserve(state: BlockState, seq_ids, num_new_tokens
             ) -> tuple[BlockState, Reservation]:
   """Grows each listed sequence by `num_new_tokens` token slots.
@@ -488,40 +548,9 @@ def _reserve(state: BlockState, seq_ids, num_new_tokens, *,
   partial = valid & (num_new_tokens > 0) & (old_len % bs != 0)
   last_refs = state.refcounts[jnp.clip(last, 0, num_blocks - 1)]
 
-  # Serve in order: a scan over the batch with O(n) carry decides who fits and
-  # who must copy (siblings that copied earlier in this call lower the count).
-  def step(carry, i):
-    num_free, copied = carry  # copied: i32[n] blocks left by earlier copies
-    drops = jnp.sum((copied == last[i]) & partial[i], dtype=jnp.int32)
-    cow = partial[i] & (last_refs[i] - drops > 1)
-    need = new_blocks[i] - cur_blocks[i] + cow.astype(jnp.int32)
-    ok = valid[i] & (need <= num_free)
-    num_free = num_free - jnp.where(ok, need, 0)
-    copied = copied.at[i].set(jnp.where(ok & cow, last[i], NULL_BLOCK))
-    return (num_free, copied), (ok, cow & ok, jnp.where(ok, need, 0))
-
-  def serve_in_order(carry):
-    del carry
-    init = (state.num_available, jnp.full((n,), NULL_BLOCK, jnp.int32))
-    (num_left, _), (ok, cow, need) = jax.lax.scan(
-        step, init, jnp.arange(n, dtype=jnp.int32))
-    return num_left, ok, cow, need, jnp.zeros((), bool)
-
-  # The common case needs no scan: when no two requests grow into the same
-  # shared partial block (the only way one request changes another's need)
-  # and the pool holds what they all ask for, every valid request is served
-  # with its own need. Otherwise the scan decides, in a `while_loop` that runs
-  # once or not at all (a `cond` would become a `select` under `vmap` and pay
-  # the scan every time). Same results either way.
-  cow_all = partial & (last_refs > 1)
-  need_all = jnp.where(valid, new_blocks - cur_blocks + cow_all.astype(jnp.int32), 0)
-  total_all = jnp.sum(need_all, dtype=jnp.int32)  # <= max_seqs * width
-  shared = jnp.sort(jnp.where(cow_all, last, NULL_BLOCK))
-  siblings = jnp.any((shared[1:] == shared[:-1]) & (shared[1:] >= 0))
-  in_order = ordered | siblings | (total_all > state.num_available)
-  num_left, ok, cow, need, _ = jax.lax.while_loop(
-      lambda c: c[-1], serve_in_order,
-      (state.num_available - total_all, valid, cow_all, need_all, in_order))
+  num_left, ok, cow, need = _serve(valid, partial, last, last_refs,
+                                   new_blocks - cur_blocks,
+                                   state.num_available, ordered=ordered)
 
   offset = jnp.cumsum(need) - need  # blocks taken by earlier requests
   first = cur_blocks - cow.astype(jnp.int32)  # first table column to fill

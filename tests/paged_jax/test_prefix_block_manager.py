@@ -509,13 +509,13 @@ def test_no_operation_scans_the_pool():
 
 def _main_reserve(state, seq_ids, num_new_tokens):
   """`reserve` as it was before prefix caching (the reference for the jaxpr
-  comparison below; results are not used)."""
+  comparison below; results are not used), its decision of who is served
+  now `bm._serve` (the scan, skipped when nothing needs it)."""
   seq_ids = bm._as_ids("seq_ids", seq_ids)
   num_new_tokens = bm._as_ids("num_new_tokens", num_new_tokens)
   bs = state.block_size
   num_blocks, max_seqs, width = (state.num_blocks, state.max_seqs,
                                  state.max_blocks_per_seq)
-  n = seq_ids.shape[0]
   valid = ((seq_ids >= 0) & (seq_ids < max_seqs) & (num_new_tokens >= 0)
            & bm._first_occurrence(seq_ids))
   sid = jnp.clip(seq_ids, 0, max_seqs - 1)
@@ -530,19 +530,9 @@ def _main_reserve(state, seq_ids, num_new_tokens):
   partial = valid & (num_new_tokens > 0) & (old_len % bs != 0)
   last_refs = state.refcounts[jnp.clip(last, 0, num_blocks - 1)]
 
-  def step(carry, i):
-    num_free, copied = carry
-    drops = jnp.sum((copied == last[i]) & partial[i], dtype=jnp.int32)
-    cow = partial[i] & (last_refs[i] - drops > 1)
-    need = new_blocks[i] - cur_blocks[i] + cow.astype(jnp.int32)
-    ok = valid[i] & (need <= num_free)
-    num_free = num_free - jnp.where(ok, need, 0)
-    copied = copied.at[i].set(jnp.where(ok & cow, last[i], NULL_BLOCK))
-    return (num_free, copied), (ok, cow & ok, jnp.where(ok, need, 0))
-
-  init = (state.num_free, jnp.full((n,), NULL_BLOCK, jnp.int32))
-  (num_free, _), (ok, cow, need) = jax.lax.scan(
-      step, init, jnp.arange(n, dtype=jnp.int32))
+  # Who is served: the one decision both allocators share (`bm._serve`).
+  num_free, ok, cow, need = bm._serve(valid, partial, last, last_refs,
+                                      new_blocks - cur_blocks, state.num_free)
   offset = jnp.cumsum(need) - need
   first = cur_blocks - cow.astype(jnp.int32)
   k = jnp.arange(width, dtype=jnp.int32)[None, :] - first[:, None]
@@ -623,9 +613,10 @@ def test_without_caching_reserve_and_release_trace_the_plain_allocator():
     want = _primitives(jax.make_jaxpr(ref)(off, *args).jaxpr)
     got = _primitives(jax.make_jaxpr(op)(off, *args).jaxpr)
     assert got == want, op.__name__
-    assert "while" not in got and got.get("sort", 0) <= 1, op.__name__
+    if op is bm.release:  # (reserve's `_serve` has its own while and sort)
+      assert "while" not in got and got.get("sort", 0) <= 1, op.__name__
     cached = _primitives(jax.make_jaxpr(op)(on, *args).jaxpr)
-    assert "while" in cached and cached != want, op.__name__
+    assert cached.get("while", 0) > got.get("while", 0) and cached != want, op.__name__
   # And they compute the same thing.
   s_ref, s_new = off, off
   for _ in range(3):
