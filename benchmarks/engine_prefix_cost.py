@@ -54,39 +54,45 @@ def _engine(model, batch: int, caching: bool) -> Engine:
   return engine
 
 
-def _run(engine: Engine, requests) -> tuple[float, dict, float]:
+def _run(engine: Engine, requests) -> tuple[float, dict, float, float]:
   """Serves `requests` on the (idle, compiled) engine: `(output tokens/s,
-  greedy tokens by request, host ms per step)`."""
+  greedy tokens by request, host ms per step, output tokens per CPU second
+  of the whole process)`. The CPU figure moves less than the wall one with
+  the machine's load (time descheduled is not counted)."""
   st = engine.stats
   tokens0, host0, steps0 = st.generated_tokens, st.host_seconds, st.steps
+  c0 = time.process_time()
   t0 = time.perf_counter()
   for r in requests:
     engine.add_request(r)
   outs = engine.run_until_done()
   jax.block_until_ready(engine.block_state.num_free)
   wall = time.perf_counter() - t0
+  cpu = time.process_time() - c0
   if any(o.rejected for o in outs) or len(outs) != len(requests):
     raise RuntimeError("a request was not served")
   host_ms = 1e3 * (st.host_seconds - host0) / max(st.steps - steps0, 1)
   return ((st.generated_tokens - tokens0) / wall,
           {o.request_id: [c.token_ids for c in o.completions] for o in outs},
-          host_ms)
+          host_ms, (st.generated_tokens - tokens0) / cpu)
 
 
 def measure(model, batch: int, repeats: int) -> dict:
   engines = {c: _engine(model, batch, c) for c in (False, True)}
   tps = {False: [], True: []}
   host = {False: [], True: []}
+  per_cpu = {False: [], True: []}
   same = True
   for k in range(repeats + 1):  # the first pair warms up, untimed
     # New prompts every repeat: a block cached by an earlier one never hits.
     requests = unique_prompts(batch, model.config.vocab_size, seed=1000 * batch + k)
     toks = {}
     for c in ((False, True) if k % 2 == 0 else (True, False)):
-      t, toks[c], h = _run(engines[c], requests)
+      t, toks[c], h, tc = _run(engines[c], requests)
       if k:
         tps[c].append(t)
         host[c].append(h)
+        per_cpu[c].append(tc)
     same &= toks[False] == toks[True]
   st = engines[True].stats
   row = {"batch": batch, "requests": batch, "repeats": repeats,
@@ -100,13 +106,19 @@ def measure(model, batch: int, repeats: int) -> dict:
          "same_greedy_tokens": same}
   row["ratio"] = row["tokens_per_s_on"] / row["tokens_per_s_off"]
   row["pairwise_ratios"] = [a / b for a, b in zip(tps[True], tps[False])]
+  row["tokens_per_cpu_s_off"] = statistics.median(per_cpu[False])
+  row["tokens_per_cpu_s_on"] = statistics.median(per_cpu[True])
+  row["pairwise_cpu_ratios"] = [a / b for a, b in zip(per_cpu[True], per_cpu[False])]
   print(f"batch {batch:4d}: output tokens/s off {row['tokens_per_s_off']:.0f}"
         f" on {row['tokens_per_s_on']:.0f} (on/off x{row['ratio']:.3f}, median"
         f" of pairs x{statistics.median(row['pairwise_ratios']):.3f}; runs off"
         f" {[round(t) for t in tps[False]]} on {[round(t) for t in tps[True]]});"
         f" host ms/step off {row['host_ms_per_step_off']:.2f} on"
         f" {row['host_ms_per_step_on']:.2f}; hit rate {row['hit_rate_on']:.3f};"
-        f" preemptions {row['preemptions']}; same greedy tokens: {same}",
+        f" preemptions {row['preemptions']}; same greedy tokens: {same};"
+        f" per CPU second: on/off median of pairs"
+        f" x{statistics.median(row['pairwise_cpu_ratios']):.3f}"
+        f" ({[round(r, 3) for r in row['pairwise_cpu_ratios']]})",
         flush=True)
   return row
 
