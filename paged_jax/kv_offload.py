@@ -213,6 +213,8 @@ class NumpyHostPool:
   load is a NumPy gather, a `device_put` and one scatter into the device
   cache (donated). Nothing waits for a step in flight: a load never reads a
   block stored in the same call (the caller pins them, `HostPrefixTier`).
+  On CPU the gathered blocks are not fetched ahead (`copy_to_host_async`):
+  they are in host memory already.
 
   Args:
     like: the device cache (its layout, dtype, scales and device).
@@ -228,6 +230,9 @@ class NumpyHostPool:
       shape[2] = n
       self.arrays[f] = np.zeros(shape, x.dtype)
     self._pending = []  # (staged device arrays, host blocks) not written yet
+    # On CPU the device's memory is the host's: nothing to fetch ahead.
+    device = next(iter(like.k_pages.devices()))
+    self._fetch_ahead = device.platform != "cpu"
 
   def flush(self):
     """Writes the stores dispatched so far into the arrays (waits for their
@@ -246,7 +251,7 @@ class NumpyHostPool:
     # a call on CPU, more than the gather).
     src = np.where(np.asarray(src) >= 0, src, 0).astype(np.int32)
     staged = _gather(_arrays(cache), src)
-    for x in staged.values():
+    for x in staged.values() if self._fetch_ahead else ():
       x.copy_to_host_async()
     self._pending.append((staged, dst))
 

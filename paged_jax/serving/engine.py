@@ -175,7 +175,8 @@ class Engine:
                           max_seqs=self.max_seqs, num_logprobs=self.num_logprobs,
                           mesh=mesh, initial_state=initial)
     for p in self._pools if config.kv_offloading_size else ():  # `prefix_offload.py`
-      p.init_prefix_offload(self._runner.prefix_host_blocks)
+      p.init_prefix_offload(self._runner.prefix_host_blocks,
+                            self._runner.cache.bytes_per_block)
     # The dispatched step whose results have not been applied yet.
     self._pending: InFlight | None = None
     self._drained: list[RequestOutput] = []  # outputs of a `drain()`'s step
@@ -405,7 +406,8 @@ class Engine:
         {b: [p._build([], b)[0] for p in self._pools]  # pylint: disable=protected-access
          for b in buckets})
     self._runner.compile_slot_writes()  # the slot-state scatters too
-    self._runner.compile_prefix_copies(prefix_offload.max_loads(self.config))
+    self._runner.compile_prefix_copies(prefix_offload.max_loads(self.config),
+                                       prefix_offload.max_stores(self.config))
     k = self.config.num_scheduler_steps
     if k > 1 and self.mesh is None:  # the K-step decode programs too
       self._runner.compile_multistep(self._pools[0].multistep_padding(buckets), k)

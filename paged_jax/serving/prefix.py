@@ -127,9 +127,10 @@ class PrefixCaching:
       if not self._index.insert(r.hash, r.block):
         raise RuntimeError("a registered block's hash was indexed already "
                            "(engine bug)")
+    evicted = evicted[evicted >= 0]
     if self._host_prefix is not None:  # before the index forgets `evicted`
       st.prefix_blocks_evicted += self._commit_offload(evicted, admitted)
-    st.prefix_blocks_evicted += self._index.evict(evicted[evicted >= 0])
+    st.prefix_blocks_evicted += self._index.evict(evicted)
     st.prefix_blocks_registered += len(self._registering)
     for seq in admitted:
       hit = len(self._shares.get(seq, ())) * bs

@@ -343,18 +343,22 @@ class Runner:
       self.cache = pool.load(self.cache, src, dst)
     self.moved = [self.moved[0] + n_out, self.moved[1] + n_in]
 
-  def compile_prefix_copies(self, max_blocks: int) -> None:
-    """Runs both copies once at every padded size up to `max_blocks` (all
-    pairs -1: nothing moves), so that no step compiles one."""
+  def compile_prefix_copies(self, max_loads: int, max_stores: int) -> None:
+    """Runs each copy once at every padded size up to its most blocks
+    (`prefix_offload.max_loads` / `max_stores`; all pairs -1: nothing
+    moves), so that no step compiles one."""
     if not self.prefix_host_blocks:
       return
     t = time.perf_counter()
     m = 1
-    while m <= max_blocks:
+    while m <= max(max_loads, max_stores):
       none = np.full(m, -1, np.int32)
-      self.host_cache.store(self.cache, none, none[:0])
-      self.cache = self.host_cache.load(self.cache, none, none)
+      if m <= max_stores:
+        self.host_cache.store(self.cache, none, none[:0])
+      if m <= max_loads:
+        self.cache = self.host_cache.load(self.cache, none, none)
       m *= 2
+    self.host_cache.flush()
     jax.block_until_ready(self.cache)
     self.compile_seconds += time.perf_counter() - t
 

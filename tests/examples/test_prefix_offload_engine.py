@@ -133,3 +133,91 @@ def test_kv_offloading_size_flag_errors(argv, match, capsys):
   with pytest.raises(SystemExit):
     generate.parse_and_check(argv)
   assert match in capsys.readouterr().err
+
+
+def test_blocks_stored_ahead_of_eviction_give_the_right_tokens(model):
+  """Stores ahead of eviction (`prefix_offload._store_ahead`): every block
+  a step evicts is NaN-poisoned right after the step's copies are
+  dispatched (so a copy to the host taken later would hold NaN), every
+  block a load writes just before the load, every empty block after every
+  step; the greedy tokens are those of the device cache alone, and some
+  evictions copied nothing because their blocks were on the host already."""
+  phases = _phases(seed=1)[:3]  # the third: host hits
+  off = make_engine(model, **TWO_SHAPES, enable_prefix_caching=True)
+  expected = {}
+  for reqs in phases:
+    expected.update(_tokens(_run(off, reqs, checked=False)))
+  on = make_engine(model, **TWO_SHAPES, enable_prefix_caching=True,
+                   kv_offloading_size=gib(model, HOST_BLOCKS))
+  (pool,), runner = on._pools, on._runner  # pylint: disable=protected-access
+  evicted, ahead, at_eviction = [], [], []
+  commit, store_ahead = pool._commit_offload, pool._store_ahead  # pylint: disable=protected-access
+  store_evicted = pool._store_evicted  # pylint: disable=protected-access
+
+  def counting_commit(gone, admitted):
+    evicted.append(np.asarray(gone).copy())
+    return commit(gone, admitted)
+
+  def counting_ahead(budget):
+    out = store_ahead(budget)
+    ahead.extend(b for b, _ in out)
+    return out
+
+  def counting_evicted(gone):
+    out = store_evicted(gone)
+    at_eviction.extend(b for b, _ in out)
+    return out
+  pool._commit_offload, pool._store_ahead = counting_commit, counting_ahead  # pylint: disable=protected-access
+  pool._store_evicted = counting_evicted  # pylint: disable=protected-access
+  log = []
+  poisoning_loads(on, log)
+  copy = runner.copy_prefix_blocks
+
+  def poison_evicted(copies):
+    copy(copies)  # the stores read the evicted blocks first
+    if evicted and evicted[-1].size:
+      mask = np.zeros(runner.cache.num_blocks, bool)
+      mask[evicted[-1]] = True
+      runner.cache = _poison(runner.cache, mask)
+  runner.copy_prefix_blocks = poison_evicted
+  got = {}
+  for reqs in phases:
+    got.update(_tokens(_run(on, reqs, checked=True)))
+  assert got == expected
+  n_evicted = sum(e.size for e in evicted)
+  assert ahead and n_evicted > len(at_eviction)  # some evictions copied nothing
+  assert on.stats.external_prefix_hit_tokens > 0
+  assert on.stats.offload_bytes_to_host == (len(ahead) + len(at_eviction)) * on.cache.bytes_per_block
+  pool.host_prefix.check()
+
+
+def test_stores_are_batched_when_nothing_hits_the_host(model):
+  """At 0% host hits on a pool that keeps evicting, the copies to the host
+  are far fewer dispatches than the steps that evict, and every evicted
+  block reached the host."""
+  engine = make_engine(model, num_blocks=24, min_bucket=16, enable_prefix_caching=True,
+                       admission_headroom_steps=0,
+                       kv_offloading_size=gib(model, HOST_BLOCKS))
+  (pool,) = engine._pools  # pylint: disable=protected-access
+  evicting_steps = [0]
+  commit = pool._commit_offload  # pylint: disable=protected-access
+
+  def counting_commit(gone, admitted):
+    real = np.asarray(gone).reshape(-1)
+    real = real[real >= 0]
+    evicting_steps[0] += bool(real.size)
+    hashes = [pool._index.hash_of(int(b)) for b in real]  # pylint: disable=protected-access
+    out = commit(gone, admitted)
+    assert all(h in pool.host_prefix for h in hashes)  # on the host by now
+    return out
+  pool._commit_offload = counting_commit  # pylint: disable=protected-access
+  log = []
+  poisoning_loads(engine, log)
+  rng = np.random.default_rng(3)
+  reqs = [Request(f"n{i}", rng.integers(3, 512, size=12).tolist(),
+                  SamplingParams(max_new_tokens=12)) for i in range(16)]
+  _run(engine, reqs, checked=False)
+  stores = [c for c in log if len(c.out.src)]
+  assert engine.stats.external_prefix_hit_tokens == 0
+  assert evicting_steps[0] >= 8
+  assert len(stores) * 2 <= evicting_steps[0], (len(stores), evicting_steps[0])

@@ -72,3 +72,27 @@ def test_host_tier_series_are_zero_without_a_tier(model):
   serve(engine, random_requests(1, 4, prompt=(8, 24), new=(8, 16)))
   m = scrape(engine, engine.usage())
   assert {k: m[k] for k in SERIES} == dict.fromkeys(SERIES, 0.0)
+
+
+def test_prefix_host_level_series_follow_the_engine(model):
+  """The prefix cache's host level (`kv_offloading_size`): usage, bytes each
+  way and the external prefix-cache queries / hits are the engine's."""
+  from tests.examples.test_prefix_engine import TWO_SHAPES, _phases, _run  # pylint: disable=import-outside-toplevel
+  from tests.examples.test_prefix_offload_engine import gib  # pylint: disable=import-outside-toplevel
+  engine = make_engine(model, **TWO_SHAPES, enable_prefix_caching=True,
+                       kv_offloading_size=gib(model, 64))
+  for reqs in _phases()[:3]:  # the third hits the host
+    _run(engine, reqs, checked=False)
+  st, u = engine.stats, engine.usage()
+  m = scrape(engine, u)
+  assert 0 < u["host_blocks_used"] <= u["host_blocks_total"] == 64
+  assert m["paged_jax_kv_offload_host_cache_usage_fraction"] == pytest.approx(
+      u["host_blocks_used"] / 64)
+  assert m['paged_jax_kv_offload_total_bytes_total{transfer_type="device_to_host"}'] \
+      == st.offload_bytes_to_host > 0
+  assert m['paged_jax_kv_offload_total_bytes_total{transfer_type="host_to_device"}'] \
+      == st.offload_bytes_to_device > 0
+  assert m["paged_jax_external_prefix_cache_queries_total"] \
+      == st.external_prefix_queried_tokens > 0
+  assert m["paged_jax_external_prefix_cache_hits_total"] == st.external_prefix_hit_tokens > 0
+  assert m["paged_jax_num_requests_swapped"] == 0
