@@ -132,6 +132,7 @@ class HostPool:
     self._journal: list | None = None
     self._saved: tuple | None = None
     self._arange = np.arange(self.max_seqs)  # scratch for `_leading_unique`
+    self._arange_width = np.arange(self.width)
     self._mark = np.zeros(self.max_seqs, np.int64)
     self._null_evicted: dict[int, np.ndarray] = {}  # `_no_evictions`
     self._null_copies: dict[int, np.ndarray] = {}  # `_no_copies`
@@ -246,19 +247,31 @@ class HostPool:
     if not real.size:
       return ok
     s = seq_ids[real]
-    good = (self.lens[s] > 0) & _first_occurrence(seq_ids)[real]
+    good = self.lens[s] > 0
+    if s.size > 1:  # (a repeat can only be of a valid entry)
+      good &= _first_occurrence(s)
     ok[real] = good
     order_idx = real[good]  # entry index in the call (release order)
     s = s[good]
     if not s.size:
       return ok
-    rows, cols = self._owned(s)
-    blocks = self.tables[s[rows], cols]
+    if s.size == 1:  # one sequence (the usual case): its blocks, in order
+      n = _cdiv(int(self.lens[s[0]]), self.block_size)
+      rows, cols = None, self._arange_width[:n]
+      blocks = self.tables[s[0], :n]
+    else:
+      rows, cols = self._owned(s)
+      blocks = self.tables[s[rows], cols]
     if self.window is not None:  # reclaimed entries hold no reference
       held = blocks >= 0
-      rows, cols, blocks = rows[held], cols[held], blocks[held]
-    self._add_refs(blocks, -1)
-    ids = np.unique(blocks)
+      cols, blocks = cols[held], blocks[held]
+      rows = None if rows is None else rows[held]
+    if s.size == 1:  # a table row names each block once
+      ids = np.sort(blocks)
+      self._set(self.refs, ids, self.refs[ids] - 1)
+    else:
+      self._add_refs(blocks, -1)
+      ids = np.unique(blocks)
     freed = ids[self.refs[ids] == 0]  # ascending block ids
     if self.caching and freed.size:
       keep = self.cacheable[freed]
@@ -267,13 +280,15 @@ class HostPool:
     else:
       to_stack, kept = freed, freed[:0]
     if to_stack.size:
-      self._set(self.stack, np.arange(self.num_free, self.num_free + to_stack.size),
+      self._set(self.stack, slice(self.num_free, self.num_free + to_stack.size),
                 to_stack)
       self.num_free += int(to_stack.size)
     if kept.size:
       # Release order: entries as given, each one's blocks last first; a
       # block several released entries shared counts at its last release.
-      pos = order_idx[rows].astype(np.int64) * self.width + (self.width - 1 - cols)
+      pos = self.width - 1 - cols.astype(np.int64)
+      if rows is not None:
+        pos += order_idx[rows].astype(np.int64) * self.width
       last = np.full(self.num_blocks, -1, np.int64)
       np.maximum.at(last, blocks, pos)
       kept = kept[np.argsort(last[kept], kind="stable")]
