@@ -46,6 +46,8 @@ from paged_jax import window_reclaim
 
 NULL = bm.NULL_BLOCK
 _MASK = 0xFFFFFFFF
+_NO_CACHE_OK = np.ones((0,), bool)  # `cache_ok` without prefix caching
+_NO_CACHE_OK.flags.writeable = False
 
 
 @dataclasses.dataclass
@@ -136,6 +138,7 @@ class HostPool:
     self._mark = np.zeros(self.max_seqs, np.int64)
     self._null_evicted: dict[int, np.ndarray] = {}  # `_no_evictions`
     self._null_copies: dict[int, np.ndarray] = {}  # `_no_copies`
+    self._null_forks: dict[int, np.ndarray] = {}  # `_no_forks`
 
   # ------------------------------------------------------------ transactions
 
@@ -193,8 +196,8 @@ class HostPool:
     as they change (`_set`: they are large)."""
     lens = int(np.dot(self.lens, self._w_seqs)) & _MASK
     refs = int(np.dot(self.refs, self._w_blocks)) & _MASK
-    return np.array([self.num_free, self.num_cached, lens, refs, self._sum_tables],
-                    np.uint64).astype(np.uint32)
+    return np.array([self.num_free & _MASK, self.num_cached & _MASK, lens, refs,
+                     self._sum_tables], np.uint32)
 
   def to_state(self) -> bm.BlockState:
     """The modelled `BlockState`, as NumPy arrays (copies)."""
@@ -389,7 +392,7 @@ class HostPool:
     n, ms = seq_ids.shape[0], self.max_seqs
     null = self._no_copies(n)
     res = HostReservation(
-        ok=np.zeros(n, bool), copy_src=null, copy_dst=null,
+        ok=None, copy_src=null, copy_dst=null,
         evicted=self._no_evictions(n) if self.caching else None)
     k = self._leading_unique(seq_ids, num_new) if leading is None else leading
     if k is not None:  # the scheduler's layout: k valid entries, then padding
@@ -400,11 +403,27 @@ class HostPool:
       if real.size:
         real = real[_first_occurrence(seq_ids)[real]]
       s, q = seq_ids[real], num_new[real]
-    if real.size:
-      self._reserve(real, s, q.astype(np.int64), res)
+    ok = self._reserve(real, s, q.astype(np.int64), res) if real.size else None
+    if ok is None and k is not None:  # the first k granted, the rest padding
+      res.ok = self._granted(n, k)
+    else:
+      res.ok = np.zeros(n, bool)
+      res.ok[real] = True if ok is None else ok
     if self.caching and self.num_cached == 0:
       self.lru_len = 0
     return res
+
+  def _granted(self, n: int, k: int) -> np.ndarray:
+    """A read-only `bool[n]`, True on the first `k` entries, made once per
+    `(n, k)`: the `ok` of a reservation that grants every one of `k` leading
+    entries (most of them)."""
+    out = self._null_forks.get((n, k))
+    if out is None:
+      out = np.zeros(n, bool)
+      out[:k] = True
+      out.flags.writeable = False
+      self._null_forks[n, k] = out
+    return out
 
   def _leading_unique(self, seq_ids, num_new) -> int | None:
     """`k` when the first `k` entries are distinct valid slots with sizes
@@ -426,10 +445,11 @@ class HostPool:
       return None
     return k
 
-  def _reserve(self, real, s, q, res: HostReservation):
+  def _reserve(self, real, s, q, res: HostReservation) -> np.ndarray | None:
     """The granted reservations of the valid, distinct entries `real` (slots
-    `s`, sizes `q`, i64), in place; fills `res` (its shared read-only
-    defaults are copied before a write)."""
+    `s`, sizes `q`, i64), in place; fills `res` but its `ok` (its shared
+    read-only defaults are copied before a write). Returns `ok` of the
+    entries, None when every one is granted."""
     bs = self.block_size
     old = self.lens[s]
     new_len = old + q
@@ -508,12 +528,11 @@ class HostPool:
         res.copy_dst[real[c]] = new_ids[start[c]]
     if ok is None:  # every entry granted
       self._set(self.lens, s, new_len, old)
-      res.ok[real] = True
-      return
+      return None
     grown = np.flatnonzero(ok & (new_len != old))
     if grown.size:
       self._set(self.lens, s[grown], new_len[grown])
-    res.ok[real] = ok
+    return ok
 
   def _no_copies(self, n: int) -> np.ndarray:
     """A read-only all-`NULL` `i32[n]`, made once per `n`: the `copy_src`
@@ -523,6 +542,16 @@ class HostPool:
       out = np.full(n, NULL, np.int32)
       out.flags.writeable = False
       self._null_copies[n] = out
+    return out
+
+  def _no_forks(self, n: int) -> np.ndarray:
+    """A read-only all-False `bool[n]`, made once per `n`: the `fork_ok` of
+    a step that forks nothing."""
+    out = self._null_forks.get(n)
+    if out is None:
+      out = np.zeros(n, bool)
+      out.flags.writeable = False
+      self._null_forks[n] = out
     return out
 
   def _no_evictions(self, n: int) -> np.ndarray:
@@ -572,14 +601,14 @@ class HostPool:
       `(fork_ok bool[max_batch], HostReservation, cache_ok bool[R + H])`.
     """
     real = _any_real if packed is None else _leads
-    cache_ok = np.ones((0,), bool)
+    cache_ok = _NO_CACHE_OK
     if self.caching:
       cache_ok = self.register(register_seqs, register_cols) | (register_seqs < 0)
     if real(release_early):
       self.release(release_early)
     fork_ok = (self.fork(fork_parents, fork_children)
                if real(fork_parents) or real(fork_children)
-               else np.zeros(np.shape(fork_parents), bool))
+               else self._no_forks(np.shape(fork_parents)[0]))
     if real(release_late):
       self.release(release_late)
     if self.caching:

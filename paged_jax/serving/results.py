@@ -99,9 +99,8 @@ class Results:
       if len(toks) >= t.limit:  # its output budget
         t.final = True
         finals.append(t)
+    # (each decode row's token goes to its own slot: `_build` wrote it)
     top = bool(k) and bool(self._slots.state.wants_top[x.sample_seqs[:k]].any())
-    if k:  # each row's token goes to its own slot
-      x.sample_slots[:k] = x.sample_seqs[:k]
     children: dict[int, Seq] = {}  # lane -> child of the prompt sampled now
     tail = len(rows)
     for r, s, lane in zip(range(k, len(samples)), samples.seqs[k:], samples.lanes[k:]):
@@ -151,10 +150,10 @@ class Results:
     # model (`_fit`): it grants exactly what the model granted, and ends in
     # the same state.
     if not (out.ok[:pending.num_entries].all()
-            and out.fork_ok[:pending.num_forks].all()):
+            and (not pending.num_forks or out.fork_ok[:pending.num_forks].all())):
       raise RuntimeError("the device refused what the host model granted: "
                          "the block states diverged (engine bug)")
-    if (out.fingerprint != pending.fingerprint).any():
+    if out.fingerprint.tobytes() != pending.fingerprint.tobytes():  # (both u32[5])
       raise RuntimeError(
           f"the device's block state fingerprint {out.fingerprint.tolist()} "
           f"differs from the host model's {pending.fingerprint.tolist()}: the "
