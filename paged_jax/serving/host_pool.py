@@ -258,10 +258,12 @@ class HostPool:
     s = s[good]
     if not s.size:
       return ok
+    row = None
     if s.size == 1:  # one sequence (the usual case): its blocks, in order
       n = _cdiv(int(self.lens[s[0]]), self.block_size)
       rows, cols = None, self._arange_width[:n]
-      blocks = self.tables[s[0], :n]
+      row = (int(s[0]), slice(0, n))  # its cells past `n` are NULL already
+      blocks = self.tables[row].copy()
     else:
       rows, cols = self._owned(s)
       blocks = self.tables[s[rows], cols]
@@ -271,7 +273,8 @@ class HostPool:
       rows = None if rows is None else rows[held]
     if s.size == 1:  # a table row names each block once
       ids = np.sort(blocks)
-      self._set(self.refs, ids, self.refs[ids] - 1)
+      old = self.refs[ids]
+      self._set(self.refs, ids, old - 1, old)
     else:
       self._add_refs(blocks, -1)
       ids = np.unique(blocks)
@@ -296,7 +299,11 @@ class HostPool:
       np.maximum.at(last, blocks, pos)
       kept = kept[np.argsort(last[kept], kind="stable")]
       self._append_ring(kept)
-    self._set(self.tables, s, NULL)
+    if row is None:
+      self._set(self.tables, s, NULL)
+    else:  # (`blocks` holds the old cells unless some were reclaimed)
+      self._set(self.tables, row, NULL,
+                self.tables[row].copy() if self.window is not None else blocks)
     self._set(self.lens, s, 0)
     return ok
 
@@ -397,13 +404,17 @@ class HostPool:
     k = self._leading_unique(seq_ids, num_new) if leading is None else leading
     if k is not None:  # the scheduler's layout: k valid entries, then padding
       real = self._arange[:k]
-      s, q = seq_ids[:k].copy(), num_new[:k]  # (`s` is journaled: a copy)
+      s, q = seq_ids[:k], num_new[:k]
+      if seq_ids.flags.writeable:  # (`s` is journaled: a copy)
+        s = s.copy()
     else:
       real = np.flatnonzero((seq_ids >= 0) & (seq_ids < ms) & (num_new >= 0))
       if real.size:
         real = real[_first_occurrence(seq_ids)[real]]
       s, q = seq_ids[real], num_new[real]
-    ok = self._reserve(real, s, q.astype(np.int64), res) if real.size else None
+    if leading is None:  # any sizes: no overflow in `lens + q`
+      q = q.astype(np.int64)
+    ok = self._reserve(real, s, q, res) if real.size else None
     if ok is None and k is not None:  # the first k granted, the rest padding
       res.ok = self._granted(n, k)
     else:
@@ -493,7 +504,7 @@ class HostPool:
           ok[i] = False
       if not cow.any():
         cow = None
-    take = np.flatnonzero(need)
+    take = need.nonzero()[0]
     if take.size:
       k = need[take]
       total = int(k.sum())
