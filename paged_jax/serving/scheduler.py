@@ -406,8 +406,10 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     if not (self._waiting or self._swapped):  # nothing to admit: no scan
       return plan, admitted, first
     # Blocks the running entries take this step (no copies counted).
-    growth = sum(-(-(seq.num_cached + n) // bs) - -(-seq.num_cached // bs)
-                 for seq, n in plan)
+    d = plan.decode_rows  # (one token each: a block when the last is full)
+    growth = sum(1 for seq, _ in plan[:d] if not seq.num_cached % bs) + sum(
+        -(-(seq.num_cached + n) // bs) - -(-seq.num_cached // bs)
+        for seq, n in (plan[d:] if d else plan))
     # Block-aware admission: a prompt is admitted only if its blocks leave
     # the running sequences room to grow for `admission_headroom_steps`
     # decode steps beyond this one (each crosses a block boundary once per
@@ -415,8 +417,10 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     # its recomputation. (An estimate: `_fit` stays exact.)
     free = self._pool.num_available - growth
     headroom = -(-len(plan) * c.admission_headroom_steps // bs)
-    rows = len(self._running) + sum(s.group.unborn for s in self._running
-                                    if s.index == 0 and s.group.unborn)
+    rows = len(self._running)
+    if self._irregular.any():  # (a prompt whose samples are still to fork is)
+      rows += sum(s.group.unborn for s in self._running
+                  if s.index == 0 and s.group.unborn)
     budget, rows = self._swap_in_admissions(plan, admitted, budget, rows)
     if c.static_batching and self._running:
       return plan, admitted, first
