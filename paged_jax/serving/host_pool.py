@@ -51,6 +51,20 @@ _NO_CACHE_OK.flags.writeable = False
 
 
 @dataclasses.dataclass
+class SteadyDecode:
+  """What `HostPool.reserve` knows of a steady decode step's arguments (the
+  scheduler sends the same read-only `seq_ids` and `num_new`, one token per
+  entry, while its running rows stay the same): `steps` more such
+  reservations take no block and copy none (no entry's last block is full
+  or shared), so each one only adds 1 to the entries' lengths. Forgotten at
+  any other change of a length (`HostPool._set`) or a rollback."""
+
+  seq_ids: np.ndarray  # the very arrays of the reservations it describes
+  num_new: np.ndarray
+  steps: int
+
+
+@dataclasses.dataclass
 class HostReservation:
   """`block_manager.Reservation` on the host (NumPy)."""
 
@@ -139,6 +153,7 @@ class HostPool:
     self._null_evicted: dict[int, np.ndarray] = {}  # `_no_evictions`
     self._null_copies: dict[int, np.ndarray] = {}  # `_no_copies`
     self._null_forks: dict[int, np.ndarray] = {}  # `_no_forks`
+    self._steady: SteadyDecode | None = None  # see `_steady_step`
 
   # ------------------------------------------------------------ transactions
 
@@ -154,6 +169,7 @@ class HostPool:
 
   def rollback(self):
     """Undoes every change since `begin()`."""
+    self._steady = None
     for arr, idx, old in reversed(self._journal):
       arr[idx] = old
     for k, v in zip(self._SCALARS, self._saved):
@@ -165,6 +181,8 @@ class HostPool:
     """`arr[idx] = vals`, journaled (and the block tables' fingerprint sum
     kept). `idx` names each entry of the tables once (no repeats); `old`:
     `arr[idx]` when the caller has it (a copy)."""
+    if arr is self.lens:  # (every change of a slot's blocks changes a length)
+      self._steady = None
     if old is None:
       old = arr[idx]
       if isinstance(idx, slice):  # a view: keep the old values
@@ -397,6 +415,10 @@ class HostPool:
     `packed`); None: found out here."""
     seq_ids, num_new = np.asarray(seq_ids), np.asarray(num_new)
     n, ms = seq_ids.shape[0], self.max_seqs
+    steady = self._steady
+    if (steady is not None and steady.steps and leading is not None
+        and seq_ids is steady.seq_ids and num_new is steady.num_new):
+      return self._steady_step(steady, leading)
     null = self._no_copies(n)
     res = HostReservation(
         ok=None, copy_src=null, copy_dst=null,
@@ -417,12 +439,41 @@ class HostPool:
     ok = self._reserve(real, s, q, res) if real.size else None
     if ok is None and k is not None:  # the first k granted, the rest padding
       res.ok = self._granted(n, k)
+      if leading is not None and not (seq_ids.flags.writeable or num_new.flags.writeable):
+        self._steady = self._steady_after(seq_ids, num_new, s, q)
     else:
       res.ok = np.zeros(n, bool)
       res.ok[real] = True if ok is None else ok
     if self.caching and self.num_cached == 0:
       self.lru_len = 0
     return res
+
+  def _steady_after(self, seq_ids, num_new, s, q) -> SteadyDecode | None:
+    """The `SteadyDecode` of read-only reservations of one token for each of
+    the slots `s`, just granted; None where it does not apply."""
+    if self.window is not None or not s.size or int(q.min()) != 1 or int(q.max()) != 1:
+      return None
+    lens = self.lens[s]
+    steps = int(((-lens) % self.block_size).min())  # tokens left in the last blocks
+    if steps and int(self.refs.max(initial=0)) > 1:  # a shared last block copies
+      last = self.tables[s, (lens - 1) // self.block_size]
+      if (self.refs[last] > 1).any():
+        steps = 0
+    return SteadyDecode(seq_ids, num_new, steps) if steps else None
+
+  def _steady_step(self, steady: SteadyDecode, k: int) -> HostReservation:
+    """`reserve` of a step that `steady` describes: one more token for each
+    of its `k` entries, within their last blocks."""
+    s = steady.seq_ids[:k]
+    old = self.lens[s]
+    if self._journal is not None:
+      self._journal.append((self.lens, s, old))
+    self.lens[s] = old + 1
+    steady.steps -= 1
+    n = steady.seq_ids.shape[0]
+    null = self._no_copies(n)
+    return HostReservation(ok=self._granted(n, k), copy_src=null, copy_dst=null,
+                           evicted=self._no_evictions(n) if self.caching else None)
 
   def _granted(self, n: int, k: int) -> np.ndarray:
     """A read-only `bool[n]`, True on the first `k` entries, made once per
