@@ -238,10 +238,14 @@ class InputPacking:
       token_rows = list(range(k))
       lanes = [s.index for s in seqs]
       slots = book.seq_ids[:k]
-      last = np.array([s.tokens[-1] for s in seqs], np.int32)
-      pending = last == PENDING  # sampled by the step in flight: on the device
-      tokens[:k] = np.where(pending, 0, last)
-      token_slots[:k] = np.where(pending, slots, -1)
+      last = [s.tokens[-1] for s in seqs]
+      if max(last) == PENDING:  # all sampled by the step in flight: on the device
+        token_slots[:k] = slots
+      else:
+        last = np.array(last, np.int32)
+        pending = last == PENDING  # sampled by the step in flight: on the device
+        tokens[:k] = np.where(pending, 0, last)
+        token_slots[:k] = np.where(pending, slots, -1)
       sample_seqs[:k] = slots
       sample_slots[:k] = slots  # each row's token goes to its own slot
     else:

@@ -158,8 +158,15 @@ class Results:
           f"the device's block state fingerprint {out.fingerprint.tolist()} "
           f"differs from the host model's {pending.fingerprint.tolist()}: the "
           "block states diverged (engine bug)")
-    tokens = out.tokens.tolist()
-    logprobs = out.token_logprobs.tolist()
+    n = len(pending.rows)  # (ascending: the identity when the last is n - 1)
+    if n and pending.rows[-1] == n - 1:  # sample row i for token i (decode rows)
+      tokens = out.tokens[:n].tolist()
+      logprobs = out.token_logprobs[:n].tolist()
+      records = zip(tokens, logprobs, pending.seqs, pending.indices)
+    else:
+      tokens = out.tokens.tolist()
+      logprobs = out.token_logprobs.tolist()
+      records = ((tokens[r], logprobs[r], t, idx) for r, t, idx in pending.records)
     top_lp = top_ids = None
     if pending.top:  # fetched for this step (`InFlight.wants_top`)
       top_lp, top_ids = out.top_logprobs.tolist(), out.top_ids.tolist()
@@ -168,13 +175,12 @@ class Results:
     if deltas is None and top_lp is None:
       # No stream and no top log-probs: `_take_token` inlined, its finishing
       # (`_end`) called only for a row that stops.
-      for r, t, idx in pending.records:
+      for tok, logprob, t, idx in records:
         if t.done:  # stopped by an EOS the step before; this token is void
           continue
-        tok = tokens[r]
         toks = t.tokens
         toks[idx] = tok
-        t.token_logprobs.append(logprobs[r])
+        t.token_logprobs.append(logprob)
         last = t.last_token_time
         if last is None:  # (its group's first token, unless a sibling's came)
           self._first_token(t.group)
