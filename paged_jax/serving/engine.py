@@ -393,7 +393,11 @@ class Engine:
     return now - t
 
   def _count(self, bucket: Bucket):
-    self.stats.add_step(bucket, len(self._pools), self.usage())
+    if len(self._pools) == 1:
+      gauges = self._pools[0].gauges()
+    else:
+      gauges = [sum(g) for g in zip(*(p.gauges() for p in self._pools))]
+    self.stats.add_step(bucket, len(self._pools), *gauges)
 
   def warmup(self, buckets: tuple[Bucket, ...] | None = None) -> float:
     """Compiles the step of every bucket (default: all of `self.buckets`),

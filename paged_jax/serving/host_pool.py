@@ -46,6 +46,22 @@ from paged_jax import window_reclaim
 
 NULL = bm.NULL_BLOCK
 _MASK = 0xFFFFFFFF
+_NO_CACHE_OK = np.ones((0,), bool)  # `cache_ok` without prefix caching
+_NO_CACHE_OK.flags.writeable = False
+
+
+@dataclasses.dataclass
+class SteadyDecode:
+  """What `HostPool.reserve` knows of a steady decode step's arguments (the
+  scheduler sends the same read-only `seq_ids` and `num_new`, one token per
+  entry, while its running rows stay the same): `steps` more such
+  reservations take no block and copy none (no entry's last block is full
+  or shared), so each one only adds 1 to the entries' lengths. Forgotten at
+  any other change of a length (`HostPool._set`) or a rollback."""
+
+  seq_ids: np.ndarray  # the very arrays of the reservations it describes
+  num_new: np.ndarray
+  steps: int
 
 
 @dataclasses.dataclass
@@ -132,9 +148,12 @@ class HostPool:
     self._journal: list | None = None
     self._saved: tuple | None = None
     self._arange = np.arange(self.max_seqs)  # scratch for `_leading_unique`
+    self._arange_width = np.arange(self.width)
     self._mark = np.zeros(self.max_seqs, np.int64)
     self._null_evicted: dict[int, np.ndarray] = {}  # `_no_evictions`
     self._null_copies: dict[int, np.ndarray] = {}  # `_no_copies`
+    self._null_forks: dict[int, np.ndarray] = {}  # `_no_forks`
+    self._steady: SteadyDecode | None = None  # see `_steady_step`
 
   # ------------------------------------------------------------ transactions
 
@@ -150,6 +169,7 @@ class HostPool:
 
   def rollback(self):
     """Undoes every change since `begin()`."""
+    self._steady = None
     for arr, idx, old in reversed(self._journal):
       arr[idx] = old
     for k, v in zip(self._SCALARS, self._saved):
@@ -161,6 +181,8 @@ class HostPool:
     """`arr[idx] = vals`, journaled (and the block tables' fingerprint sum
     kept). `idx` names each entry of the tables once (no repeats); `old`:
     `arr[idx]` when the caller has it (a copy)."""
+    if arr is self.lens:  # (every change of a slot's blocks changes a length)
+      self._steady = None
     if old is None:
       old = arr[idx]
       if isinstance(idx, slice):  # a view: keep the old values
@@ -192,8 +214,8 @@ class HostPool:
     as they change (`_set`: they are large)."""
     lens = int(np.dot(self.lens, self._w_seqs)) & _MASK
     refs = int(np.dot(self.refs, self._w_blocks)) & _MASK
-    return np.array([self.num_free, self.num_cached, lens, refs, self._sum_tables],
-                    np.uint64).astype(np.uint32)
+    return np.array([self.num_free & _MASK, self.num_cached & _MASK, lens, refs,
+                     self._sum_tables], np.uint32)
 
   def to_state(self) -> bm.BlockState:
     """The modelled `BlockState`, as NumPy arrays (copies)."""
@@ -246,19 +268,34 @@ class HostPool:
     if not real.size:
       return ok
     s = seq_ids[real]
-    good = (self.lens[s] > 0) & _first_occurrence(seq_ids)[real]
+    good = self.lens[s] > 0
+    if s.size > 1:  # (a repeat can only be of a valid entry)
+      good &= _first_occurrence(s)
     ok[real] = good
     order_idx = real[good]  # entry index in the call (release order)
     s = s[good]
     if not s.size:
       return ok
-    rows, cols = self._owned(s)
-    blocks = self.tables[s[rows], cols]
+    row = None
+    if s.size == 1:  # one sequence (the usual case): its blocks, in order
+      n = _cdiv(int(self.lens[s[0]]), self.block_size)
+      rows, cols = None, self._arange_width[:n]
+      row = (int(s[0]), slice(0, n))  # its cells past `n` are NULL already
+      blocks = self.tables[row].copy()
+    else:
+      rows, cols = self._owned(s)
+      blocks = self.tables[s[rows], cols]
     if self.window is not None:  # reclaimed entries hold no reference
       held = blocks >= 0
-      rows, cols, blocks = rows[held], cols[held], blocks[held]
-    self._add_refs(blocks, -1)
-    ids = np.unique(blocks)
+      cols, blocks = cols[held], blocks[held]
+      rows = None if rows is None else rows[held]
+    if s.size == 1:  # a table row names each block once
+      ids = np.sort(blocks)
+      old = self.refs[ids]
+      self._set(self.refs, ids, old - 1, old)
+    else:
+      self._add_refs(blocks, -1)
+      ids = np.unique(blocks)
     freed = ids[self.refs[ids] == 0]  # ascending block ids
     if self.caching and freed.size:
       keep = self.cacheable[freed]
@@ -267,18 +304,24 @@ class HostPool:
     else:
       to_stack, kept = freed, freed[:0]
     if to_stack.size:
-      self._set(self.stack, np.arange(self.num_free, self.num_free + to_stack.size),
+      self._set(self.stack, slice(self.num_free, self.num_free + to_stack.size),
                 to_stack)
       self.num_free += int(to_stack.size)
     if kept.size:
       # Release order: entries as given, each one's blocks last first; a
       # block several released entries shared counts at its last release.
-      pos = order_idx[rows].astype(np.int64) * self.width + (self.width - 1 - cols)
+      pos = self.width - 1 - cols.astype(np.int64)
+      if rows is not None:
+        pos += order_idx[rows].astype(np.int64) * self.width
       last = np.full(self.num_blocks, -1, np.int64)
       np.maximum.at(last, blocks, pos)
       kept = kept[np.argsort(last[kept], kind="stable")]
       self._append_ring(kept)
-    self._set(self.tables, s, NULL)
+    if row is None:
+      self._set(self.tables, s, NULL)
+    else:  # (`blocks` holds the old cells unless some were reclaimed)
+      self._set(self.tables, row, NULL,
+                self.tables[row].copy() if self.window is not None else blocks)
     self._set(self.lens, s, 0)
     return ok
 
@@ -372,24 +415,77 @@ class HostPool:
     `packed`); None: found out here."""
     seq_ids, num_new = np.asarray(seq_ids), np.asarray(num_new)
     n, ms = seq_ids.shape[0], self.max_seqs
+    steady = self._steady
+    if (steady is not None and steady.steps and leading is not None
+        and seq_ids is steady.seq_ids and num_new is steady.num_new):
+      return self._steady_step(steady, leading)
     null = self._no_copies(n)
     res = HostReservation(
-        ok=np.zeros(n, bool), copy_src=null, copy_dst=null,
+        ok=None, copy_src=null, copy_dst=null,
         evicted=self._no_evictions(n) if self.caching else None)
     k = self._leading_unique(seq_ids, num_new) if leading is None else leading
     if k is not None:  # the scheduler's layout: k valid entries, then padding
       real = self._arange[:k]
-      s, q = seq_ids[:k].copy(), num_new[:k]  # (`s` is journaled: a copy)
+      s, q = seq_ids[:k], num_new[:k]
+      if seq_ids.flags.writeable:  # (`s` is journaled: a copy)
+        s = s.copy()
     else:
       real = np.flatnonzero((seq_ids >= 0) & (seq_ids < ms) & (num_new >= 0))
       if real.size:
         real = real[_first_occurrence(seq_ids)[real]]
       s, q = seq_ids[real], num_new[real]
-    if real.size:
-      self._reserve(real, s, q.astype(np.int64), res)
+    if leading is None:  # any sizes: no overflow in `lens + q`
+      q = q.astype(np.int64)
+    ok = self._reserve(real, s, q, res) if real.size else None
+    if ok is None and k is not None:  # the first k granted, the rest padding
+      res.ok = self._granted(n, k)
+      if leading is not None and not (seq_ids.flags.writeable or num_new.flags.writeable):
+        self._steady = self._steady_after(seq_ids, num_new, s, q)
+    else:
+      res.ok = np.zeros(n, bool)
+      res.ok[real] = True if ok is None else ok
     if self.caching and self.num_cached == 0:
       self.lru_len = 0
     return res
+
+  def _steady_after(self, seq_ids, num_new, s, q) -> SteadyDecode | None:
+    """The `SteadyDecode` of read-only reservations of one token for each of
+    the slots `s`, just granted; None where it does not apply."""
+    if self.window is not None or not s.size or int(q.min()) != 1 or int(q.max()) != 1:
+      return None
+    lens = self.lens[s]
+    steps = int(((-lens) % self.block_size).min())  # tokens left in the last blocks
+    if steps and int(self.refs.max(initial=0)) > 1:  # a shared last block copies
+      last = self.tables[s, (lens - 1) // self.block_size]
+      if (self.refs[last] > 1).any():
+        steps = 0
+    return SteadyDecode(seq_ids, num_new, steps) if steps else None
+
+  def _steady_step(self, steady: SteadyDecode, k: int) -> HostReservation:
+    """`reserve` of a step that `steady` describes: one more token for each
+    of its `k` entries, within their last blocks."""
+    s = steady.seq_ids[:k]
+    old = self.lens[s]
+    if self._journal is not None:
+      self._journal.append((self.lens, s, old))
+    self.lens[s] = old + 1
+    steady.steps -= 1
+    n = steady.seq_ids.shape[0]
+    null = self._no_copies(n)
+    return HostReservation(ok=self._granted(n, k), copy_src=null, copy_dst=null,
+                           evicted=self._no_evictions(n) if self.caching else None)
+
+  def _granted(self, n: int, k: int) -> np.ndarray:
+    """A read-only `bool[n]`, True on the first `k` entries, made once per
+    `(n, k)`: the `ok` of a reservation that grants every one of `k` leading
+    entries (most of them)."""
+    out = self._null_forks.get((n, k))
+    if out is None:
+      out = np.zeros(n, bool)
+      out[:k] = True
+      out.flags.writeable = False
+      self._null_forks[n, k] = out
+    return out
 
   def _leading_unique(self, seq_ids, num_new) -> int | None:
     """`k` when the first `k` entries are distinct valid slots with sizes
@@ -411,10 +507,11 @@ class HostPool:
       return None
     return k
 
-  def _reserve(self, real, s, q, res: HostReservation):
+  def _reserve(self, real, s, q, res: HostReservation) -> np.ndarray | None:
     """The granted reservations of the valid, distinct entries `real` (slots
-    `s`, sizes `q`, i64), in place; fills `res` (its shared read-only
-    defaults are copied before a write)."""
+    `s`, sizes `q`, i64), in place; fills `res` but its `ok` (its shared
+    read-only defaults are copied before a write). Returns `ok` of the
+    entries, None when every one is granted."""
     bs = self.block_size
     old = self.lens[s]
     new_len = old + q
@@ -458,7 +555,7 @@ class HostPool:
           ok[i] = False
       if not cow.any():
         cow = None
-    take = np.flatnonzero(need)
+    take = need.nonzero()[0]
     if take.size:
       k = need[take]
       total = int(k.sum())
@@ -493,12 +590,11 @@ class HostPool:
         res.copy_dst[real[c]] = new_ids[start[c]]
     if ok is None:  # every entry granted
       self._set(self.lens, s, new_len, old)
-      res.ok[real] = True
-      return
+      return None
     grown = np.flatnonzero(ok & (new_len != old))
     if grown.size:
       self._set(self.lens, s[grown], new_len[grown])
-    res.ok[real] = ok
+    return ok
 
   def _no_copies(self, n: int) -> np.ndarray:
     """A read-only all-`NULL` `i32[n]`, made once per `n`: the `copy_src`
@@ -508,6 +604,16 @@ class HostPool:
       out = np.full(n, NULL, np.int32)
       out.flags.writeable = False
       self._null_copies[n] = out
+    return out
+
+  def _no_forks(self, n: int) -> np.ndarray:
+    """A read-only all-False `bool[n]`, made once per `n`: the `fork_ok` of
+    a step that forks nothing."""
+    out = self._null_forks.get(n)
+    if out is None:
+      out = np.zeros(n, bool)
+      out.flags.writeable = False
+      self._null_forks[n] = out
     return out
 
   def _no_evictions(self, n: int) -> np.ndarray:
@@ -557,14 +663,14 @@ class HostPool:
       `(fork_ok bool[max_batch], HostReservation, cache_ok bool[R + H])`.
     """
     real = _any_real if packed is None else _leads
-    cache_ok = np.ones((0,), bool)
+    cache_ok = _NO_CACHE_OK
     if self.caching:
       cache_ok = self.register(register_seqs, register_cols) | (register_seqs < 0)
     if real(release_early):
       self.release(release_early)
     fork_ok = (self.fork(fork_parents, fork_children)
                if real(fork_parents) or real(fork_children)
-               else np.zeros(np.shape(fork_parents), bool))
+               else self._no_forks(np.shape(fork_parents)[0]))
     if real(release_late):
       self.release(release_late)
     if self.caching:

@@ -99,9 +99,8 @@ class Results:
       if len(toks) >= t.limit:  # its output budget
         t.final = True
         finals.append(t)
+    # (each decode row's token goes to its own slot: `_build` wrote it)
     top = bool(k) and bool(self._slots.state.wants_top[x.sample_seqs[:k]].any())
-    if k:  # each row's token goes to its own slot
-      x.sample_slots[:k] = x.sample_seqs[:k]
     children: dict[int, Seq] = {}  # lane -> child of the prompt sampled now
     tail = len(rows)
     for r, s, lane in zip(range(k, len(samples)), samples.seqs[k:], samples.lanes[k:]):
@@ -151,16 +150,23 @@ class Results:
     # model (`_fit`): it grants exactly what the model granted, and ends in
     # the same state.
     if not (out.ok[:pending.num_entries].all()
-            and out.fork_ok[:pending.num_forks].all()):
+            and (not pending.num_forks or out.fork_ok[:pending.num_forks].all())):
       raise RuntimeError("the device refused what the host model granted: "
                          "the block states diverged (engine bug)")
-    if (out.fingerprint != pending.fingerprint).any():
+    if out.fingerprint.tobytes() != pending.fingerprint.tobytes():  # (both u32[5])
       raise RuntimeError(
           f"the device's block state fingerprint {out.fingerprint.tolist()} "
           f"differs from the host model's {pending.fingerprint.tolist()}: the "
           "block states diverged (engine bug)")
-    tokens = out.tokens.tolist()
-    logprobs = out.token_logprobs.tolist()
+    n = len(pending.rows)  # (ascending: the identity when the last is n - 1)
+    if n and pending.rows[-1] == n - 1:  # sample row i for token i (decode rows)
+      tokens = out.tokens[:n].tolist()
+      logprobs = out.token_logprobs[:n].tolist()
+      records = zip(tokens, logprobs, pending.seqs, pending.indices)
+    else:
+      tokens = out.tokens.tolist()
+      logprobs = out.token_logprobs.tolist()
+      records = ((tokens[r], logprobs[r], t, idx) for r, t, idx in pending.records)
     top_lp = top_ids = None
     if pending.top:  # fetched for this step (`InFlight.wants_top`)
       top_lp, top_ids = out.top_logprobs.tolist(), out.top_ids.tolist()
@@ -169,13 +175,12 @@ class Results:
     if deltas is None and top_lp is None:
       # No stream and no top log-probs: `_take_token` inlined, its finishing
       # (`_end`) called only for a row that stops.
-      for r, t, idx in pending.records:
+      for tok, logprob, t, idx in records:
         if t.done:  # stopped by an EOS the step before; this token is void
           continue
-        tok = tokens[r]
         toks = t.tokens
         toks[idx] = tok
-        t.token_logprobs.append(logprobs[r])
+        t.token_logprobs.append(logprob)
         last = t.last_token_time
         if last is None:  # (its group's first token, unless a sibling's came)
           self._first_token(t.group)

@@ -52,7 +52,8 @@ from paged_jax.serving import window_pool
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.host_pool import HostPool
 from paged_jax.serving.multistep_host import MultiStep
-from paged_jax.serving.packing import Bookkeeping, Entry, InputPacking, Plan
+from paged_jax.serving.packing import (Bookkeeping, Entry, InputPacking, Plan,
+                                      SteadyInputs)
 from paged_jax.serving.prefix_offload import PrefixOffload
 from paged_jax.serving.prefix import (Candidate, PrefixCaching, Registration,
                                       register_rows)
@@ -164,6 +165,9 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     self._registering_by_hash: dict[bytes, int] = {}  # the same, by hash
     self._shares: dict[Seq, list[int]] = {}  # this step's hits (admissions)
     self._fitted: Bookkeeping | None = None  # the inputs `_fit` accepted
+    # The last steady decode step's inputs, sent again while its rows stay
+    # the same (`packing.SteadyInputs`).
+    self._steady_inputs: SteadyInputs | None = None
     # Per-slot sampling parameters: the host's copy of the device's
     # `SlotState`, written when a sequence gets a slot (`_bind`: admission,
     # fork); only the rows written go to the device (`take_slot_updates`).
@@ -239,12 +243,17 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     """Blocks used (held by sequences) / cached (free to reuse, their K/V
     kept for prefix-cache hits) / total, running and waiting sequences, and
     the host tier's (`swap.Swapping.host_usage`), from the last step."""
+    used, cached, running, waiting = self.gauges()
+    return {"blocks_used": used, "blocks_cached": cached,
+            "blocks_total": self._pool.num_blocks,
+            "running": running, "waiting": waiting, **self.host_usage()}
+
+  def gauges(self) -> tuple[int, int, int, int]:
+    """`(blocks used, blocks cached, running, waiting)` of `usage`, without
+    building its dict (the stats sample them every step)."""
     pool = self._pool
-    used = pool.num_blocks - pool.num_free - pool.num_cached
-    return {"blocks_used": used, "blocks_cached": pool.num_cached,
-            "blocks_total": pool.num_blocks,
-            "running": len(self._running), "waiting": len(self._waiting),
-            **self.host_usage()}
+    return (pool.num_blocks - pool.num_free - pool.num_cached, pool.num_cached,
+            len(self._running), len(self._waiting))
 
   @property
   def prefix_index(self) -> prefix_cache.PrefixIndex | None:
@@ -397,8 +406,10 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     if not (self._waiting or self._swapped):  # nothing to admit: no scan
       return plan, admitted, first
     # Blocks the running entries take this step (no copies counted).
-    growth = sum(-(-(seq.num_cached + n) // bs) - -(-seq.num_cached // bs)
-                 for seq, n in plan)
+    d = plan.decode_rows  # (one token each: a block when the last is full)
+    growth = sum(1 for seq, _ in plan[:d] if not seq.num_cached % bs) + sum(
+        -(-(seq.num_cached + n) // bs) - -(-seq.num_cached // bs)
+        for seq, n in (plan[d:] if d else plan))
     # Block-aware admission: a prompt is admitted only if its blocks leave
     # the running sequences room to grow for `admission_headroom_steps`
     # decode steps beyond this one (each crosses a block boundary once per
@@ -406,8 +417,10 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     # its recomputation. (An estimate: `_fit` stays exact.)
     free = self._pool.num_available - growth
     headroom = -(-len(plan) * c.admission_headroom_steps // bs)
-    rows = len(self._running) + sum(s.group.unborn for s in self._running
-                                    if s.index == 0 and s.group.unborn)
+    rows = len(self._running)
+    if self._irregular.any():  # (a prompt whose samples are still to fork is)
+      rows += sum(s.group.unborn for s in self._running
+                  if s.index == 0 and s.group.unborn)
     budget, rows = self._swap_in_admissions(plan, admitted, budget, rows)
     if c.static_batching and self._running:
       return plan, admitted, first
@@ -460,10 +473,10 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
         fork_ok, res, cache_ok = pool.bookkeeping(*x, packed=len(plan))
       else:
         fork_ok, res, cache_ok = pool.bookkeeping(*x)
-      if not fork_ok[:forks].all():
+      if forks and not fork_ok[:forks].all():
         pool.rollback()
         raise RuntimeError(f"a fork was refused: engine bookkeeping bug ({self.usage()})")
-      if not cache_ok.all():
+      if cache_ok.size and not cache_ok.all():
         pool.rollback()
         raise RuntimeError("a prefix-cache registration or hit was refused: "
                            "the index and the pool disagree (engine bug)")
@@ -472,7 +485,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
       if granted:
         pool.commit()
         k = getattr(plan, "decode_rows", 0)
-        if k and self._irregular[x.seq_ids[:k]].any():
+        if k and self._irregular.any() and self._irregular[x.seq_ids[:k]].any():
           plan.decode_rows = 0  # a beam or an unforked prompt among them
         self._fingerprint = pool.fingerprint()
         self._fitted = x  # `build_step` reuses them

@@ -167,7 +167,10 @@ class HostSlots:
   """
 
   def __init__(self, max_seqs: int, max_logit_bias: int):
-    self.state = empty(max_seqs, max_logit_bias)
+    # The rows as `pack` sends them, and `state` their column views: an
+    # update is two row gathers (`take_updates`), nothing packed per call.
+    self._ints, self._floats = pack(empty(max_seqs, max_logit_bias))
+    self.state = unpack(self._ints, self._floats)
     self._dirty: set[int] = set()
     self.rows_written = 0  # rows sent to the device so far (tests, stats)
 
@@ -208,12 +211,11 @@ class HostSlots:
     the next power of two, so the scatter compiles once per size class)."""
     if not self._dirty and rows is None:
       return None
-    slots = np.fromiter(sorted(self._dirty), np.int32, len(self._dirty))
+    slots = sorted(self._dirty)
+    n = len(slots)
     self._dirty.clear()
-    self.rows_written += slots.size
-    u = update_rows(slots.size) if rows is None else rows
-    padded = np.full(u, -1, np.int32)
-    padded[:slots.size] = slots
-    sl = np.maximum(padded, 0)
-    rows = jax.tree.map(lambda a: a[sl], self.state)
-    return (padded,) + pack(rows)
+    self.rows_written += n
+    u = update_rows(n) if rows is None else rows
+    sl = np.array(slots + [0] * (u - n), np.intp)  # padding reads row 0
+    return (np.array(slots + [-1] * (u - n), np.int32), self._ints[sl],
+            self._floats[sl])

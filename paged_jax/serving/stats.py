@@ -201,20 +201,21 @@ class EngineStats:
   e2e: Latency = dataclasses.field(default_factory=Latency)
   buckets: dict = dataclasses.field(default_factory=dict)
 
-  def add_step(self, bucket, num_pools: int, usage: dict):
+  def add_step(self, bucket, num_pools: int, blocks_used: int, blocks_cached: int,
+               running: int, waiting: int):
     """Counts one dispatched step of `bucket` (`buckets.Bucket`) over
-    `num_pools` pools, and samples the gauges from `usage`
-    (`Engine.usage()`)."""
+    `num_pools` pools, and samples the gauges (summed over the pools, as
+    `Engine.usage()` reports them)."""
     self.steps += 1
     self.decode_steps += bucket.decode_only
     self.mixed_steps += not bucket.decode_only
     self.padded_rows += bucket.num_tokens * num_pools
     key = (bucket.num_tokens, bucket.num_seqs, bucket.decode_only)
     self.buckets[key] = self.buckets.get(key, 0) + 1
-    self.blocks_used.add(usage["blocks_used"])
-    self.blocks_cached.add(usage["blocks_cached"])
-    self.running.add(usage["running"])
-    self.waiting.add(usage["waiting"])
+    self.blocks_used.add(blocks_used)
+    self.blocks_cached.add(blocks_cached)
+    self.running.add(running)
+    self.waiting.add(waiting)
 
   def add_step_time(self, wall: float, waited: float, compiled: float,
                     exposed: bool, decode: bool):

@@ -106,7 +106,7 @@ class SwapPool(HostPool):
                          f"{s.swap_out.tolist()}, ok {out.ok.tolist()})")
     refused = [int(i) for i, ok in zip(s.swap_in, back.ok) if i >= 0 and not ok]
     if refused:  # its entry must not reserve on the empty slot: refuse it too
-      res.ok &= ~np.isin(np.asarray(x[-2]), refused)
+      res.ok = res.ok & ~np.isin(np.asarray(x[-2]), refused)  # (`ok` may be shared)
     self.last = (out, back, s)
     return fork_ok, res, cache_ok
 

@@ -92,6 +92,35 @@ class PoolMachine(RuleBasedStateMachine):
     if self.caching:
       np.testing.assert_array_equal(got.evicted, want.evicted)
 
+  @rule(data=st.data(), repeats=st.integers(1, 4), undo=st.booleans())
+  def reserve_steady(self, data, repeats, undo):
+    """The scheduler's steady decode steps: the same read-only arrays, one
+    token for each of `leading` distinct live slots, again and again (what
+    `HostPool.reserve` remembers of them, `SteadyDecode`)."""
+    live = self._live()
+    if not live:
+      return
+    seqs = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=N,
+                              unique=True))
+    x, q = _pad(seqs), _pad([1] * len(seqs), 0)
+    x.flags.writeable = q.flags.writeable = False
+    for _ in range(repeats):
+      if undo:
+        self.pool.begin()
+        self.pool.reserve(x, q, leading=len(seqs))
+        self.pool.rollback()
+        assert_same(self.pool, self.state)
+      self.pool.begin()
+      got = self.pool.reserve(x, q, leading=len(seqs))
+      self.pool.commit()
+      self.state, want = _reserve(self.state, x, q)
+      np.testing.assert_array_equal(got.ok, want.ok)
+      np.testing.assert_array_equal(got.copy_src, want.copy_src)
+      np.testing.assert_array_equal(got.copy_dst, want.copy_dst)
+      if self.caching:
+        np.testing.assert_array_equal(got.evicted, want.evicted)
+      assert_same(self.pool, self.state)
+
   @rule(seqs=ids)
   def release(self, seqs):
     x = _pad(seqs)
@@ -312,3 +341,35 @@ def test_ring_compaction_matches():
     both("release", _release, _pad([1]))  # b back at the tail
     compactions += pool.lru_len < before
   assert compactions >= 1
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_steady_decode_reservations_add_one_token_within_the_last_blocks(caching):
+  """Read-only one-token reservations of the same slots, repeated: those
+  within every slot's last block take `HostPool._steady_step` (no block, no
+  copy: only the lengths grow), the others the general path; the state
+  equals the block manager's after each, and a fork (a shared last block
+  must be copied) is taken into account."""
+  bs = 4
+  state = bm.init(num_blocks=16, block_size=bs, max_seqs=MAX_SEQS,
+                  max_blocks_per_seq=WIDTH, prefix_caching=caching)
+  pool = HostPool(state)
+  fast = []
+  step = pool._steady_step  # pylint: disable=protected-access
+  pool._steady_step = lambda *a: fast.append(1) or step(*a)  # pylint: disable=protected-access
+  x, q = _pad([0, 1]), _pad([1, 1], 0)
+  x.flags.writeable = q.flags.writeable = False
+  start = _pad([0, 1])
+  pool.reserve(start, _pad([1, 3], 0))
+  state, _ = _reserve(state, start, _pad([1, 3], 0))
+  for i in range(10):
+    if i == 5:  # slot 1's partial last block becomes shared
+      pool.fork(_pad([1]), _pad([2]))
+      state, _ = _fork(state, _pad([1]), _pad([2]))
+    got = pool.reserve(x, q, leading=2)
+    state, want = _reserve(state, x, q)
+    np.testing.assert_array_equal(got.ok, want.ok)
+    np.testing.assert_array_equal(got.copy_src, want.copy_src)
+    np.testing.assert_array_equal(got.copy_dst, want.copy_dst)
+    assert_same(pool, state)
+  assert 3 <= len(fast) < 10
