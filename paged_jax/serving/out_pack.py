@@ -104,36 +104,45 @@ def pack(record) -> Packed:
   return Packed(buf, tuple(apart), Layout(treedef, tuple(entries)))
 
 
-def unpack(buf: np.ndarray, apart, layout: Layout):
+def unpack(buf: np.ndarray, apart, layout: Layout, pool: int | None = None):
   """The record of `layout` from a fetched `buf` (NumPy int32) and its
-  `apart` leaves (host arrays, or `None` each)."""
+  `apart` leaves (host arrays, or `None` each); with `pool`, row `pool` of
+  every leaf (a record whose leaves have a leading `[data]` axis)."""
   leaves, offset = [], 0
   for e in layout.entries:
     if e.apart >= 0:
-      leaves.append(apart[e.apart])
+      a = apart[e.apart]
+      leaves.append(a if pool is None or a is None else a[pool])
       continue
     n = math.prod(e.shape)
     seg = buf[offset:offset + n]
     offset += n
     seg = (seg != 0) if e.dtype == "bool" else seg.view(np.dtype(e.dtype))
-    leaves.append(seg.reshape(e.shape))
+    seg = seg.reshape(e.shape)
+    leaves.append(seg if pool is None else seg[pool])
   return layout.treedef.unflatten(leaves)
 
 
-def fetch(out, *, top: bool = True):
+def fetch(out, *, top: bool = True, pools: int | None = None):
   """Waits for `out` (a `Packed`, or any pytree of arrays) and returns its
   record on the host; with `top=False` the `APART` leaves are `None` (and not
-  transferred)."""
+  transferred). With `pools`, the leaves have a leading `[data]` axis and
+  the result is a list of each pool's record (its row of every leaf)."""
   if not isinstance(out, Packed):
     if not top:
       out = out.replace(**{k: None for k in APART if hasattr(out, k)})
-    return jax.device_get(out)
+    out = jax.device_get(out)
+    if pools is None:
+      return out
+    return [jax.tree.map(lambda a, i=i: a[i], out) for i in range(pools)]
   wanted = [top or not e.on_request for e in out.layout.entries if e.apart >= 0]
   buf, got = jax.device_get(
       (out.buf, [a for a, w in zip(out.apart, wanted) if w]))
   got = iter(got)
   apart = [next(got) if w else None for w in wanted]
-  return unpack(buf, apart, out.layout)
+  if pools is None:
+    return unpack(buf, apart, out.layout)
+  return [unpack(buf, apart, out.layout, i) for i in range(pools)]
 
 
 def is_ready(out) -> bool:
