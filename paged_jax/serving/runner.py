@@ -69,7 +69,6 @@ _pooled_bookkeeping_jit = jax.jit(
     out_pack.packs(step_lib.on_one_pool(pooled_step.bookkeeping_step,
                                         args=(0, 1), outs=(0, 1))),
     donate_argnums=(0,), static_argnames=("num_logprobs",))
-_write_slots_jit = jax.jit(jax.vmap(slot_state_lib.write), donate_argnums=(0,))
 
 
 def _stack(*arrays) -> np.ndarray:
@@ -125,6 +124,10 @@ class Runner:
     self.cache = self._make_cache(model, data)
     self.last_tokens = self._per_shard(jnp.zeros(max_seqs, jnp.int32))
     self.slots = self._per_shard(slot_state_lib.empty(max_seqs, config.max_logit_bias))
+    # (out_shardings: jit would give empty fields, e.g. no logit bias, none)
+    self._write_slots_jit = jax.jit(jax.vmap(slot_state_lib.write),
+                                    donate_argnums=(0,),
+                                    out_shardings=self._x_sharding)
     if self._pooled():
       self._step_fn, self._donate = _pooled_step, _DONATE
     else:
@@ -254,7 +257,7 @@ class Runner:
       specs = [jax.ShapeDtypeStruct((data, u) + shape, dtype, sharding=self._x_sharding)
                for shape, dtype in (((), np.int32), ((widths[0],), np.int32),
                                     ((widths[1],), np.float32))]
-      return lambda: _write_slots_jit.lower(self.slots, *specs)
+      return lambda: self._write_slots_jit.lower(self.slots, *specs)
     jobs = {(self._key, "slots", u): lowerer(u) for u in sizes
             if u not in self._slot_writers}
     done, seconds = compiler.compile_all(jobs)
