@@ -57,14 +57,14 @@ _multistep = step_lib.on_one_pool(multistep_device_step, args=(3, 4, 5),
                                   outs=(1, 2, 3))
 
 
-def _bookkeeping_step(states, x, *, num_logprobs):
+def _bookkeeping_step(states, x, *, mesh, num_logprobs):
   """`step.bookkeeping_step` once per data shard (`step.over_pools`)."""
-  return step_lib.over_pools(step_lib.bookkeeping_step, states, x,
+  return step_lib.over_pools(mesh, step_lib.bookkeeping_step, states, x,
                              num_logprobs=num_logprobs)
 
 
 _bookkeeping_jit = jax.jit(out_pack.packs(_bookkeeping_step), donate_argnums=(0,),
-                           static_argnames=("num_logprobs",))
+                           static_argnames=("mesh", "num_logprobs"))
 _pooled_bookkeeping_jit = jax.jit(
     out_pack.packs(step_lib.on_one_pool(pooled_step.bookkeeping_step,
                                         args=(0, 1), outs=(0, 1))),
@@ -395,9 +395,12 @@ class Runner:
     swap (`Engine` runs such a step as an ordinary one)."""
     if self.tier is not None:
       raise ValueError("a bookkeeping-only step does not carry swaps")
-    jit = _pooled_bookkeeping_jit if self._pooled() else _bookkeeping_jit
-    self.state, out = jit(self.state, self.place(xs),
-                          num_logprobs=self.num_logprobs)
+    if self._pooled():
+      self.state, out = _pooled_bookkeeping_jit(
+          self.state, self.place(xs), num_logprobs=self.num_logprobs)
+    else:
+      self.state, out = _bookkeeping_jit(self.state, self.place(xs), mesh=self.mesh,
+                                         num_logprobs=self.num_logprobs)
     return out
 
   def fetch(self, out: StepOutputs, num_pools: int, *, top: bool = True

@@ -153,7 +153,7 @@ def device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
   """
   model = model_def.merge(params)
   data = mesh.shape[sharding.DATA]
-  states, fork_ok, res = over_pools(_bookkeeping, states, x)
+  states, fork_ok, res = over_pools(mesh, _bookkeeping, states, x)
   cache = sharding.copy_blocks_sharded(mesh, cache, res.copy_src, res.copy_dst)
   num_tokens = x.tokens.shape[1]
   meta = step_metadata_lib.step_metadata(
@@ -197,15 +197,20 @@ def device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
                                                  jax.vmap(state_fingerprint)(states))
 
 
-def over_pools(fn, states, *args, **kwargs):
-  """`fn(state, *args, axis_name=sharding.DATA, **kwargs)` once per data
-  shard: `vmap` over the leading `[data]` axis of `states` and of every
-  array in `args`. `fn`'s `_unless_empty`s reduce their predicates over the
-  axis (`axis_name`), so they stay `lax.cond`s (an empty release or fork
-  costs nothing, on one device as on a mesh) instead of turning into selects
-  that run both branches."""
-  return jax.vmap(functools.partial(fn, axis_name=sharding.DATA, **kwargs),
-                  axis_name=sharding.DATA)(states, *args)
+def over_pools(mesh: Mesh, fn, states, *args, **kwargs):
+  """`fn(state, *args, **kwargs)` once per data shard of `mesh`, each on its
+  own devices: `shard_map` over `data` of `states` and of every array in
+  `args` (leading `[data]` axes), `fn` on one pool's arrays. `fn`'s
+  `lax.cond`s stay conds (each shard's predicate is its own, no data shard
+  talks to another), where under `vmap` their batched predicates would make
+  them selects that run both branches: an empty release or fork costs
+  nothing, on one device as on a mesh."""
+  def local(states, *args):
+    states, args = jax.tree.map(lambda a: a[0], (states, args))
+    return jax.tree.map(lambda a: a[None], fn(states, *args, **kwargs))
+  by_data = P(sharding.DATA)
+  return jax.shard_map(local, mesh=mesh, in_specs=(by_data,) * (1 + len(args)),
+                       out_specs=by_data, check_vma=False)(states, *args)
 
 
 def on_one_pool(fn, args: tuple[int, ...], outs: tuple[int, ...]):
@@ -234,21 +239,18 @@ def sample_rows(slots: slot_state_lib.SlotState, state: bm.BlockState,
                                x.seed_offsets)
 
 
-def bookkeeping_step(state: bm.BlockState, x: StepInputs, *, num_logprobs: int,
-                     axis_name: str | None = None):
+def bookkeeping_step(state: bm.BlockState, x: StepInputs, *, num_logprobs: int):
   """A step with no entries (only releases, registrations, forks to run:
   e.g. the sequences that finished in the last step): `device_step`'s
   bookkeeping and nothing else -- no model, no sampling (pure; jit it with
   the state donated). With every entry padding nothing is reserved, so no
   block is copied and the cache is untouched.
 
-  `axis_name`: as in `bookkeeping` (`over_pools` runs it per data shard).
-
   Returns:
     `(state, StepOutputs)`, the outputs of `x.seq_ids.shape[0]` rows, all
     padding (`ok` False, no tokens).
   """
-  state, fork_ok, res = _bookkeeping(state, x, axis_name=axis_name)
+  state, fork_ok, res = _bookkeeping(state, x)
   S = x.seq_ids.shape[0]
   return state, StepOutputs(
       jnp.zeros((S,), jnp.int32), jnp.zeros((S, num_logprobs), jnp.float32),
@@ -279,8 +281,7 @@ BOOKKEEPING_FIELDS = ("register_seqs", "register_cols", "release_early",
 def bookkeeping(state: bm.BlockState, register_seqs, register_cols,
                 release_early, fork_parents, fork_children, release_late,
                 share_seqs, share_blocks, share_counts, seq_ids, q_lens, *,
-                present: tuple[bool, bool, bool] = (True, True, True),
-                axis_name: str | None = None):
+                present: tuple[bool, bool, bool] = (True, True, True)):
   """A step's block bookkeeping on one pool: register -> release -> fork ->
   release -> share -> reserve (the arrays of `StepInputs` of the same names,
   in `BOOKKEEPING_FIELDS` order).
@@ -296,10 +297,6 @@ def bookkeeping(state: bm.BlockState, register_seqs, register_cols,
   leaving it out gives the same result with less work (the device step runs
   all three).
 
-  `axis_name`: under `vmap` over data shards (`over_pools`), the mapped
-  axis' name: an operation is skipped when it is empty on every shard (its
-  `lax.cond` predicate reduced over the axis, so it stays a cond).
-
   The one function that decides blocks: the device step runs it, and the
   host applies the same transitions to its exact NumPy model of the pool
   first (`host_pool.HostPool.bookkeeping`, in `scheduler.Scheduler._fit`),
@@ -312,49 +309,39 @@ def bookkeeping(state: bm.BlockState, register_seqs, register_cols,
   early, forks, late = present
   cache_ok = jnp.ones((0,), bool)
   if state.prefix_caching:
-    state, reg_ok = _unless_empty(bm.register, state, register_seqs,
-                                  register_cols, axis_name=axis_name)
+    state, reg_ok = _unless_empty(bm.register, state, register_seqs, register_cols)
     cache_ok = reg_ok | (register_seqs < 0)
   if early:
-    state, _ = _unless_empty(bm.release, state, release_early,
-                             axis_name=axis_name)
+    state, _ = _unless_empty(bm.release, state, release_early)
   if forks:
-    state, fork_ok = _unless_empty(bm.fork, state, fork_parents, fork_children,
-                                   axis_name=axis_name)
+    state, fork_ok = _unless_empty(bm.fork, state, fork_parents, fork_children)
   else:
     fork_ok = jnp.zeros(fork_parents.shape, bool)
   if late:
-    state, _ = _unless_empty(bm.release, state, release_late,
-                             axis_name=axis_name)
+    state, _ = _unless_empty(bm.release, state, release_late)
   if state.prefix_caching:
     # Padding rows ask for 1 block of slot -1: refused, nothing changes.
     state, share_ok = _unless_empty(bm.share, state, share_seqs, share_blocks,
-                                    jnp.maximum(share_counts, 1),
-                                    axis_name=axis_name)
+                                    jnp.maximum(share_counts, 1))
     cache_ok = jnp.concatenate([cache_ok, share_ok | (share_seqs < 0)])
   state, res = bm.reserve(state, seq_ids, q_lens)
   return state, fork_ok, res, cache_ok
 
 
-def _unless_empty(op, state: bm.BlockState, ids, *args,
-                  axis_name: str | None = None):
+def _unless_empty(op, state: bm.BlockState, ids, *args):
   """`op(state, ids, *args)`, skipped (`(state, all False)`) when every id is
-  padding (-1) -- with `axis_name` (under `vmap` over data shards), on every
-  shard. Such a call changes nothing -- for `share` given that `lru_len` is
-  already 0 whenever nothing is cached, which holds between steps because
-  every `reserve` resets it -- but it still costs its full work: `release`
-  sorts `len(ids) * max_blocks_per_seq` entries (measured: most of a stub
-  model's decode step at batch 256 on CPU). A `lax.cond`, so only the taken
-  branch runs: its predicate is reduced over `axis_name` (`psum`), so under
-  `vmap` it is not batched and the cond stays a cond (a batched predicate
-  would make it a select that runs both branches)."""
+  padding (-1). Such a call changes nothing -- for `share` given that
+  `lru_len` is already 0 whenever nothing is cached, which holds between
+  steps because every `reserve` resets it -- but it still costs its full
+  work: `release` sorts `len(ids) * max_blocks_per_seq` entries (measured:
+  most of a stub model's decode step at batch 256 on CPU). A `lax.cond`, so
+  only the taken branch runs (the step runs it per data shard under
+  `shard_map`, `over_pools`: under `vmap` it would become a select that
+  runs both)."""
   n = ids.shape[0]
   if n == 0:
     return op(state, ids, *args)
-  pred = jnp.any(ids >= 0)
-  if axis_name is not None:
-    pred = jax.lax.psum(pred.astype(jnp.int32), axis_name) > 0
-  return jax.lax.cond(pred, lambda st: op(st, ids, *args),
+  return jax.lax.cond(jnp.any(ids >= 0), lambda st: op(st, ids, *args),
                       lambda st: (st, jnp.zeros((n,), bool)), state)
 
 
@@ -382,10 +369,8 @@ def bookkeeping_args(x: StepInputs) -> tuple:
   return tuple(getattr(x, f) for f in BOOKKEEPING_FIELDS)
 
 
-def _bookkeeping(state: bm.BlockState, x: StepInputs, *,
-                 axis_name: str | None = None):
-  state, fork_ok, res, _ = bookkeeping(state, *bookkeeping_args(x),
-                                       axis_name=axis_name)
+def _bookkeeping(state: bm.BlockState, x: StepInputs):
+  state, fork_ok, res, _ = bookkeeping(state, *bookkeeping_args(x))
   return state, fork_ok, res
 
 
