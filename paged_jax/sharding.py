@@ -304,3 +304,25 @@ def write_kv_sharded(mesh: Mesh, k_pages, v_pages, k, v, slots, *,
       in_specs=(pages, pages, tokens, tokens, P(DATA)) + specs,
       out_specs=(pages, pages) + specs,
   )(k_pages, v_pages, k, v, slots, *scales)
+
+
+def write_kv_layer_sharded(mesh: Mesh, k_pages, v_pages, k, v, slots, layer, *,
+                           k_scales=None, v_scales=None):
+  """`kv_cache.write_kv_layer` on a mesh: into layer `layer` of the whole
+  cache's pages (`[num_layers, ...]`, sharded `cache_spec()`), tokens split
+  over `data` (local slots), KV heads over `model`. Each device scatters
+  into its own part of the stacked pages directly, so with the cache donated
+  XLA writes in place: no copy of a layer's pages out and back (measured on
+  a 1x1 mesh: that copy added 5% to the tiny Llama's bytes accessed per
+  step). Returns what `write_kv_layer` does."""
+  scales = () if k_scales is None else (k_scales, v_scales)
+  specs = tuple(spec_of(a) for a in (k_pages, v_pages) + scales)
+  tokens = P(DATA, MODEL, None)
+
+  def local(k_pages, v_pages, k, v, slots, layer, *scales):
+    named = dict(zip(("k_scales", "v_scales"), scales))
+    return kv_cache.write_kv_layer(k_pages, v_pages, k, v, slots, layer, **named)
+  return _shard_map(
+      local, mesh, in_specs=specs[:2] + (tokens, tokens, P(DATA), P()) + specs[2:],
+      out_specs=specs)(k_pages, v_pages, k, v, slots, jnp.asarray(layer),
+                       *scales)
