@@ -63,11 +63,13 @@ def _bookkeeping_step(states, x, *, mesh, num_logprobs):
                              num_logprobs=num_logprobs)
 
 
-_bookkeeping_jit = jax.jit(out_pack.packs(_bookkeeping_step), donate_argnums=(0,),
+_bookkeeping_jit = jax.jit(out_pack.packs(_bookkeeping_step, per_pool=True),
+                           donate_argnums=(0,),
                            static_argnames=("mesh", "num_logprobs"))
 _pooled_bookkeeping_jit = jax.jit(
     out_pack.packs(step_lib.on_one_pool(pooled_step.bookkeeping_step,
-                                        args=(0, 1), outs=(0, 1))),
+                                        args=(0, 1), outs=(0, 1)),
+                   per_pool=True),
     donate_argnums=(0,), static_argnames=("num_logprobs",))
 
 
@@ -138,7 +140,8 @@ class Runner:
       self.tier = host_tier.init(initial, num_host_blocks=config.swap_space_blocks)
       self.host_cache = kv_offload.host_cache(self.cache, config.swap_space_blocks)
       self._step_fn, self._donate = _swap_step, _SWAP_DONATE
-    self._jit = jax.jit(out_pack.packs(self._step_fn), static_argnums=(0,),
+    self._jit = jax.jit(out_pack.packs(self._step_fn, per_pool=True),
+                        static_argnums=(0,),
                         donate_argnums=self._donate, static_argnames=_STATIC)
     # The prefix cache's host level (`prefix_offload.py`): `host_cache` is a
     # `kv_offload.NumpyHostPool` then (swap's is a `KVCache` in host memory).
@@ -196,7 +199,7 @@ class Runner:
     `config.check_traces` a trace-counted one per bucket."""
     if not self.config.check_traces:
       return self._jit
-    step_fn = out_pack.packs(self._step_fn)
+    step_fn = out_pack.packs(self._step_fn, per_pool=True)
 
     def traced(model_def, params, *args, decode_only, num_logprobs):
       return step_fn(model_def, params, *args, decode_only=decode_only,
@@ -417,11 +420,12 @@ class Runner:
 
   def _multistep_jit_for(self, bucket: Bucket, num_steps: int):
     if not self.config.check_traces:
-      return jax.jit(out_pack.packs(functools.partial(_multistep, mesh=self.mesh)),
+      return jax.jit(out_pack.packs(functools.partial(_multistep, mesh=self.mesh),
+                                    per_pool=True),
                      static_argnums=(0,), donate_argnums=_DONATE,
                      static_argnames=_MULTI_STATIC)
 
-    @out_pack.packs
+    @functools.partial(out_pack.packs, per_pool=True)
     def traced(model_def, params, cache, state, last_tokens, slots, x, m, *,
                num_steps, num_logprobs):
       return _multistep(model_def, params, cache, state, last_tokens, slots, x,
