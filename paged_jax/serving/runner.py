@@ -88,11 +88,12 @@ class Runner:
     blocks_per_seq: block-table width.
     max_seqs: sequence slots per pool.
     num_logprobs: top log-probs returned per sample row (static).
-    mesh: optional `(data, model)` mesh.
-    initial_state: one device: the initial block state (`BlockState`,
-      its `window` for reclamation, or a hybrid model's
-      `pooled_step.PooledState`: one cache per pool, the pooled step);
-      default an empty plain pool.
+    mesh: optional `(data, model)` mesh; without one, a 1x1 mesh of the
+      parameters' device (the same step serves both).
+    initial_state: one pool's initial block state, every data shard's
+      (`BlockState`, its `window` for reclamation, or on one device a
+      hybrid model's `pooled_step.PooledState`: one cache per pool, the
+      pooled step); default an empty plain pool.
   """
 
   def __init__(self, model, config, *, blocks_per_seq: int, max_seqs: int,
