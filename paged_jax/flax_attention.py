@@ -132,14 +132,8 @@ def write_and_attend(
       arrays = sharding.write_kv_sharded(meta.mesh, k_pages, v_pages, k, v,
                                          meta.slots, **scales)
     else:
-      whole = (k_pages, v_pages) + tuple(scales.values())
-      pick = lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)  # noqa: E731
-      one = dict(zip(("k_scales", "v_scales"), map(pick, whole[2:])))
-      written = sharding.write_kv_sharded(meta.mesh, pick(k_pages),
-                                          pick(v_pages), k, v, meta.slots,
-                                          **one)
-      arrays = tuple(jax.lax.dynamic_update_index_in_dim(a, w, layer, 0)
-                     for a, w in zip(whole, written))
+      arrays = sharding.write_kv_layer_sharded(meta.mesh, k_pages, v_pages, k,
+                                               v, meta.slots, layer, **scales)
     fn = (sharding.sharded_paged_attention if meta.decode_only
           else sharding.sharded_ragged_paged_attention)
     attend = functools.partial(fn, meta.mesh)

@@ -19,7 +19,7 @@ Attention runs under `shard_map` on every backend with no gather of the cache
 across devices: each device attends over its own heads and its own pool. So
 do the K/V writes (`write_kv_sharded`) and copy-on-write
 (`copy_blocks_sharded`). A Flax model needs no change: a `StepMetadata` from
-`flax_attention.sharded_step_metadata` carries the mesh, and
+`step_metadata(..., mesh=mesh)` carries the mesh, and
 `flax_attention.PagedAttention` then uses these functions (see
 `paged_jax/models/llama/tensor_parallel.py` for the weights' layout and
 `paged_jax/serving/step.py` for a whole serving step on a mesh).
@@ -93,16 +93,16 @@ def scales_spec() -> P:
   return P(None, MODEL, DATA, None)
 
 
-def _spec_of(x) -> P:
+def spec_of(x) -> P:
   """`cache_spec()` for pages (rank 5), `scales_spec()` for scales (rank 4)."""
   return cache_spec() if len(x.shape) == 5 else scales_spec()
 
 
 def shard_cache(cache: kv_cache.KVCache, mesh: Mesh) -> kv_cache.KVCache:
   """Places the pages (and scales): KV heads over `model`, the block pool
-  over `data`."""
+  over `data` (of every `KVCache` in `cache`, a pytree of them)."""
   return jax.tree.map(
-      lambda x: jax.device_put(x, NamedSharding(mesh, _spec_of(x))), cache)
+      lambda x: jax.device_put(x, NamedSharding(mesh, spec_of(x))), cache)
 
 
 def create_cache(mesh: Mesh, *, num_layers: int, num_kv_heads: int,
@@ -142,7 +142,7 @@ def create_cache(mesh: Mesh, *, num_layers: int, num_kv_heads: int,
   shape = shard[:2] + (data * shard[2],) + shard[3:]
 
   def zeros(shape, dtype):
-    s = NamedSharding(mesh, _spec_of(jax.ShapeDtypeStruct(shape, dtype)))
+    s = NamedSharding(mesh, spec_of(jax.ShapeDtypeStruct(shape, dtype)))
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=s)()
 
   return kv_cache.KVCache(*kv_cache.zero_arrays(shape, jnp.dtype(dtype),
@@ -274,14 +274,18 @@ def copy_blocks_sharded(mesh: Mesh, cache: kv_cache.KVCache, src: jax.Array,
       (`Reservation.copy_src` / `copy_dst` of its block state).
 
   Returns:
-    The updated cache, sharded as before.
+    The updated cache, sharded as before (a tuple of caches over one pool,
+    as `kv_cache.copy_blocks` takes: each is copied).
   """
+  if isinstance(cache, tuple):
+    return tuple(copy_blocks_sharded(mesh, c, src, dst) for c in cache)
+
   def local(src, dst, *arrays):
     return kv_cache.copy_blocks(kv_cache.KVCache(*arrays), src[0],
                                 dst[0]).arrays()
 
   arrays = cache.arrays()
-  specs = tuple(_spec_of(x) for x in arrays)
+  specs = tuple(spec_of(x) for x in arrays)
   return kv_cache.KVCache(*_shard_map(
       local, mesh, in_specs=(P(DATA), P(DATA)) + specs,
       out_specs=specs)(src, dst, *arrays))
@@ -300,3 +304,25 @@ def write_kv_sharded(mesh: Mesh, k_pages, v_pages, k, v, slots, *,
       in_specs=(pages, pages, tokens, tokens, P(DATA)) + specs,
       out_specs=(pages, pages) + specs,
   )(k_pages, v_pages, k, v, slots, *scales)
+
+
+def write_kv_layer_sharded(mesh: Mesh, k_pages, v_pages, k, v, slots, layer, *,
+                           k_scales=None, v_scales=None):
+  """`kv_cache.write_kv_layer` on a mesh: into layer `layer` of the whole
+  cache's pages (`[num_layers, ...]`, sharded `cache_spec()`), tokens split
+  over `data` (local slots), KV heads over `model`. Each device scatters
+  into its own part of the stacked pages directly, so with the cache donated
+  XLA writes in place: no copy of a layer's pages out and back (measured on
+  a 1x1 mesh: that copy added 5% to the tiny Llama's bytes accessed per
+  step). Returns what `write_kv_layer` does."""
+  scales = () if k_scales is None else (k_scales, v_scales)
+  specs = tuple(spec_of(a) for a in (k_pages, v_pages) + scales)
+  tokens = P(DATA, MODEL, None)
+
+  def local(k_pages, v_pages, k, v, slots, layer, *scales):
+    named = dict(zip(("k_scales", "v_scales"), scales))
+    return kv_cache.write_kv_layer(k_pages, v_pages, k, v, slots, layer, **named)
+  return _shard_map(
+      local, mesh, in_specs=specs[:2] + (tokens, tokens, P(DATA), P()) + specs[2:],
+      out_specs=specs)(k_pages, v_pages, k, v, slots, jnp.asarray(layer),
+                       *scales)

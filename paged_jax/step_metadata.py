@@ -56,8 +56,9 @@ class StepMetadata:
       both against the pages (`kv_cache.check_compatible`).
     decode_only: static; every sequence has exactly one row, row `i` belonging
       to sequence `i`, and the decode kernel is used.
-    mesh: static; None on one device. On a `(data, model)` mesh (from
-      `sharded_step_metadata`) every array is the concatenation of the data
+    mesh: static; None for one pool used without a mesh. On a `(data,
+      model)` mesh (`step_metadata(..., mesh=mesh)`, a 1x1 mesh for one
+      device included) every array is the concatenation of the data
       shards' own arrays (shard `i` owns rows `i * num_tokens / data ...`,
       its own `cu_q_lens` starting at 0, one `num_seqs` entry; slots and block
       ids are local to its pool), and the K/V write and attention run under
@@ -78,6 +79,92 @@ class StepMetadata:
 
 def step_metadata(
     state: block_manager.BlockState,
+    seq_ids: jax.Array,  # i32[max_seqs_per_step], on a mesh [data, ...]
+    q_lens: jax.Array,  # i32[max_seqs_per_step], on a mesh [data, ...]
+    *,
+    num_tokens: int,
+    active: jax.Array | None = None,  # bool[max_seqs_per_step], on a mesh [data, ...]
+    decode_only: bool = False,
+    mesh: Mesh | None = None,
+) -> StepMetadata:
+  """Computes the step's metadata from the block state (after `reserve`).
+
+  One function for one pool and for a `(data, model)` mesh of any shape
+  (one device is a 1x1 mesh): on a mesh every data shard's metadata is
+  computed from its own block state and its own rows of the arguments
+  (`vmap`), and concatenated in the mesh layout (`StepMetadata.mesh`).
+
+  Args:
+    state: block state in which every active sequence already holds the slots
+      for its `q_lens` new tokens (its `seq_lens` counts them). On a mesh:
+      the data shards' states stacked on a leading axis
+      (`sharding.init_block_states`).
+    seq_ids: `int[max_seqs_per_step]` block-state sequence slot of each entry;
+      entries in use come first, the rest are padding (any id, `q_lens` 0).
+      An id outside `[0, state.max_seqs)` (int64 ones outside int32
+      included) writes nothing and attends to nothing. On a mesh
+      `[data, max_seqs_per_step]`, row `i` for data shard `i` (its own
+      sequence slots); so are `q_lens` and `active`.
+    q_lens: `int[max_seqs_per_step]` new tokens of each entry (0 for padding).
+      An entry's rows in the layout are `clip(q_lens, 0, num_tokens)`, so
+      `cu_q_lens` never decreases or wraps; an entry whose `q_lens` exceeds
+      its sequence's length or `num_tokens` writes nothing and attends to
+      nothing.
+    num_tokens: static number of token rows in the step (padded budget; on
+      a mesh, of each data shard).
+    active: optional `bool[max_seqs_per_step]`; an inactive entry keeps its
+      rows in the layout but writes nothing and attends to nothing (its rows
+      come out as zeros). Use it for entries whose `reserve` failed.
+    decode_only: static; the decode layout (see module docstring). Requires
+      `num_tokens == max_seqs_per_step` and every `q_lens` in {0, 1}.
+    mesh: static; a `(data, model)` mesh (`paged_jax.sharding.make_mesh`),
+      or None for one pool without a mesh.
+
+  Returns:
+    A `StepMetadata`; on a mesh in the mesh layout (see its `mesh`
+    attribute): arrays `[data * ...]`, sharded over `data`, `total_blocks`
+    counting every data shard's pool, as the mesh's pages do.
+
+  Raises:
+    ValueError: on inconsistent static shapes (on a mesh: `seq_ids` not
+      `[data, max_seqs_per_step]`), ids that are not integers, or
+      `max_seqs_per_step * num_tokens >= 2**31` (int32 `cu_q_lens`).
+  """
+  if mesh is None:
+    return _pool_metadata(state, seq_ids, q_lens, num_tokens=num_tokens,
+                          active=active, decode_only=decode_only)
+  data = mesh.shape[DATA]
+  shape = np.shape(seq_ids)
+  if len(shape) != 2 or shape[0] != data:
+    raise ValueError(f"seq_ids must be [data={data}, max_seqs_per_step], got "
+                     f"shape {shape}")
+  # Here, not in the vmapped per-shard call: vmap would truncate int64.
+  seq_ids = _int32.as_int32("seq_ids", seq_ids, ndim=2)
+  q_lens = _int32.as_int32("q_lens", q_lens, ndim=2)
+  if active is None:
+    active = jnp.ones(seq_ids.shape, bool)
+  per_shard = jax.vmap(lambda st, ids, ql, act: _pool_metadata(
+      st, ids, ql, num_tokens=num_tokens, active=act, decode_only=decode_only))
+  meta = per_shard(state, seq_ids, q_lens, active)
+  spec = NamedSharding(mesh, P(DATA))
+  flat = jax.tree.map(
+      lambda x: jax.lax.with_sharding_constraint(
+          x.reshape((-1,) + x.shape[2:]), spec), meta)
+  return flat.replace(mesh=mesh, total_blocks=state.total_blocks)
+
+
+def sharded_step_metadata(mesh: Mesh, states: block_manager.BlockState,
+                          seq_ids: jax.Array, q_lens: jax.Array, *,
+                          num_tokens: int, active: jax.Array | None = None,
+                          decode_only: bool = False) -> StepMetadata:
+  """`step_metadata(states, seq_ids, q_lens, ..., mesh=mesh)` (the older
+  spelling, kept for callers)."""
+  return step_metadata(states, seq_ids, q_lens, num_tokens=num_tokens,
+                       active=active, decode_only=decode_only, mesh=mesh)
+
+
+def _pool_metadata(
+    state: block_manager.BlockState,
     seq_ids: jax.Array,  # i32[max_seqs_per_step]
     q_lens: jax.Array,  # i32[max_seqs_per_step]
     *,
@@ -85,34 +172,7 @@ def step_metadata(
     active: jax.Array | None = None,  # bool[max_seqs_per_step]
     decode_only: bool = False,
 ) -> StepMetadata:
-  """Computes the step's metadata from the block state (after `reserve`).
-
-  Args:
-    state: block state in which every active sequence already holds the slots
-      for its `q_lens` new tokens (its `seq_lens` counts them).
-    seq_ids: `int[max_seqs_per_step]` block-state sequence slot of each entry;
-      entries in use come first, the rest are padding (any id, `q_lens` 0).
-      An id outside `[0, state.max_seqs)` (int64 ones outside int32
-      included) writes nothing and attends to nothing.
-    q_lens: `int[max_seqs_per_step]` new tokens of each entry (0 for padding).
-      An entry's rows in the layout are `clip(q_lens, 0, num_tokens)`, so
-      `cu_q_lens` never decreases or wraps; an entry whose `q_lens` exceeds
-      its sequence's length or `num_tokens` writes nothing and attends to
-      nothing.
-    num_tokens: static number of token rows in the step (padded budget).
-    active: optional `bool[max_seqs_per_step]`; an inactive entry keeps its
-      rows in the layout but writes nothing and attends to nothing (its rows
-      come out as zeros). Use it for entries whose `reserve` failed.
-    decode_only: static; the decode layout (see module docstring). Requires
-      `num_tokens == max_seqs_per_step` and every `q_lens` in {0, 1}.
-
-  Returns:
-    A `StepMetadata`.
-
-  Raises:
-    ValueError: on inconsistent static shapes, ids that are not integers,
-      or `max_seqs_per_step * num_tokens >= 2**31` (int32 `cu_q_lens`).
-  """
+  """`step_metadata` of one pool (no mesh)."""
   seq_ids = _int32.as_int32("seq_ids", seq_ids)
   q_lens = _int32.as_int32("q_lens", q_lens)
   (max_seqs,) = seq_ids.shape
@@ -155,53 +215,3 @@ def step_metadata(
       positions=positions, slots=slots, block_tables=tables, kv_lens=kv_lens,
       cu_q_lens=cu_q_lens, num_seqs=num_seqs, block_size=state.block_size,
       total_blocks=state.total_blocks, decode_only=decode_only)
-
-
-def sharded_step_metadata(
-    mesh: Mesh,
-    states: block_manager.BlockState,
-    seq_ids: jax.Array,  # i32[data, max_seqs_per_step]
-    q_lens: jax.Array,  # i32[data, max_seqs_per_step]
-    *,
-    num_tokens: int,
-    active: jax.Array | None = None,  # bool[data, max_seqs_per_step]
-    decode_only: bool = False,
-) -> StepMetadata:
-  """`step_metadata` for every data shard of a mesh at once.
-
-  Args:
-    mesh: a `(data, model)` mesh (`paged_jax.sharding.make_mesh`).
-    states: the data shards' block states stacked on a leading axis
-      (`sharding.init_block_states`).
-    seq_ids, q_lens, active: `[data, max_seqs_per_step]`, row `i` for data
-      shard `i` (its own sequence slots), as in `step_metadata`.
-    num_tokens: static token rows of each data shard.
-    decode_only: static, as in `step_metadata`.
-
-  Returns:
-    A `StepMetadata` in the mesh layout (see its `mesh` attribute): arrays
-    `[data * ...]`, sharded over `data`; `total_blocks` counts every data
-    shard's pool, as the mesh's pages do.
-
-  Raises:
-    ValueError: if `seq_ids` is not `[data, max_seqs_per_step]`, or as
-      `step_metadata`.
-  """
-  data = mesh.shape[DATA]
-  shape = np.shape(seq_ids)
-  if len(shape) != 2 or shape[0] != data:
-    raise ValueError(f"seq_ids must be [data={data}, max_seqs_per_step], got "
-                     f"shape {shape}")
-  # Here, not in the vmapped per-shard call: vmap would truncate int64.
-  seq_ids = _int32.as_int32("seq_ids", seq_ids, ndim=2)
-  q_lens = _int32.as_int32("q_lens", q_lens, ndim=2)
-  if active is None:
-    active = jnp.ones(seq_ids.shape, bool)
-  per_shard = jax.vmap(lambda st, ids, ql, act: step_metadata(
-      st, ids, ql, num_tokens=num_tokens, active=act, decode_only=decode_only))
-  meta = per_shard(states, seq_ids, q_lens, active)
-  spec = NamedSharding(mesh, P(DATA))
-  flat = jax.tree.map(
-      lambda x: jax.lax.with_sharding_constraint(
-          x.reshape((-1,) + x.shape[2:]), spec), meta)
-  return flat.replace(mesh=mesh, total_blocks=states.total_blocks)

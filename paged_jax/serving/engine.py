@@ -60,7 +60,8 @@ block uncached.
 
 On a `(data, model)` device mesh (`Engine(..., mesh=...)`) the model is
 tensor-parallel and each data shard is a replica with its own pool and its
-own `Scheduler`; one jitted step (`step.mesh_device_step`) serves them all.
+own `Scheduler`; one jitted step (`step.device_step`) serves them all. With
+no mesh the same step runs on a 1x1 mesh of the model's device.
 
 With `static_batching=True` and `block_size == max_model_len` the same engine
 is a contiguous max-length cache with static batching (the baseline paging is
@@ -231,6 +232,8 @@ class Engine:
   def block_state(self):
     """The `BlockState` (on a mesh: the data shards' states, stacked; a
     hybrid model's pools: a `pooled_step.PooledState`)."""
+    if self.mesh is None:  # the one pool of the 1x1 mesh, without its axis
+      return self._runner.pool_state
     return self._runner.state
 
   @property
@@ -352,9 +355,6 @@ class Engine:
     scatter; none in a steady decode step)."""
     n = max(p.slot_updates_pending() for p in self._pools)
     if not n:
-      return
-    if len(self._pools) == 1:
-      self._runner.write_slots([self._pools[0].take_slot_updates()])
       return
     rows = slot_state.update_rows(n)  # one shape for every data shard
     self._runner.write_slots([p.take_slot_updates(rows) for p in self._pools])

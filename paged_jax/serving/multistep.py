@@ -35,6 +35,7 @@ from __future__ import annotations
 import flax
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from paged_jax import block_manager as bm
 from paged_jax import kv_cache as kv_cache_lib
@@ -83,17 +84,20 @@ def _stops(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
 def multistep_device_step(model_def: ModelDef, params,
                           cache: kv_cache_lib.KVCache, state: bm.BlockState,
                           last_tokens: jax.Array, slots, x: StepInputs,
-                          m: MultiStepInputs, *, num_steps: int,
+                          m: MultiStepInputs, *, mesh: Mesh, num_steps: int,
                           num_logprobs: int):
   """Up to `num_steps` decode steps in one program (see the module
   docstring); pure, jit it with the cache, state and last tokens donated.
 
   Args:
-    model_def, params, cache, state, last_tokens, slots: as in
-      `step.device_step`.
+    model_def, params, cache: as in `step.device_step`.
+    state, last_tokens, slots: one pool's (no `[data]` axis; the runner's
+      arrays of a 1x1 mesh go through `step.on_one_pool`).
     x: the decode bucket's `StepInputs` for iteration 0 (entry `i` is sample
       row `i`, every real entry one token that samples).
     m: the rows' `MultiStepInputs`.
+    mesh: static; the 1x1 mesh of the device (iteration 0 is
+      `step.device_step` on it).
     num_steps: static K >= 1, iterations at most.
     num_logprobs: static; top log-probs per row and iteration.
 
@@ -102,9 +106,12 @@ def multistep_device_step(model_def: ModelDef, params,
   """
   rows = x.seq_ids.shape[0]
   prev = input_tokens(last_tokens, x)  # iteration 0's inputs (decode layout)
-  cache, state, last_tokens, out0 = device_step(
-      model_def, params, cache, state, last_tokens, slots, x, decode_only=True,
-      num_logprobs=num_logprobs)
+  one = lambda t: jax.tree.map(lambda v: v[None], t)  # noqa: E731  # a 1x1 mesh's
+  cache, states, last_tokens, out0 = device_step(
+      model_def, params, cache, one(state), one(last_tokens), one(slots), one(x),
+      mesh=mesh, decode_only=True, num_logprobs=num_logprobs)
+  state, last_tokens, out0 = jax.tree.map(lambda v: v[0],
+                                          (states, last_tokens, out0))
   # Iteration 0's parameters; iteration j samples at position + j.
   rows0 = sample_rows(slots, state, x)
   model = model_def.merge(params)

@@ -82,58 +82,72 @@ def _packable(leaf) -> bool:
   return dt == jnp.bool_ or dt.itemsize == 4
 
 
-def pack(record) -> Packed:
-  """`record` (a pytree of arrays, traced) as a `Packed` (module docstring)."""
+def pack(record, per_pool: bool = False) -> Packed:
+  """`record` (a pytree of arrays, traced) as a `Packed` (module docstring).
+  With `per_pool`, every leaf has a leading `[data]` axis and `buf` is
+  `i32[data, n]`, row `i` packing pool `i`'s leaves: on a mesh each data
+  shard's row stays on its devices (no gather on the device)."""
   with_paths, treedef = jax.tree_util.tree_flatten_with_path(record)
   parts, apart, entries = [], [], []
+  lead = 1 if per_pool else 0
   for path, leaf in with_paths:
-    shape, dtype = tuple(leaf.shape), jnp.dtype(leaf.dtype)
+    shape, dtype = tuple(leaf.shape[lead:]), jnp.dtype(leaf.dtype)
     named = _name(path) in APART
     if named or not _packable(leaf):
       entries.append(_Entry(len(apart), shape, dtype.name, named))
       apart.append(leaf)
       continue
-    flat = jnp.reshape(leaf, (-1,))
+    flat = jnp.reshape(leaf, tuple(leaf.shape[:lead]) + (-1,))
     if dtype == jnp.bool_:
       flat = flat.astype(jnp.int32)
     elif dtype != jnp.int32:
       flat = jax.lax.bitcast_convert_type(flat, jnp.int32)
     parts.append(flat)
     entries.append(_Entry(-1, shape, dtype.name, False))
-  buf = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.int32)
+  buf = (jnp.concatenate(parts, axis=lead) if parts
+         else jnp.zeros(tuple(with_paths[0][1].shape[:lead]) + (0,), jnp.int32))
   return Packed(buf, tuple(apart), Layout(treedef, tuple(entries)))
 
 
-def unpack(buf: np.ndarray, apart, layout: Layout):
+def unpack(buf: np.ndarray, apart, layout: Layout, pool: int | None = None):
   """The record of `layout` from a fetched `buf` (NumPy int32) and its
-  `apart` leaves (host arrays, or `None` each)."""
+  `apart` leaves (host arrays, or `None` each); with `pool`, row `pool` of
+  every leaf and of `buf` (`pack(..., per_pool=True)`)."""
   leaves, offset = [], 0
   for e in layout.entries:
     if e.apart >= 0:
-      leaves.append(apart[e.apart])
+      a = apart[e.apart]
+      leaves.append(a if pool is None or a is None else a[pool])
       continue
     n = math.prod(e.shape)
-    seg = buf[offset:offset + n]
+    seg = buf[offset:offset + n] if pool is None else buf[pool, offset:offset + n]
     offset += n
     seg = (seg != 0) if e.dtype == "bool" else seg.view(np.dtype(e.dtype))
     leaves.append(seg.reshape(e.shape))
   return layout.treedef.unflatten(leaves)
 
 
-def fetch(out, *, top: bool = True):
+def fetch(out, *, top: bool = True, pools: int | None = None):
   """Waits for `out` (a `Packed`, or any pytree of arrays) and returns its
   record on the host; with `top=False` the `APART` leaves are `None` (and not
-  transferred)."""
+  transferred). With `pools`, the leaves have a leading `[data]` axis and
+  the result is a list of each pool's record (its row of every leaf; a
+  `Packed` made with `pack(..., per_pool=True)`)."""
   if not isinstance(out, Packed):
     if not top:
       out = out.replace(**{k: None for k in APART if hasattr(out, k)})
-    return jax.device_get(out)
+    out = jax.device_get(out)
+    if pools is None:
+      return out
+    return [jax.tree.map(lambda a, i=i: a[i], out) for i in range(pools)]
   wanted = [top or not e.on_request for e in out.layout.entries if e.apart >= 0]
   buf, got = jax.device_get(
       (out.buf, [a for a, w in zip(out.apart, wanted) if w]))
   got = iter(got)
   apart = [next(got) if w else None for w in wanted]
-  return unpack(buf, apart, out.layout)
+  if pools is None:
+    return unpack(buf, apart, out.layout)
+  return [unpack(buf, apart, out.layout, i) for i in range(pools)]
 
 
 def is_ready(out) -> bool:
@@ -148,7 +162,7 @@ def _is_record(x) -> bool:
       x, "fingerprint")
 
 
-def packs(step_fn):
+def packs(step_fn, per_pool: bool = False):
   """`step_fn` with each outputs record it returns packed (module
   docstring): a record is an output that has a `fingerprint` field
   (`StepOutputs`, `MultiStepOutputs`); the rest is returned as it is."""
@@ -156,8 +170,8 @@ def packs(step_fn):
   def wrapped(*args, **kwargs):
     result = step_fn(*args, **kwargs)
     if _is_record(result):
-      return pack(result)
+      return pack(result, per_pool)
     if isinstance(result, tuple):
-      return tuple(pack(r) if _is_record(r) else r for r in result)
+      return tuple(pack(r, per_pool) if _is_record(r) else r for r in result)
     return result
   return wrapped

@@ -96,7 +96,7 @@ def resize_pool(engine: "Engine", num_blocks: int) -> bool:
   runner = engine._runner  # pylint: disable=protected-access
   if pool.num_live_blocks() > m or pool.largest_need() > m:
     return False
-  state, cache, new_ids = _compact(runner.state, runner.cache)
+  state, cache, new_ids = _compact(runner.pool_state, runner.cache)
   state, res = compaction.resize(state, m)
   if not res.ok:  # the host model said it fits: the two disagree
     raise RuntimeError("resize refused after compaction (engine bug)")

@@ -40,28 +40,43 @@ from paged_jax.serving import step as step_lib
 from paged_jax.serving import out_pack, swap_step
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.multistep import MultiStepInputs, multistep_device_step
-from paged_jax.serving.step import (ModelDef, StepInputs, StepOutputs,
-                                    device_step, mesh_device_step)
+from paged_jax.serving.step import ModelDef, StepInputs, StepOutputs, device_step
 
 _STATIC = ("decode_only", "num_logprobs")
 _DONATE = (2, 3, 4)  # cache, block state, last tokens
-_step_jit = jax.jit(out_pack.packs(device_step), static_argnums=(0,), donate_argnums=_DONATE,
-                    static_argnames=_STATIC)
-# Preemption by swap (`swap.py`): the host tier is donated too.
-_swap_step_jit = jax.jit(out_pack.packs(swap_step.device_step), static_argnums=(0,),
-                         donate_argnums=(2, 3, 4, 5), static_argnames=_STATIC)
-_write_slots_jit = jax.jit(slot_state_lib.write, donate_argnums=(0,))
-_write_slots_mesh_jit = jax.jit(jax.vmap(slot_state_lib.write), donate_argnums=(0,))
-_bookkeeping_jit = jax.jit(out_pack.packs(step_lib.bookkeeping_step), donate_argnums=(0,),
-                          static_argnames=("num_logprobs",))
-# A hybrid model's pool per window (`pooled_step.py`).
-_pooled_step_jit = jax.jit(pooled_step.device_step, static_argnums=(0,),
-                           donate_argnums=_DONATE, static_argnames=_STATIC)
-_pooled_bookkeeping_jit = jax.jit(pooled_step.bookkeeping_step, donate_argnums=(0,),
-                                  static_argnames=("num_logprobs",))
+_SWAP_DONATE = (2, 3, 4, 5)  # preemption by swap (`swap.py`): the host tier too
 _MULTI_STATIC = ("num_steps", "num_logprobs")
-_multistep_jit = jax.jit(out_pack.packs(multistep_device_step), static_argnums=(0,),
-                         donate_argnums=_DONATE, static_argnames=_MULTI_STATIC)
+
+# The step variants written for one pool, on a 1x1 mesh's arrays (stacked
+# per data shard, `[1, ...]`: `step.on_one_pool`).
+_swap_step = step_lib.on_one_pool(swap_step.device_step, args=(3, 5, 6, 7),
+                                  outs=(1, 3, 4))
+_pooled_step = step_lib.on_one_pool(pooled_step.device_step, args=(3, 4, 5, 6),
+                                    outs=(1, 2, 3))  # a hybrid model's pools
+_multistep = step_lib.on_one_pool(multistep_device_step, args=(3, 4, 5),
+                                  outs=(1, 2, 3))
+
+
+def _bookkeeping_step(states, x, *, mesh, num_logprobs):
+  """`step.bookkeeping_step` once per data shard (`step.over_pools`)."""
+  return step_lib.over_pools(mesh, step_lib.bookkeeping_step, states, x,
+                             num_logprobs=num_logprobs)
+
+
+_bookkeeping_jit = jax.jit(out_pack.packs(_bookkeeping_step, per_pool=True),
+                           donate_argnums=(0,),
+                           static_argnames=("mesh", "num_logprobs"))
+_pooled_bookkeeping_jit = jax.jit(
+    out_pack.packs(step_lib.on_one_pool(pooled_step.bookkeeping_step,
+                                        args=(0, 1), outs=(0, 1)),
+                   per_pool=True),
+    donate_argnums=(0,), static_argnames=("num_logprobs",))
+
+
+def _stack(*arrays) -> np.ndarray:
+  """The pools' arrays (NumPy) stacked on a leading `[data]` axis (one: a
+  view)."""
+  return arrays[0][None] if len(arrays) == 1 else np.stack(arrays)
 
 
 class Runner:
@@ -73,81 +88,72 @@ class Runner:
     blocks_per_seq: block-table width.
     max_seqs: sequence slots per pool.
     num_logprobs: top log-probs returned per sample row (static).
-    mesh: optional `(data, model)` mesh.
-    initial_state: one device: the initial block state (`BlockState`,
-      its `window` for reclamation, or a hybrid model's
-      `pooled_step.PooledState`: one cache per pool, the pooled step);
-      default an empty plain pool.
+    mesh: optional `(data, model)` mesh; without one, a 1x1 mesh of the
+      parameters' device (the same step serves both).
+    initial_state: one pool's initial block state, every data shard's
+      (`BlockState`, its `window` for reclamation, or on one device a
+      hybrid model's `pooled_step.PooledState`: one cache per pool, the
+      pooled step); default an empty plain pool.
   """
 
   def __init__(self, model, config, *, blocks_per_seq: int, max_seqs: int,
                num_logprobs: int, mesh: Mesh | None = None,
                initial_state=None):
     self.config = config
-    self.mesh = mesh
     self.num_logprobs = num_logprobs
     bs = config.block_size
     graphdef, params = nnx.split(model)
     self._model_def = ModelDef(graphdef, params)
     self._params = jax.tree.leaves(params)  # flat: cheap to pass every step
-    mc = model.config
-    if mesh is None:
-      self.state = initial_state if initial_state is not None else bm.init(
-          num_blocks=config.num_blocks, block_size=bs, max_seqs=max_seqs,
-          max_blocks_per_seq=blocks_per_seq,
-          prefix_caching=config.enable_prefix_caching)
-      if self._pooled():
-        self.cache = window_pool.make_caches(
-            mc, [s.num_blocks for s in self.state.states], block_size=bs,
-            dtype=config.cache_dtype)
-      else:
-        self.cache = model.make_cache(config.num_blocks, bs, config.cache_dtype)
-      self.last_tokens = jnp.zeros(max_seqs, jnp.int32)
-      self.slots = jax.tree.map(
-          jnp.asarray, slot_state_lib.empty(max_seqs, config.max_logit_bias))
-      self._jit = _pooled_step_jit if self._pooled() else _step_jit
-      self._x_sharding = None
+    if mesh is not None:
+      for what, on in (("preemption_mode='swap'", config.preemption_mode == "swap"),
+                       ("kv_offloading_size > 0", config.kv_offloading_size)):
+        if on:
+          raise ValueError(f"{what} runs on one device, not a mesh")
+    # One device is a 1x1 mesh of the device the parameters are on.
+    self.mesh = mesh if mesh is not None else sharding.make_mesh(
+        1, 1, devices=[_device_of(self._params)])
+    data = self.mesh.shape[sharding.DATA]
+    self._x_sharding = NamedSharding(self.mesh, P(sharding.DATA))
+    # Each process places only its own devices' shards of the inputs.
+    self._one_process = all(d.process_index == jax.process_index()
+                            for d in self.mesh.devices.flat)
+    initial = initial_state if initial_state is not None else bm.init(
+        num_blocks=config.num_blocks, block_size=bs, max_seqs=max_seqs,
+        max_blocks_per_seq=blocks_per_seq,
+        prefix_caching=config.enable_prefix_caching)
+    # Every data shard's state, last tokens and slot state, stacked.
+    self.state = self._per_shard(initial)
+    self.cache = self._make_cache(model, data)
+    self.last_tokens = self._per_shard(jnp.zeros(max_seqs, jnp.int32))
+    self.slots = self._per_shard(slot_state_lib.empty(max_seqs, config.max_logit_bias))
+    # (out_shardings: jit would give empty fields, e.g. no logit bias, none)
+    self._write_slots_jit = jax.jit(jax.vmap(slot_state_lib.write),
+                                    donate_argnums=(0,),
+                                    out_shardings=self._x_sharding)
+    if self._pooled():
+      self._step_fn, self._donate = _pooled_step, _DONATE
     else:
-      self.state = sharding.init_block_states(
-          mesh, num_blocks_per_shard=config.num_blocks, block_size=bs,
-          max_seqs_per_shard=max_seqs, max_blocks_per_seq=blocks_per_seq,
-          prefix_caching=config.enable_prefix_caching)
-      self.cache = sharding.create_cache(
-          mesh, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
-          num_blocks_per_shard=config.num_blocks, block_size=bs,
-          head_dim=mc.head_dim,
-          dtype=kv_cache_lib.cache_dtype(config.cache_dtype, mc.jnp_dtype))
-      self._x_sharding = NamedSharding(mesh, P(sharding.DATA))
-      data = mesh.shape[sharding.DATA]
-      self.last_tokens = jax.device_put(jnp.zeros((data, max_seqs), jnp.int32),
-                                        self._x_sharding)
-      self.slots = jax.device_put(
-          jax.tree.map(lambda a: np.stack([a] * data),
-                       slot_state_lib.empty(max_seqs, config.max_logit_bias)),
-          self._x_sharding)
-      self._jit = jax.jit(functools.partial(mesh_device_step, mesh=mesh),
-                          static_argnums=(0,), donate_argnums=_DONATE,
-                          static_argnames=_STATIC)
+      self._step_fn, self._donate = functools.partial(
+          device_step, mesh=self.mesh), _DONATE
     self.tier = self.host_cache = None  # preemption by swap (`swap.py`)
     if config.preemption_mode == "swap":
-      if mesh is not None:
-        raise ValueError("preemption_mode='swap' runs on one device, not a mesh")
-      self.tier = host_tier.init(self.state,
-                                 num_host_blocks=config.swap_space_blocks)
+      self.tier = host_tier.init(initial, num_host_blocks=config.swap_space_blocks)
       self.host_cache = kv_offload.host_cache(self.cache, config.swap_space_blocks)
-      self._jit = _swap_step_jit
+      self._step_fn, self._donate = _swap_step, _SWAP_DONATE
+    self._jit = jax.jit(out_pack.packs(self._step_fn, per_pool=True),
+                        static_argnums=(0,),
+                        donate_argnums=self._donate, static_argnames=_STATIC)
     # The prefix cache's host level (`prefix_offload.py`): `host_cache` is a
     # `kv_offload.NumpyHostPool` then (swap's is a `KVCache` in host memory).
     self.prefix_host_blocks = 0
     if config.kv_offloading_size:
-      if mesh is not None:
-        raise ValueError("kv_offloading_size > 0 runs on one device, not a mesh")
       self.prefix_host_blocks = prefix_tier.num_host_blocks(
           config.kv_offloading_size, self.cache.bytes_per_block)
       self.host_cache = kv_offload.NumpyHostPool(self.cache, self.prefix_host_blocks)
     # What fixes the executables besides the bucket (`compiler.signature`;
     # `max_logit_bias` is the width of two step inputs).
-    self._key = (self._model_def, mesh, num_logprobs, config.max_logit_bias,
+    self._key = (self._model_def, self.mesh, num_logprobs, config.max_logit_bias,
                  config.check_traces
                  and id(self), compiler.signature(self._params, self.cache,
                                                   self.state, self.last_tokens,
@@ -157,35 +163,59 @@ class Runner:
     self._multi: dict[tuple[Bucket, int], jax.stages.Compiled] = {}
     self.compile_seconds = 0.0  # spent compiling in this runner
     self.slot_writes = 0  # `write_slots` dispatches (tests: none when steady)
-    self._mesh_bookkeeping = None  # `dispatch_bookkeeping`'s program on a mesh
     self._slot_writers: dict[int, jax.stages.Compiled] = {}  # by row count
     self.moved = [0, 0]  # blocks copied to / from host memory, not yet taken
 
+  def _per_shard(self, tree):
+    """`tree` (one pool's arrays) repeated for every data shard on a leading
+    axis, placed over `data`."""
+    data = self.mesh.shape[sharding.DATA]
+    return jax.tree.map(
+        lambda a: jax.device_put(jnp.broadcast_to(a, (data,) + a.shape),
+                                 self._x_sharding), tree)
+
+  def _make_cache(self, model, data: int):
+    """The model's cache (a hybrid model's: one per pool), `data` shards'
+    pools in all, created in place sharded `sharding.cache_spec()`: no device
+    ever holds more than its own part."""
+    config = self.config
+    if self._pooled():
+      make = lambda: window_pool.make_caches(  # noqa: E731
+          model.config, [s.num_blocks for s in self.state.states],
+          block_size=config.block_size, dtype=config.cache_dtype)
+    else:
+      make = lambda: model.make_cache(  # noqa: E731
+          data * config.num_blocks, config.block_size, config.cache_dtype)
+    out = jax.tree.map(lambda a: NamedSharding(self.mesh, sharding.spec_of(a)),
+                       jax.eval_shape(make))
+    return jax.jit(make, out_shardings=out)()
+
+  @property
+  def pool_state(self):
+    """The block state of the first (on one device, the only) data shard."""
+    return jax.tree.map(lambda a: a[0], self.state)
+
   def _jit_for(self, bucket: Bucket):
-    """The jitted step to lower for `bucket`: the shared one, or with
-    `config.check_traces` this engine's own, trace-counted one per bucket."""
+    """The jitted step to lower for `bucket`: this runner's, or with
+    `config.check_traces` a trace-counted one per bucket."""
     if not self.config.check_traces:
       return self._jit
-    step_fn = device_step if self.mesh is None else functools.partial(
-        mesh_device_step, mesh=self.mesh)
-    step_fn = swap_step.device_step if self.tier is not None else step_fn
-    step_fn = pooled_step.device_step if self._pooled() else step_fn
-    if self.mesh is None:  # one device: outputs fetched as one buffer
-      step_fn = out_pack.packs(step_fn)
+    step_fn = out_pack.packs(self._step_fn, per_pool=True)
 
     def traced(model_def, params, *args, decode_only, num_logprobs):
       return step_fn(model_def, params, *args, decode_only=decode_only,
                      num_logprobs=num_logprobs)
     kind = "decode" if bucket.decode_only else "mixed"
     traced.__name__ = f"{kind}_step_{bucket.num_tokens}x{bucket.num_seqs}"
-    donate = _DONATE if self.tier is None else (2, 3, 4, 5)
     return jax.jit(chex.assert_max_traces(traced, n=1), static_argnums=(0,),
-                   donate_argnums=donate, static_argnames=_STATIC)
+                   donate_argnums=self._donate, static_argnames=_STATIC)
 
   def replace_pool(self, config, state: bm.BlockState, cache: kv_cache_lib.KVCache):
-    """A resized pool (`resize.resize_pool`): its config, state and cache;
-    every compiled step is dropped (the pool's size is in their shapes)."""
-    self.config, self.state, self.cache = config, state, cache
+    """A resized pool (`resize.resize_pool`, one device): its config, state
+    (one pool's) and cache; every compiled step is dropped (the pool's size
+    is in their shapes)."""
+    self.config, self.state = config, self._per_shard(state)
+    self.cache = sharding.shard_cache(cache, self.mesh)
     self._steps.clear()
     self._multi.clear()
     self.__dict__.pop("_spec_steps", None)  # `spec_step.compile_spec`'s
@@ -205,39 +235,33 @@ class Runner:
 
   def write_slots(self, updates: list[tuple[np.ndarray, np.ndarray, np.ndarray]]):
     """Writes the changed rows of each pool's slot state (`HostSlots.
-    take_updates`, one per pool; on a mesh all of one row count) to the
-    device: one small scatter, the slot state donated, dispatched before the
-    step that reads them (it does not wait). Its program is compiled once
-    per row count (a power of two; `compile_slot_writes`, timed apart)."""
+    take_updates`, one per pool, all of one row count) to the device: one
+    small scatter, the slot state donated, dispatched before the step that
+    reads them (it does not wait). Its program is compiled once per row
+    count (a power of two; `compile_slot_writes`, timed apart)."""
     self.slot_writes += 1
-    if self.mesh is not None:  # (jit: it keeps the data sharding of empty fields)
-      cols = [self.place([u[i] for u in updates]) for i in range(3)]
-      self.slots = _write_slots_mesh_jit(self.slots, *cols)
-      return
-    ((slots, ints, floats),) = updates
-    if slots.shape[0] not in self._slot_writers:
-      self.compile_slot_writes((slots.shape[0],))
-    self.slots = self._slot_writers[slots.shape[0]](self.slots, slots, ints, floats)
+    cols = self._put(tuple(_stack(*[u[i] for u in updates]) for i in range(3)))
+    rows = cols[0].shape[1]
+    if rows not in self._slot_writers:
+      self.compile_slot_writes((rows,))
+    self.slots = self._slot_writers[rows](self.slots, *cols)
 
   def compile_slot_writes(self, sizes: tuple[int, ...] | None = None) -> float:
     """Compiles the slot-state scatter for each row count in `sizes`
     (default: every power of two up to `max_seqs`) not compiled yet, through
     `compiler.compile_all` (shared by engines of equal sizes); runs nothing.
-    Returns the seconds spent (added to `compile_seconds`). On a mesh
-    nothing: there jit compiles the scatter on first use."""
-    if self.mesh is not None:  # compiled on first use by jit (`write_slots`)
-      return 0.0
+    Returns the seconds spent (added to `compile_seconds`)."""
     max_seqs = self.slots.temperature.shape[-1]
     if sizes is None:
       sizes = tuple(1 << i for i in range((max_seqs - 1).bit_length() + 1))
-    nb = self.config.max_logit_bias
-    widths = slot_state_lib.packed_widths(nb)
+    widths = slot_state_lib.packed_widths(self.config.max_logit_bias)
+    data = self.mesh.shape[sharding.DATA]
 
     def lowerer(u):
-      specs = (jax.ShapeDtypeStruct((u,), np.int32),
-               jax.ShapeDtypeStruct((u, widths[0]), np.int32),
-               jax.ShapeDtypeStruct((u, widths[1]), np.float32))
-      return lambda: _write_slots_jit.lower(self.slots, *specs)
+      specs = [jax.ShapeDtypeStruct((data, u) + shape, dtype, sharding=self._x_sharding)
+               for shape, dtype in (((), np.int32), ((widths[0],), np.int32),
+                                    ((widths[1],), np.float32))]
+      return lambda: self._write_slots_jit.lower(self.slots, *specs)
     jobs = {(self._key, "slots", u): lowerer(u) for u in sizes
             if u not in self._slot_writers}
     done, seconds = compiler.compile_all(jobs)
@@ -253,11 +277,8 @@ class Runner:
 
   def _specs(self, xs: list[StepInputs]) -> StepInputs:
     """The abstract step inputs of the pools' inputs `xs` (see `place`)."""
-    if self.mesh is None:
-      (x,) = xs
-      return jax.tree.map(compiler.spec, x)
     return jax.tree.map(
-        lambda *a: compiler.spec(np.stack(a), self._x_sharding), *xs)
+        lambda *a: compiler.spec(_stack(*a), self._x_sharding), *xs)
 
   def _lowerer(self, bucket: Bucket, xs: list[StepInputs]):
     specs = (self._specs(xs),)
@@ -285,16 +306,20 @@ class Runner:
     return tuple(sorted(self._steps))
 
   def place(self, xs: list[StepInputs]) -> StepInputs:
-    """The pools' inputs as the step's argument (stacked and placed per data
-    shard on a mesh; every process builds the same inputs and places only the
-    shards its own devices hold)."""
-    if self.mesh is None:
-      (x,) = xs
-      return x
-    x = jax.tree.map(lambda *a: np.stack(a), *xs)
+    """The pools' inputs as the step's argument: stacked on a leading
+    `[data]` axis (see `_put`)."""
+    return self._put(jax.tree.map(_stack, *xs))
+
+  def _put(self, tree):
+    """`tree`'s NumPy arrays `[data, ...]` as step arguments: as they are in
+    one process (the executable puts each data shard on its devices); on
+    several hosts every process builds the same arrays and places only the
+    shards its own devices hold."""
+    if self._one_process:
+      return tree
     return jax.tree.map(
         lambda a: jax.make_array_from_callback(a.shape, self._x_sharding,
-                                               lambda i: a[i]), x)
+                                               lambda i: a[i]), tree)
 
   def lower(self, bucket: Bucket, xs: list[StepInputs]) -> jax.stages.Lowered:
     """The step of `bucket`, lowered for inspection; runs nothing."""
@@ -378,17 +403,12 @@ class Runner:
     swap (`Engine` runs such a step as an ordinary one)."""
     if self.tier is not None:
       raise ValueError("a bookkeeping-only step does not carry swaps")
-    if self.mesh is None:
-      jit = _pooled_bookkeeping_jit if self._pooled() else _bookkeeping_jit
-      self.state, out = jit(self.state, self.place(xs),
-                            num_logprobs=self.num_logprobs)
-      return out
-    if self._mesh_bookkeeping is None:
-      self._mesh_bookkeeping = jax.jit(
-          jax.vmap(functools.partial(step_lib.bookkeeping_step,
-                                     num_logprobs=self.num_logprobs)),
-          donate_argnums=(0,))
-    self.state, out = self._mesh_bookkeeping(self.state, self.place(xs))
+    if self._pooled():
+      self.state, out = _pooled_bookkeeping_jit(
+          self.state, self.place(xs), num_logprobs=self.num_logprobs)
+    else:
+      self.state, out = _bookkeeping_jit(self.state, self.place(xs), mesh=self.mesh,
+                                         num_logprobs=self.num_logprobs)
     return out
 
   def fetch(self, out: StepOutputs, num_pools: int, *, top: bool = True
@@ -397,27 +417,25 @@ class Runner:
     host. `top`: also the top log-probs and their ids (beam search and
     requests with `SamplingParams.logprobs` need them; otherwise they stay
     on the device, `None` here)."""
-    if self.mesh is None:  # `out_pack.Packed`: one transfer
-      return [out_pack.fetch(out, top=top)]
-    if not top:
-      out = out.replace(top_logprobs=None, top_ids=None)
-    if not all(a.is_fully_addressable for a in jax.tree.leaves(out)):
-      out = multihost_utils.process_allgather(out, tiled=True)  # several hosts
-    out = jax.device_get(out)
-    return [jax.tree.map(lambda a, i=i: a[i], out) for i in range(num_pools)]
+    if not self._one_process:  # several hosts: every process gets it all
+      out = multihost_utils.process_allgather(out, tiled=True)
+    return out_pack.fetch(out, top=top, pools=num_pools)
 
   # ------------------------------------------------------- multi-step decode
 
   def _multistep_jit_for(self, bucket: Bucket, num_steps: int):
     if not self.config.check_traces:
-      return _multistep_jit
+      return jax.jit(out_pack.packs(functools.partial(_multistep, mesh=self.mesh),
+                                    per_pool=True),
+                     static_argnums=(0,), donate_argnums=_DONATE,
+                     static_argnames=_MULTI_STATIC)
 
-    @out_pack.packs
+    @functools.partial(out_pack.packs, per_pool=True)
     def traced(model_def, params, cache, state, last_tokens, slots, x, m, *,
                num_steps, num_logprobs):
-      return multistep_device_step(model_def, params, cache, state, last_tokens,
-                                   slots, x, m, num_steps=num_steps,
-                                   num_logprobs=num_logprobs)
+      return _multistep(model_def, params, cache, state, last_tokens, slots, x,
+                        m, mesh=self.mesh, num_steps=num_steps,
+                        num_logprobs=num_logprobs)
     traced.__name__ = f"decode_{num_steps}_steps_{bucket.num_tokens}"
     return jax.jit(chex.assert_max_traces(traced, n=1), static_argnums=(0,),
                    donate_argnums=_DONATE, static_argnames=_MULTI_STATIC)
@@ -427,7 +445,7 @@ class Runner:
     """Compiles the `num_steps`-step decode program of every (decode) bucket
     in `inputs` (`{bucket: (step inputs, loop inputs)}`, e.g. padding) not
     compiled yet, in parallel; runs nothing. Returns the seconds spent."""
-    if self.mesh is not None:
+    if self.mesh.size > 1:
       raise ValueError("multi-step decode runs on one device, not on a mesh")
 
     def lowerer(b, x, m):
@@ -454,3 +472,12 @@ class Runner:
     self.cache, self.state, self.last_tokens, out = exe(
         self._params, self.cache, self.state, self.last_tokens, self.slots, x, m)
     return out
+
+
+def _device_of(params) -> jax.Device:
+  """The device of the parameters (all on one), or the default device."""
+  for a in params:
+    devices = getattr(a, "devices", lambda: ())()
+    if len(devices) == 1:
+      return next(iter(devices))
+  return jax.devices()[0]

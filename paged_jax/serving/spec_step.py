@@ -51,6 +51,7 @@ from paged_jax import step_metadata as step_metadata_lib
 from paged_jax.serving import compiler, sampling, spec_draft
 from paged_jax.serving import slot_state as slot_state_lib
 from paged_jax.serving.step import (ModelDef, StepInputs, bookkeeping,
+                                    on_one_pool,
                                     bookkeeping_args, state_fingerprint,
                                     store_tokens)
 
@@ -239,7 +240,9 @@ def spec_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
 
 
 _DONATE = (2, 3, 4)  # cache, block state, last tokens
-_spec_jit = jax.jit(spec_device_step, static_argnums=(0,), donate_argnums=_DONATE)
+# On the runner's arrays of a 1x1 mesh (state, last tokens, slots `[1, ...]`).
+_spec_on_pool = on_one_pool(spec_device_step, args=(3, 4, 5), outs=(1, 2))
+_spec_jit = jax.jit(_spec_on_pool, static_argnums=(0,), donate_argnums=_DONATE)
 
 
 def _jit_for(runner, bucket, k: int, budget: int):
@@ -249,8 +252,8 @@ def _jit_for(runner, bucket, k: int, budget: int):
     return _spec_jit
 
   def traced(model_def, params, cache, state, last_tokens, slots, x, s):
-    return spec_device_step(model_def, params, cache, state, last_tokens,
-                            slots, x, s)
+    return _spec_on_pool(model_def, params, cache, state, last_tokens, slots,
+                         x, s)
 
   traced.__name__ = f"spec_{k}_step_{bucket.num_seqs}_budget_{budget}"
   return jax.jit(chex.assert_max_traces(traced, n=1), static_argnums=(0,),
@@ -266,7 +269,7 @@ def compile_spec(runner, inputs: list) -> float:
   SpecInputs)` in `inputs` that `runner` lacks (keyed by bucket, `k` and
   draft budget), in parallel; runs nothing. Returns the seconds spent
   (added to `runner.compile_seconds`)."""
-  if runner.mesh is not None:
+  if runner.mesh.size > 1:
     raise ValueError("speculative decoding runs on one device, not on a mesh")
   steps = runner.__dict__.setdefault("_spec_steps", {})
 

@@ -2,8 +2,13 @@
 
 `device_step` is pure: the cache, the block state and the last sampled token
 of every sequence slot go in and come out, and nothing else changes; each
-slot's sampling parameters (`slot_state.SlotState`) are read there too. Its
-order is
+slot's sampling parameters (`slot_state.SlotState`) are read there too. It
+runs on a `(data, model)` device mesh of any shape -- one device is a 1x1
+mesh -- with every data shard's block state, last tokens, slot state and
+inputs stacked on a leading `[data]` axis: the bookkeeping runs once per data
+shard (`vmap`), the model is tensor-parallel, and the cache writes, copies and
+attention run under `shard_map`, each device on its own KV heads of its own
+shard's pool. Its order is
 
   register (blocks to cache) -> release (finished, preempted) -> fork (new
   samples / beams) -> release (finished fork parents) -> share (prefix-cache
@@ -24,10 +29,9 @@ succeeds; a refused one would leave that sequence's state as it was, its rows
 writing and attending to nothing (`step_metadata(active=...)`), and the host
 would raise on `ok` or on the state's fingerprint (`state_fingerprint`).
 
-`mesh_device_step` is the same step on a `(data, model)` device mesh: the
-bookkeeping runs once per data shard (`vmap` over the stacked block states),
-the model is tensor-parallel, and the cache writes, copies and attention run
-under `shard_map`, each device on its own KV heads of its own shard's pool.
+The step variants that serve one pool on one device (`multistep.py`,
+`pooled_step.py`, `swap_step.py`, `spec_step.py`) are written for one pool;
+`on_one_pool` runs them on the stacked arrays of a 1x1 mesh.
 """
 
 from __future__ import annotations
@@ -118,44 +122,112 @@ class StepOutputs:
 
 
 def device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
-                state: bm.BlockState, last_tokens: jax.Array,
+                states: bm.BlockState, last_tokens: jax.Array,
                 slots: slot_state_lib.SlotState, x: StepInputs, *,
-                decode_only: bool, num_logprobs: int):
-  """The serving step (pure; jit it with the cache, state and last tokens
-  donated; `slots` is read only).
+                mesh: Mesh, decode_only: bool, num_logprobs: int):
+  """The serving step on a `(data, model)` mesh (pure; jit it with the
+  cache, states and last tokens donated; `slots` is read only): every data
+  shard runs its own step on its own pool and sequences, the model is
+  tensor-parallel. One device is a 1x1 mesh.
 
   Args:
-    model_def: the model's `ModelDef` (static).
+    model_def: the model's `ModelDef` (static); on a mesh with a model axis
+      over 1, of the model laid out by its `shard(mesh)`.
     params: the model's parameter arrays, `jax.tree.leaves` of its state.
-    cache: the `KVCache`.
-    state: the `BlockState`.
-    last_tokens: i32[max_seqs], the last token sampled for each sequence slot.
-    slots: the `slot_state.SlotState` (`max_seqs` rows): each slot's
-      sampling parameters.
-    x: the step's `StepInputs`.
+    cache: the `KVCache`, sharded `paged_jax.sharding.cache_spec()`.
+    states: the data shards' `BlockState`s stacked on a leading axis
+      (`paged_jax.sharding.init_block_states`), sharded over `data`.
+    last_tokens: i32[data, max_seqs], the last token sampled for each
+      sequence slot of each data shard.
+    slots: the data shards' `slot_state.SlotState`s stacked (`[data,
+      max_seqs, ...]`): each slot's sampling parameters.
+    x: `StepInputs` with a leading `[data]` axis on every array, row `i` for
+      data shard `i` (its own slots, rows and block ids).
+    mesh: static; the mesh.
     decode_only: static; the decode layout (one token row per entry).
     num_logprobs: static; top log-probs returned per sample row.
 
   Returns:
-    `(cache, state, last_tokens, StepOutputs)`.
+    `(cache, states, last_tokens, StepOutputs)`, the outputs with a leading
+    `[data]` axis.
   """
   model = model_def.merge(params)
-  state, fork_ok, res = _bookkeeping(state, x)
-  cache = kv_cache_lib.copy_blocks(cache, res.copy_src, res.copy_dst)
+  data = mesh.shape[sharding.DATA]
+  states, fork_ok, res = over_pools(mesh, _bookkeeping, states, x)
+  cache = sharding.copy_blocks_sharded(mesh, cache, res.copy_src, res.copy_dst)
+  num_tokens = x.tokens.shape[1]
   meta = step_metadata_lib.step_metadata(
-      state, x.seq_ids, x.q_lens, num_tokens=x.tokens.shape[0], active=res.ok,
-      decode_only=decode_only)
-  hidden, cache = model.paged_forward(input_tokens(last_tokens, x), meta, cache)
-  if state.window is not None:  # blocks no future query sees go back
-    state = window_reclaim.reclaim(state, x.seq_ids, x.q_lens, res.ok,
-                                   max_new_tokens=x.tokens.shape[0])
-  tokens, top_lp, top_ids, token_lp = _sample(model.logits(hidden[x.sample_rows]),
-                                              sample_rows(slots, state, x),
-                                              num_logprobs)
-  last_tokens = store_tokens(last_tokens, x.sample_slots, tokens)
-  return cache, state, last_tokens, StepOutputs(tokens, top_lp, top_ids, res.ok,
-                                                fork_ok, token_lp,
-                                                state_fingerprint(state))
+      states, x.seq_ids, x.q_lens, num_tokens=num_tokens, active=res.ok,
+      decode_only=decode_only, mesh=mesh)
+  tokens_in = jax.vmap(input_tokens)(last_tokens, x)
+  hidden, cache = model.paged_forward(tokens_in.reshape(-1), meta, cache)
+  if states.window is not None:  # blocks no future query sees go back
+    states = jax.vmap(functools.partial(
+        window_reclaim.reclaim, max_new_tokens=num_tokens))(
+            states, x.seq_ids, x.q_lens, res.ok)
+  # Each shard's sample rows index its own token rows: gather locally.
+  hidden = hidden.reshape(data, num_tokens, -1)
+  hidden = jnp.take_along_axis(hidden, x.sample_rows[..., None], axis=1)
+  logits = model.logits(hidden)  # [data, max_batch, vocab]
+  if logits.shape[-1] % mesh.shape[sharding.MODEL] == 0:
+    # Vocab-parallel logits: gather the logits, never the LM head.
+    logits = jax.lax.with_sharding_constraint(
+        logits, NamedSharding(mesh, P(sharding.DATA, None, sharding.MODEL)))
+
+  # Each data shard samples its own rows (its own `lax.cond`s, no
+  # communication across data shards; the vocab is gathered over `model`).
+  def local_sample(logits, rows):
+    rows = jax.tree.map(lambda a: a[0], rows)
+    return jax.tree.map(lambda a: a[None], _sample(logits[0], rows, num_logprobs))
+
+  by_data = P(sharding.DATA)
+  rows = jax.vmap(sample_rows)(slots, states, x)
+  tokens, top_lp, top_ids, token_lp = jax.shard_map(
+      local_sample, mesh=mesh, in_specs=(by_data, by_data), out_specs=by_data,
+      check_vma=False)(logits, rows)
+  cache = jax.lax.with_sharding_constraint(
+      cache, jax.tree.map(lambda a: NamedSharding(mesh, sharding.spec_of(a)),
+                          cache))
+  states = jax.lax.with_sharding_constraint(states, NamedSharding(mesh, by_data))
+  last_tokens = jax.lax.with_sharding_constraint(
+      jax.vmap(store_tokens)(last_tokens, x.sample_slots, tokens),
+      NamedSharding(mesh, by_data))
+  return cache, states, last_tokens, StepOutputs(tokens, top_lp, top_ids, res.ok,
+                                                 fork_ok, token_lp,
+                                                 jax.vmap(state_fingerprint)(states))
+
+
+def over_pools(mesh: Mesh, fn, states, *args, **kwargs):
+  """`fn(state, *args, **kwargs)` once per data shard of `mesh`, each on its
+  own devices: `shard_map` over `data` of `states` and of every array in
+  `args` (leading `[data]` axes), `fn` on one pool's arrays. `fn`'s
+  `lax.cond`s stay conds (each shard's predicate is its own, no data shard
+  talks to another), where under `vmap` their batched predicates would make
+  them selects that run both branches: an empty release or fork costs
+  nothing, on one device as on a mesh."""
+  def local(states, *args):
+    states, args = jax.tree.map(lambda a: a[0], (states, args))
+    return jax.tree.map(lambda a: a[None], fn(states, *args, **kwargs))
+  by_data = P(sharding.DATA)
+  return jax.shard_map(local, mesh=mesh, in_specs=(by_data,) * (1 + len(args)),
+                       out_specs=by_data, check_vma=False)(states, *args)
+
+
+def on_one_pool(fn, args: tuple[int, ...], outs: tuple[int, ...]):
+  """`fn`, a step written for one pool on one device, on the runner's arrays
+  of a 1x1 mesh (stacked per data shard, `[1, ...]`): its positional
+  arguments at `args` lose their leading axis, its outputs at `outs` (a
+  tuple) gain it back. Inside jit both are reshapes."""
+  @functools.wraps(fn)
+  def wrapped(*a, **kwargs):
+    a = list(a)
+    for i in args:
+      a[i] = jax.tree.map(lambda v: v[0], a[i])
+    out = list(fn(*a, **kwargs))
+    for i in outs:
+      out[i] = jax.tree.map(lambda v: v[None], out[i])
+    return tuple(out)
+  return wrapped
 
 
 def sample_rows(slots: slot_state_lib.SlotState, state: bm.BlockState,
@@ -198,72 +270,6 @@ def store_tokens(last_tokens: jax.Array, slots: jax.Array, tokens: jax.Array
   """`last_tokens` with `tokens[i]` stored at `slots[i]` (-1: dropped)."""
   idx = jnp.where(slots >= 0, slots, last_tokens.shape[0])  # past the end: drop
   return last_tokens.at[idx].set(tokens, mode="drop")
-
-
-def mesh_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
-                     states: bm.BlockState, last_tokens: jax.Array,
-                     slots: slot_state_lib.SlotState, x: StepInputs, *,
-                     mesh: Mesh, decode_only: bool, num_logprobs: int):
-  """`device_step` on a `(data, model)` mesh: every data shard runs its own
-  step on its own pool and sequences, the model is tensor-parallel.
-
-  Args:
-    model_def, params: the model laid out by `tensor_parallel.shard_model`
-      (as in `device_step`).
-    cache: the `KVCache`, sharded `paged_jax.sharding.cache_spec()`.
-    states: the data shards' `BlockState`s stacked on a leading axis
-      (`paged_jax.sharding.init_block_states`).
-    last_tokens: i32[data, max_seqs], sharded over `data`.
-    slots: the data shards' `SlotState`s stacked (`[data, max_seqs, ...]`),
-      sharded over `data`.
-    x: `StepInputs` with a leading `[data]` axis on every array, row `i` for
-      data shard `i` (its own slots, rows and block ids).
-    mesh: static; the mesh.
-    decode_only, num_logprobs: static, as in `device_step`.
-
-  Returns:
-    `(cache, states, last_tokens, StepOutputs)`, the outputs with a leading
-    `[data]` axis.
-  """
-  model = model_def.merge(params)
-  data = mesh.shape[sharding.DATA]
-  states, fork_ok, res = jax.vmap(_bookkeeping)(states, x)
-  cache = sharding.copy_blocks_sharded(mesh, cache, res.copy_src, res.copy_dst)
-  num_tokens = x.tokens.shape[1]
-  meta = step_metadata_lib.sharded_step_metadata(
-      mesh, states, x.seq_ids, x.q_lens, num_tokens=num_tokens, active=res.ok,
-      decode_only=decode_only)
-  tokens_in = jax.vmap(input_tokens)(last_tokens, x)
-  hidden, cache = model.paged_forward(tokens_in.reshape(-1), meta, cache)
-  # Each shard's sample rows index its own token rows: gather locally.
-  hidden = hidden.reshape(data, num_tokens, -1)
-  hidden = jnp.take_along_axis(hidden, x.sample_rows[..., None], axis=1)
-  logits = model.logits(hidden)  # [data, max_batch, vocab]
-  if logits.shape[-1] % mesh.shape[sharding.MODEL] == 0:
-    # Vocab-parallel logits: gather the logits, never the LM head.
-    logits = jax.lax.with_sharding_constraint(
-        logits, NamedSharding(mesh, P(sharding.DATA, None, sharding.MODEL)))
-
-  # Each data shard samples its own rows (its own `lax.cond`s, no
-  # communication across data shards; the vocab is gathered over `model`).
-  def local_sample(logits, rows):
-    rows = jax.tree.map(lambda a: a[0], rows)
-    return jax.tree.map(lambda a: a[None], _sample(logits[0], rows, num_logprobs))
-
-  by_data = P(sharding.DATA)
-  rows = jax.vmap(sample_rows)(slots, states, x)
-  tokens, top_lp, top_ids, token_lp = jax.shard_map(
-      local_sample, mesh=mesh, in_specs=(by_data, by_data), out_specs=by_data,
-      check_vma=False)(logits, rows)
-  cache = jax.lax.with_sharding_constraint(
-      cache, NamedSharding(mesh, sharding.cache_spec()))
-  states = jax.lax.with_sharding_constraint(states, NamedSharding(mesh, by_data))
-  last_tokens = jax.lax.with_sharding_constraint(
-      jax.vmap(store_tokens)(last_tokens, x.sample_slots, tokens),
-      NamedSharding(mesh, by_data))
-  return cache, states, last_tokens, StepOutputs(tokens, top_lp, top_ids, res.ok,
-                                                 fork_ok, token_lp,
-                                                 jax.vmap(state_fingerprint)(states))
 
 
 BOOKKEEPING_FIELDS = ("register_seqs", "register_cols", "release_early",
@@ -329,8 +335,9 @@ def _unless_empty(op, state: bm.BlockState, ids, *args):
   steps because every `reserve` resets it -- but it still costs its full
   work: `release` sorts `len(ids) * max_blocks_per_seq` entries (measured:
   most of a stub model's decode step at batch 256 on CPU). A `lax.cond`, so
-  only the taken branch runs (under `vmap`, on a mesh, it becomes a select
-  and both run, as before)."""
+  only the taken branch runs (the step runs it per data shard under
+  `shard_map`, `over_pools`: under `vmap` it would become a select that
+  runs both)."""
   n = ids.shape[0]
   if n == 0:
     return op(state, ids, *args)

@@ -292,3 +292,37 @@ def test_quantized_cache_on_a_mesh(data, model):
         layer["v_pages"][:, pool], tables[:SEQS], lens[:SEQS],
         k_scales=layer["k_scales"][:, pool], v_scales=layer["v_scales"][:, pool])
     cases.assert_rows_close(out[i * SEQS:(i + 1) * SEQS], ref, jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8])
+def test_layer_write_on_a_mesh_equals_the_one_device_write(dtype):
+  """`write_kv_layer_sharded` (each device scatters into its part of the
+  stacked pages, in place) writes what `kv_cache.write_kv_layer` writes on
+  one device: local slots per data shard, heads over `model`, only the
+  layer given, scales too for quantised pages."""
+  from paged_jax import kv_cache  # pylint: disable=import-outside-toplevel
+  mesh = ps.make_mesh(data=2, model=2)
+  layers, heads, blocks, bs, d = 3, 2, 4, 4, 8  # blocks per data shard
+  cache = ps.create_cache(mesh, num_layers=layers, num_kv_heads=heads,
+                          num_blocks_per_shard=blocks, block_size=bs,
+                          head_dim=d, dtype=dtype)
+  rng = np.random.default_rng(0)
+  t = 6  # token rows per data shard
+  k = jnp.asarray(rng.normal(size=(2 * t, heads, d)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(2 * t, heads, d)), jnp.float32)
+  local = np.array([0, 5, 9, -1, 15, 3] * 2, np.int32)  # -1: dropped
+  got = ps.write_kv_layer_sharded(mesh, *cache.arrays()[:2], k, v, local, 1,
+                                  **_scales(cache))
+  # One device: shard i's pool is blocks [i * blocks, (i + 1) * blocks).
+  flat = np.where(local >= 0, local + np.repeat([0, blocks * bs], t), -1)
+  one = jax.tree.map(lambda a: jax.device_put(np.asarray(a), jax.devices()[0]), cache)
+  want = kv_cache.write_kv_layer(*one.arrays()[:2], k, v, jnp.asarray(flat), 1,
+                                 **_scales(one))
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert got[0].sharding.is_equivalent_to(NamedSharding(mesh, ps.cache_spec()), 5)
+
+
+def _scales(cache):
+  return ({} if not cache.quantized
+          else dict(k_scales=cache.k_scales, v_scales=cache.v_scales))

@@ -120,8 +120,8 @@ def test_logit_bias_the_engine_cannot_hold_is_rejected(engine, model):
   out = off.add_request(Request("y", [1, 2], SamplingParams(logit_bias={3: 1.0})))
   assert "at most 0 entries (the engine's max_logit_bias)" in out.rejected
   pool = off._pools[0]  # pylint: disable=protected-access
-  slots = off._runner.slots  # pylint: disable=protected-access
-  assert slots.bias_ids.shape == (pool.max_seqs, 0) == slots.bias_values.shape
+  slots = off._runner.slots  # pylint: disable=protected-access  # [data, ...]
+  assert slots.bias_ids.shape == (1, pool.max_seqs, 0) == slots.bias_values.shape
 
 
 def test_engines_of_other_bias_widths_do_not_share_steps(model):

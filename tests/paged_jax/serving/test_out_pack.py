@@ -84,3 +84,17 @@ def test_step_outputs_pack_and_round_trip():
   got = out_pack.fetch(packed, top=False)
   assert got.top_logprobs is None and got.top_ids is None
   _assert_same(got.replace(top_logprobs=out.top_logprobs, top_ids=out.top_ids), out)
+
+
+def test_per_pool_packing_keeps_each_data_shard_s_row_and_fetches_per_pool():
+  """`pack(per_pool=True)`: `buf` is `[data, n]` (on a mesh each shard's row
+  stays on its devices: no gather), and `fetch(pools=)` gives each pool's
+  record, equal to its row of the plain record."""
+  rng = np.random.default_rng(1)
+  recs = [_record(rng, 3) for _ in range(2)]
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *recs)
+  packed = jax.jit(lambda r: out_pack.pack(r, per_pool=True))(stacked)
+  assert packed.buf.ndim == 2 and packed.buf.shape[0] == 2
+  got = out_pack.fetch(packed, pools=2)
+  for g, want in zip(got, recs):
+    _assert_same(g, jax.device_get(want))

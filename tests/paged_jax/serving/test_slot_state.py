@@ -133,7 +133,8 @@ def test_device_slot_state_matches_the_from_scratch_rows(monkeypatch, seed):
     engine.step()
     # Every live sequence's row, from scratch: on the device, or still to
     # be sent with the next step (a beam's children, bound at resolve).
-    device = jax.tree.map(np.asarray, runner.slots)
+    on_device = jax.tree.map(lambda a: a[0], runner.slots)  # the one data shard's
+    device = jax.tree.map(np.asarray, on_device)
     unsent = pool._slots._dirty  # pylint: disable=protected-access
     for s in pool._running:  # pylint: disable=protected-access
       if s.slot >= 0:
@@ -142,7 +143,7 @@ def test_device_slot_state_matches_the_from_scratch_rows(monkeypatch, seed):
         _check_row(got, 0, _want_row(s, s.index), None)
     # This step's sample rows, as the device step gathers them.
     for rows, x, seq_lens in built[before:]:
-      got = slot_state.gather(runner.slots, jnp.asarray(seq_lens),
+      got = slot_state.gather(on_device, jnp.asarray(seq_lens),
                               jnp.asarray(x.sample_seqs), jnp.asarray(x.seed_offsets))
       got = jax.tree.map(np.asarray, got)
       for i, (s, lane, position) in enumerate(rows):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from paged_jax import host_tier
+from paged_jax import sharding
 from paged_jax.serving import runner as runner_lib
 from paged_jax.serving import step as step_lib
 from paged_jax.serving import swap_step
@@ -24,7 +25,19 @@ from paged_jax.models.llama import model as model_lib
 
 S = 2  # swap rows per step
 _STATIC = ("decode_only", "num_logprobs")
-_plain = jax.jit(step_lib.device_step, static_argnums=(0,), static_argnames=_STATIC)
+# The engine's step on one device: a 1x1 mesh, its arrays stacked per data
+# shard (`[1, ...]`); here on one pool's arrays, as `swap_step.device_step`.
+_MESH = sharding.make_mesh(1, 1)
+
+
+def _one_pool_step(model_def, params, cache, state, last, slots, x, **kw):
+  stack = lambda t: jax.tree.map(lambda a: a[None], t)  # noqa: E731
+  cache, *rest = step_lib.device_step(model_def, params, cache, *map(
+      stack, (state, last, slots, x)), mesh=_MESH, **kw)
+  return (cache,) + tuple(jax.tree.map(lambda a: a[0], rest))
+
+
+_plain = jax.jit(_one_pool_step, static_argnums=(0,), static_argnames=_STATIC)
 _swapping = jax.jit(swap_step.device_step, static_argnums=(0,),
                     static_argnames=_STATIC)
 _tier_fp = jax.jit(swap_step.tier_fingerprint)
@@ -42,6 +55,8 @@ def recorded():
   def dispatch(self, bucket, xs, swaps=None):
     snap = jax.tree.map(np.asarray, (self.cache, self.state, self.last_tokens,
                                      self.slots))
+    one = jax.tree.map(lambda a: a[0], snap[1:])  # the one data shard's
+    snap = (snap[0],) + one
     steps.append((bucket, snap, xs[0]))
     return original(self, bucket, xs, swaps)
 
