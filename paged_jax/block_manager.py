@@ -344,26 +344,23 @@ def _leading_rows(op, state: BlockState, ids: jax.Array, *rows: jax.Array):
   way, so the two give the same result, bit for bit; but the op's work is
   O(rows x max_blocks_per_seq) (a sort of every entry, for `release`), and
   the engine's steps pass `max_seqs` rows, entries first, of which one or
-  two are real. When a later row holds an id the whole call runs as well:
-  a `while_loop` that runs once or not at all (a `cond` would become a
-  `select` under `vmap` and pay the full call every time).
+  two are real. A `lax.cond`: under `vmap` (data shards stacked on a mesh)
+  it becomes a `select` and both run, the whole call's cost as before plus
+  the short one, with no collective (a `while_loop`'s batched predicate
+  would need an all-reduce across the shards); under `shard_map` (the
+  engine's step) it stays a cond.
   """
   n = ids.shape[0]
   k = LEADING_ROWS
   if n <= k:
     return op(state, ids, *rows)
-  short_state, short_ok = op(state, ids[:k], *(r[:k] for r in rows))
-  short_ok = jnp.concatenate([short_ok, jnp.zeros((n - k,), bool)])
-  whole = jnp.any(ids[k:] >= 0)
 
-  def run_whole(carry):
-    del carry
-    new_state, ok = op(state, ids, *rows)
-    return new_state, ok, jnp.zeros((), bool)
+  def short(st):
+    new_state, ok = op(st, ids[:k], *(r[:k] for r in rows))
+    return new_state, jnp.concatenate([ok, jnp.zeros((n - k,), bool)])
 
-  new_state, ok, _ = jax.lax.while_loop(lambda c: c[2], run_whole,
-                                        (short_state, short_ok, whole))
-  return new_state, ok
+  return jax.lax.cond(jnp.any(ids[k:] >= 0),
+                      lambda st: op(st, ids, *rows), short, state)
 
 
 def _scatter_add(x: jax.Array, idx: jax.Array, mask: jax.Array, val):
@@ -455,28 +452,27 @@ def _serve(valid, partial, last, last_refs, grow, num_available, *,
     copied = copied.at[i].set(jnp.where(ok & cow, last[i], NULL_BLOCK))
     return (num_free, copied), (ok, cow & ok, jnp.where(ok, need, 0))
 
-  def serve_in_order(carry):
-    del carry
+  def serve_in_order():
     init = (num_available, jnp.full((n,), NULL_BLOCK, jnp.int32))
     (num_left, _), (ok, cow, need) = jax.lax.scan(
         step, init, jnp.arange(n, dtype=jnp.int32))
-    return num_left, ok, cow, need, jnp.zeros((), bool)
+    return num_left, ok, cow, need
 
   # The common case needs no scan: when no two requests grow into the same
   # shared partial block (the only way one request changes another's need)
   # and the pool holds what they all ask for, every valid request is served
-  # with its own need. Otherwise the scan decides, in a `while_loop` that runs
-  # once or not at all (a `cond` would become a `select` under `vmap` and pay
-  # the scan every time). The same results either way.
+  # with its own need. Otherwise the scan decides, the same results either
+  # way. A `lax.cond` (under `vmap` both run, no collective; see
+  # `_leading_rows`).
   cow_all = partial & (last_refs > 1)
   need_all = jnp.where(valid, grow + cow_all.astype(jnp.int32), 0)
   total_all = jnp.sum(need_all, dtype=jnp.int32)  # <= max_seqs * width
   shared = jnp.sort(jnp.where(cow_all, last, NULL_BLOCK))
   siblings = jnp.any((shared[1:] == shared[:-1]) & (shared[1:] >= 0))
   in_order = ordered | siblings | (total_all > num_available)
-  num_left, ok, cow, need, _ = jax.lax.while_loop(
-      lambda c: c[-1], serve_in_order,
-      (num_available - total_all, valid, cow_all, need_all, in_order))
+  num_left, ok, cow, need = jax.lax.cond(
+      in_order, serve_in_order,
+      lambda: (num_available - total_all, valid, cow_all, need_all))
   return num_left, ok, cow, need
 
 

@@ -120,17 +120,43 @@ def test_under_vmap_each_shard_gets_its_own_answer():
     _assert_same(got, want, name)
 
 
+def _sort_sizes(jaxpr, into_conds: bool = True) -> list[int]:
+  """The operand sizes of the `sort`s in `jaxpr` and its sub-jaxprs (those
+  of `cond`s too, unless `into_conds` is False)."""
+  sizes = []
+  for e in jaxpr.eqns:
+    if e.primitive.name == "sort":
+      sizes.append(int(np.prod(e.invars[0].aval.shape)))
+    if e.primitive.name == "cond" and not into_conds:
+      continue
+    for sub in _sub_jaxprs(e.params):
+      sizes += _sort_sizes(sub, into_conds)
+  return sizes
+
+
+def _sub_jaxprs(params) -> list:
+  """The jaxprs among an equation's parameters (`ClosedJaxpr`s unwrapped)."""
+  out = []
+  for v in params.values():
+    for x in v if isinstance(v, (list, tuple)) else (v,):
+      x = getattr(x, "jaxpr", x)  # ClosedJaxpr -> Jaxpr
+      if hasattr(x, "eqns"):
+        out.append(x)
+  return out
+
+
 def test_padding_past_the_first_rows_costs_only_the_first_rows():
-  """The compiled release of `MAX_SEQS` rows with padding past row `K` must
-  not sort `MAX_SEQS * WIDTH` entries unless a later row holds an id: the
-  whole call sits inside the loop that runs once or not at all."""
+  """`release` of `MAX_SEQS` rows sorts `MAX_SEQS * WIDTH` entries only in the
+  branch taken when a row past the first `K` holds an id; the other branch
+  sorts `K * WIDTH`, and nothing outside the `cond` sorts at all."""
   state = _state(np.random.default_rng(0), False)
   ids = jax.ShapeDtypeStruct((MAX_SEQS,), jnp.int32)
-  text = jax.jit(bm.release).lower(state, ids).as_text()
-  body = text.split("stablehlo.while")[0]  # what runs before the loop
-  assert f"tensor<{K * WIDTH}xi32>" in body  # the short path's sort
-  assert f"tensor<{MAX_SEQS * WIDTH}xi32>" not in body
-  assert f"tensor<{MAX_SEQS * WIDTH}xi32>" in text  # the whole call, in the loop
+  jaxpr = jax.make_jaxpr(bm.release)(state, ids).jaxpr
+  assert not _sort_sizes(jaxpr, into_conds=False)
+  (cond,) = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+  whole, short = (_sort_sizes(b.jaxpr) for b in cond.params["branches"][::-1])
+  assert short == [K * WIDTH] and whole == [MAX_SEQS * WIDTH], (short, whole)
+
 
 
 @pytest.mark.parametrize("caching", [False, True])
