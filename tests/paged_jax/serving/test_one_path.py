@@ -58,7 +58,12 @@ def test_bookkeeping_per_shard_keeps_its_conds(data):
   step = lambda s, x: step_lib.bookkeeping_step(s, x, num_logprobs=1)  # noqa: E731
   args = (_states(data), _inputs(data))
   one_path = jax.jit(lambda s, x: step_lib.over_pools(mesh, step, s, x))
-  assert _count(one_path.trace(*args).jaxpr.jaxpr, "cond") == 3
+  # One pool's bookkeeping alone: the two releases, the fork and reserve's
+  # decision of who is served (`block_manager._serve`) are conds.
+  one_pool = jax.tree.map(lambda a: a[0], args)
+  conds = _count(jax.make_jaxpr(step)(*one_pool).jaxpr, "cond")
+  assert conds >= 3
+  assert _count(one_path.trace(*args).jaxpr.jaxpr, "cond") == conds
   assert _count(jax.make_jaxpr(jax.vmap(step))(*args).jaxpr, "cond") == 0
   if data > 1:
     hlo = one_path.lower(*args).compile().as_text()
