@@ -197,6 +197,9 @@ def device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
                                                  jax.vmap(state_fingerprint)(states))
 
 
+_JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:2])
+
+
 def over_pools(mesh: Mesh, fn, states, *args, **kwargs):
   """`fn(state, *args, **kwargs)` once per data shard of `mesh`, each on its
   own devices: `shard_map` over `data` of `states` and of every array in
@@ -205,6 +208,15 @@ def over_pools(mesh: Mesh, fn, states, *args, **kwargs):
   talks to another), where under `vmap` their batched predicates would make
   them selects that run both branches: an empty release or fork costs
   nothing, on one device as on a mesh."""
+  if (mesh.shape[sharding.DATA] > 1 and (0, 11) <= _JAX_VERSION < (0, 12)
+      and getattr(states, "prefix_caching", False)):
+    # jaxlib 0.11.2's XLA CPU crashes (a segfault in compile) on this
+    # `shard_map` over two or more data shards when the pools cache prefixes
+    # (their eviction `while_loop`s; tests/examples/test_sharded.py, found
+    # 2026-12-06; 0.10.2 and 0.12 compile it): there the shards' bookkeeping
+    # is `vmap`ped, as before the one step path (its conds become selects).
+    return jax.vmap(lambda st, *a: fn(st, *a, **kwargs))(states, *args)
+
   def local(states, *args):
     states, args = jax.tree.map(lambda a: a[0], (states, args))
     return jax.tree.map(lambda a: a[None], fn(states, *args, **kwargs))
