@@ -43,12 +43,21 @@ def poisoning_loads(engine, log):
   runner.copy_prefix_blocks = poisoned
 
 
-def test_host_hits_give_the_tokens_of_the_device_cache(model):
-  phases = _phases()
-  off = make_engine(model, **TWO_SHAPES, enable_prefix_caching=True)
+def _device_only_tokens(model, phases, off=None) -> dict:
+  """The greedy tokens of every phase's requests on the device cache alone
+  (`off`, or a new engine with prefix caching and no host level)."""
+  if off is None:
+    off = make_engine(model, **TWO_SHAPES, enable_prefix_caching=True)
   expected = {}
   for reqs in phases:
     expected.update(_tokens(_run(off, reqs, checked=False)))
+  return expected
+
+
+def test_host_hits_give_the_tokens_of_the_device_cache(model):
+  phases = _phases()
+  off = make_engine(model, **TWO_SHAPES, enable_prefix_caching=True)
+  expected = _device_only_tokens(model, phases, off)
   on = make_engine(model, **TWO_SHAPES, enable_prefix_caching=True,
                    kv_offloading_size=gib(model, HOST_BLOCKS))
   assert on._runner.prefix_host_blocks == HOST_BLOCKS  # pylint: disable=protected-access
@@ -143,10 +152,7 @@ def test_blocks_stored_ahead_of_eviction_give_the_right_tokens(model):
   step; the greedy tokens are those of the device cache alone, and some
   evictions copied nothing because their blocks were on the host already."""
   phases = _phases(seed=1)[:3]  # the third: host hits
-  off = make_engine(model, **TWO_SHAPES, enable_prefix_caching=True)
-  expected = {}
-  for reqs in phases:
-    expected.update(_tokens(_run(off, reqs, checked=False)))
+  expected = _device_only_tokens(model, phases)
   on = make_engine(model, **TWO_SHAPES, enable_prefix_caching=True,
                    kv_offloading_size=gib(model, HOST_BLOCKS))
   (pool,), runner = on._pools, on._runner  # pylint: disable=protected-access
