@@ -410,6 +410,10 @@ class Engine:
         {b: [p._build([], b)[0] for p in self._pools]  # pylint: disable=protected-access
          for b in buckets})
     self._runner.compile_slot_writes()  # the slot-state scatters too
+    if self._runner.tier is None:  # the step of an empty plan (releases only)
+      empty = [[] for _ in self._pools]
+      self._runner.compile_bookkeeping(
+          [p._build([], self._bucket(empty))[0] for p in self._pools])  # pylint: disable=protected-access
     self._runner.compile_prefix_copies(prefix_offload.max_loads(self.config),
                                        prefix_offload.max_stores(self.config))
     k = self.config.num_scheduler_steps

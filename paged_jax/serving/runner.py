@@ -164,6 +164,8 @@ class Runner:
     self.compile_seconds = 0.0  # spent compiling in this runner
     self.slot_writes = 0  # `write_slots` dispatches (tests: none when steady)
     self._slot_writers: dict[int, jax.stages.Compiled] = {}  # by row count
+    # The bookkeeping-only step (`dispatch_bookkeeping`), by input shapes.
+    self._bookkeepers: dict[tuple, jax.stages.Compiled] = {}
     self.moved = [0, 0]  # blocks copied to / from host memory, not yet taken
 
   def _per_shard(self, tree):
@@ -218,6 +220,7 @@ class Runner:
     self.cache = sharding.shard_cache(cache, self.mesh)
     self._steps.clear()
     self._multi.clear()
+    self._bookkeepers.clear()
     self.__dict__.pop("_spec_steps", None)  # `spec_step.compile_spec`'s
     self._key = self._key[:-1] + (compiler.signature(
         self._params, self.cache, self.state, self.last_tokens, self.tier),)
@@ -396,19 +399,39 @@ class Runner:
     per_block = self.cache.bytes_per_block
     return out * per_block, back * per_block
 
+  def compile_bookkeeping(self, xs: list[StepInputs]) -> float:
+    """Compiles the bookkeeping-only step (`dispatch_bookkeeping`) for the
+    pools' inputs `xs` (e.g. all padding, of the bucket an empty plan
+    picks), unless compiled already; runs nothing. Returns the seconds spent
+    (added to `compile_seconds`). Not with preemption by swap."""
+    specs = self._specs(xs)
+    shape = tuple((a.shape, a.dtype) for a in jax.tree.leaves(specs))
+    if self.tier is not None or shape in self._bookkeepers:
+      return 0.0
+    if self._pooled():
+      lower = lambda: _pooled_bookkeeping_jit.lower(  # noqa: E731
+          self.state, specs, num_logprobs=self.num_logprobs)
+    else:
+      lower = lambda: _bookkeeping_jit.lower(  # noqa: E731
+          self.state, specs, mesh=self.mesh, num_logprobs=self.num_logprobs)
+    key = (self._key, "bookkeeping", shape)
+    done, seconds = compiler.compile_all({key: lower})
+    self._bookkeepers[shape] = done[key]
+    self.compile_seconds += seconds
+    return seconds
+
   def dispatch_bookkeeping(self, xs: list[StepInputs]) -> StepOutputs:
     """Launches the bookkeeping of a step with no entries
     (`step.bookkeeping_step`: its releases, registrations and forks, no
-    model); returns its outputs, still on the device. Not with preemption by
-    swap (`Engine` runs such a step as an ordinary one)."""
+    model; compiled first if `Engine.warmup` did not, counted in
+    `compile_seconds`); returns its outputs, still on the device. Not with
+    preemption by swap (`Engine` runs such a step as an ordinary one)."""
     if self.tier is not None:
       raise ValueError("a bookkeeping-only step does not carry swaps")
-    if self._pooled():
-      self.state, out = _pooled_bookkeeping_jit(
-          self.state, self.place(xs), num_logprobs=self.num_logprobs)
-    else:
-      self.state, out = _bookkeeping_jit(self.state, self.place(xs), mesh=self.mesh,
-                                         num_logprobs=self.num_logprobs)
+    shape = tuple((a.shape, a.dtype) for a in jax.tree.leaves(self._specs(xs)))
+    if shape not in self._bookkeepers:
+      self.compile_bookkeeping(xs)
+    self.state, out = self._bookkeepers[shape](self.state, self.place(xs))
     return out
 
   def fetch(self, out: StepOutputs, num_pools: int, *, top: bool = True

@@ -7,6 +7,7 @@ Every engine in these tests uses the same model structure and the sizes in
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 
 import jax
@@ -63,6 +64,25 @@ def model():
 
 def make_engine(model, num_blocks=BIG_POOL, **kw) -> Engine:
   return Engine(model, EngineConfig(num_blocks=num_blocks, **{**SIZES, **kw}))
+
+
+@contextlib.contextmanager
+def count_lowerings():
+  """Counts the programs JAX lowers inside the block (any jit, an eager op's
+  first use of a shape too; a persistent-cache hit is still lowered), by
+  JAX's own compile events: yields a list that ends up holding one entry
+  per lowering."""
+  seen = []
+
+  def listen(event, duration, **_):
+    del duration
+    if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+      seen.append(event)
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    yield seen
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def random_requests(seed, count, *, vocab=512, prompt=(3, 24), new=(1, 14),

@@ -14,7 +14,7 @@ from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
 from paged_jax import block_manager as bm
 from paged_jax import kv_cache
-from tests.examples.conftest import (BIG_POOL, SIZES, SMALL_POOL,
+from tests.examples.conftest import (BIG_POOL, SIZES, SMALL_POOL, count_lowerings,
                                      assert_mirror_is_the_device_state,
                                      make_engine, random_requests, serve)
 
@@ -179,24 +179,28 @@ def test_steps_never_retrace(model):
   assert engine.compiled_buckets == tuple(sorted(engine.buckets))
   compiles = compiler.compiled_count()
   assert len(engine.buckets) == 5  # decode 2, 4; mixed 4, 8, 16
-  for r in requests[:3]:
-    engine.add_request(r)
-  old_pages = engine.cache.k_pages
-  for _ in range(3):
-    engine.step()
-  assert old_pages.is_deleted()  # the cache is donated, updated in place
-  for r in requests[3:]:  # arrivals while others run
-    engine.add_request(r)
-  outputs = engine.run_until_done()
-  assert len(outputs) == len(requests)
-  # One alone: its decode steps take the smallest decode bucket.
-  engine.add_request(Request("alone", [3, 4], SamplingParams(max_new_tokens=3)))
-  assert len(engine.run_until_done()) == 1
+  with count_lowerings() as lowered:
+    for r in requests[:3]:
+      engine.add_request(r)
+    old_pages = engine.cache.k_pages
+    for _ in range(3):
+      engine.step()
+    assert old_pages.is_deleted()  # the cache is donated, updated in place
+    for r in requests[3:]:  # arrivals while others run
+      engine.add_request(r)
+    outputs = engine.run_until_done()
+    assert len(outputs) == len(requests)
+    # One alone: its decode steps take the smallest decode bucket.
+    engine.add_request(Request("alone", [3, 4], SamplingParams(max_new_tokens=3)))
+    assert len(engine.run_until_done()) == 1
   assert engine.stats.decode_steps > 0 and engine.stats.mixed_steps > 0
+  assert engine.stats.bookkeeping_steps > 0  # a step of releases only, too
   used = {(n, d) for n, _, d in engine.stats.buckets}
   assert len({n for n, d in used if d}) >= 2 and len({n for n, d in used if not d}) >= 2
-  # Nothing compiled after warm-up: not a step shape, not a mirror variant.
+  # Nothing compiled after warm-up: not a step shape, not a mirror variant,
+  # not the bookkeeping-only step, not an eager op.
   assert compiler.compiled_count() == compiles and engine.stats.compile_seconds == 0
+  assert not lowered
   assert_pool_empty(engine)
 
 
