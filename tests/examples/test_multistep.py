@@ -14,7 +14,7 @@ from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.multistep import MAX_STEPS
 from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
-from tests.examples.conftest import (BIG_POOL, SIZES, SMALL_POOL,
+from tests.examples.conftest import (BIG_POOL, SIZES, SMALL_POOL, count_lowerings,
                                      assert_mirror_is_the_device_state, assert_pool_empty,
                                      make_engine, random_requests)
 from tests.examples.test_prefix_engine import _poison_unowned_blocks
@@ -154,10 +154,12 @@ def test_every_multistep_shape_traces_once_and_compiles_at_warmup(model):
   decode = [b for b in engine.buckets if b.decode_only]
   assert sorted(runner._multi) == [(b, 4) for b in decode]  # pylint: disable=protected-access
   requests = random_requests(5, 6, prompt=(2, 20), new=(4, 20))
-  _run(engine, requests[:4], checked=False)
-  _run(engine, requests[4:], checked=False)  # a second round: same shapes
+  with count_lowerings() as lowered:  # nothing compiles while serving
+    _run(engine, requests[:4], checked=False)
+    _run(engine, requests[4:], checked=False)  # a second round: same shapes
   assert engine.stats.multisteps > 0
   assert compiler.compiled_count() == compiles and engine.stats.compile_seconds == 0
+  assert not lowered
 
 
 @pytest.mark.parametrize("k", [0, -3, MAX_STEPS + 1, True, 2.0])

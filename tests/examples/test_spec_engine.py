@@ -16,7 +16,7 @@ from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
 from paged_jax.speculative import SpeculativeConfig
-from tests.examples.conftest import (BIG_POOL, SIZES, SMALL_POOL,
+from tests.examples.conftest import (BIG_POOL, SIZES, SMALL_POOL, count_lowerings,
                                      assert_mirror_is_the_device_state, assert_pool_empty,
                                      make_engine, random_requests)
 from tests.examples.test_prefix_engine import _poison_unowned_blocks
@@ -104,14 +104,16 @@ def test_every_verification_shape_traces_once_and_compiles_at_warmup(model):
   assert all(len(spec_step.draft_budgets(b.num_seqs, k)) <= spec_step.NUM_BUDGETS
              for b in decode)
   requests = [_copying(i) for i in range(4)]
-  _run(engine, requests[:2], checked=False)
-  _run(engine, requests[2:], checked=False)  # a second round: same shapes
-  sampled = [Request(f"t{i}", r.prompt, SamplingParams(
-      max_new_tokens=12, temperature=0.8, top_k=20, seed=i))
-             for i, r in enumerate(requests)]
-  _run(engine, sampled, checked=False)  # sampled rows: the same programs
+  with count_lowerings() as lowered:  # nothing compiles while serving
+    _run(engine, requests[:2], checked=False)
+    _run(engine, requests[2:], checked=False)  # a second round: same shapes
+    sampled = [Request(f"t{i}", r.prompt, SamplingParams(
+        max_new_tokens=12, temperature=0.8, top_k=20, seed=i))
+               for i, r in enumerate(requests)]
+    _run(engine, sampled, checked=False)  # sampled rows: the same programs
   assert engine.stats.spec_steps > 0
   assert compiler.compiled_count() == compiles and engine.stats.compile_seconds == 0
+  assert not lowered
 
 
 def test_a_request_that_stops_on_an_accepted_draft_stops_there(model):
