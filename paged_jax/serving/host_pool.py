@@ -243,28 +243,47 @@ class HostPool(Reserving):
     ok[real] = good
     order_idx = real[good]  # entry index in the call (release order)
     s = s[good]
-    if not s.size:
-      return ok
-    row = None
-    if s.size == 1:  # one sequence (the usual case): its blocks, in order
-      n = _cdiv(int(self.lens[s[0]]), self.block_size)
-      rows, cols = None, self._arange_width[:n]
-      row = (int(s[0]), slice(0, n))  # its cells past `n` are NULL already
-      blocks = self.tables[row].copy()
-    else:
+    if s.size == 1:  # one sequence (the usual case)
+      self._release_one(int(s[0]))
+    elif s.size:
       rows, cols = self._owned(s)
       blocks = self.tables[s[rows], cols]
+      if self.window is not None:  # reclaimed entries hold no reference
+        held = blocks >= 0
+        rows, cols, blocks = rows[held], cols[held], blocks[held]
+      self._add_refs(blocks, -1)
+      self._drop(np.unique(blocks), blocks, cols, order_idx[rows])
+      self._set(self.tables, s, NULL)
+      self._set(self.lens, s, 0)
+    return ok
+
+  def _release_one(self, slot: int):
+    """`release` of the one valid slot `slot` (`0 <= slot < max_seqs`; none
+    when it holds no sequence): its blocks are a slice of its table row,
+    found with scalar reads (no filtering of a padded call, no `_owned`)."""
+    n = _cdiv(int(self.lens[slot]), self.block_size)
+    if not n:
+      return
+    row = (slot, slice(0, n))  # its cells past `n` are NULL already
+    blocks = self.tables[row].copy()
+    cells, cols = blocks, self._arange_width[:n]
     if self.window is not None:  # reclaimed entries hold no reference
       held = blocks >= 0
       cols, blocks = cols[held], blocks[held]
-      rows = None if rows is None else rows[held]
-    if s.size == 1:  # a table row names each block once
-      ids = np.sort(blocks)
-      old = self.refs[ids]
-      self._set(self.refs, ids, old - 1, old)
-    else:
-      self._add_refs(blocks, -1)
-      ids = np.unique(blocks)
+    ids = np.sort(blocks)  # (a table row names each block once)
+    old = self.refs[ids]
+    self._set(self.refs, ids, old - 1, old)
+    self._drop(ids, blocks, cols, None)
+    self._set(self.tables, row, NULL, cells)
+    self._set(self.lens, slot, 0)
+
+  def _drop(self, ids: np.ndarray, blocks: np.ndarray, cols: np.ndarray,
+            order: np.ndarray | None):
+    """The end of `release`, the released `blocks` (table columns `cols`,
+    the entries' call indices `order`; None: one entry) dereferenced
+    already, `ids` their distinct ids ascending: those left unreferenced go
+    to the free stack, or with prefix caching, when cacheable, to the cached
+    ring in release order."""
     freed = ids[self.refs[ids] == 0]  # ascending block ids
     if self.caching and freed.size:
       keep = self.cacheable[freed]
@@ -280,19 +299,12 @@ class HostPool(Reserving):
       # Release order: entries as given, each one's blocks last first; a
       # block several released entries shared counts at its last release.
       pos = self.width - 1 - cols.astype(np.int64)
-      if rows is not None:
-        pos += order_idx[rows].astype(np.int64) * self.width
+      if order is not None:
+        pos += order.astype(np.int64) * self.width
       last = np.full(self.num_blocks, -1, np.int64)
       np.maximum.at(last, blocks, pos)
       kept = kept[np.argsort(last[kept], kind="stable")]
       self._append_ring(kept)
-    if row is None:
-      self._set(self.tables, s, NULL)
-    else:  # (`blocks` holds the old cells unless some were reclaimed)
-      self._set(self.tables, row, NULL,
-                self.tables[row].copy() if self.window is not None else blocks)
-    self._set(self.lens, s, 0)
-    return ok
 
   def _ring_slot(self, k):
     return (self.lru_head + k) % self.lru.shape[0]
@@ -400,7 +412,11 @@ class HostPool(Reserving):
     cache_ok = _NO_CACHE_OK
     if self.caching:
       cache_ok = self.register(register_seqs, register_cols) | (register_seqs < 0)
-    if real(release_early):
+    if packed is not None and _leads(release_early) and (
+        release_early.shape[0] == 1 or release_early[1] < 0) and (
+            release_early[0] < self.max_seqs):
+      self._release_one(int(release_early[0]))  # one slot (a finished request)
+    elif real(release_early):
       self.release(release_early)
     fork_ok = (self.fork(fork_parents, fork_children)
                if real(fork_parents) or real(fork_children)
