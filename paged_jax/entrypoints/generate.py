@@ -185,13 +185,13 @@ def check_sampling_flags(args) -> None:
 
 
 def check_fits_engine(args, params: SamplingParams, *, budget_given: bool) -> None:
-  """The engine's size rule for requests (`scheduler.size_rejection`: a
+  """The engine's size rule for requests (`admission.size_rejection`: a
   request's sequences in one batch, room for a prompt of at least one
   token), asked on the flags before any work instead of as one rejection per
   request after loading the model; its message with flag names. Without
   `--max-new-tokens` each request's budget is its own, so only the batch
   rule is asked."""
-  from paged_jax.serving.scheduler import size_rejection  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving.admission import size_rejection  # pylint: disable=import-outside-toplevel
   why = size_rejection(params, 1, max_batch=args.max_batch,
                        max_model_len=args.max_model_len if budget_given else None)
   if why:

@@ -115,8 +115,8 @@ def _is_int(x) -> bool:
 
 def check_vocab(prompts, vocab_size: int):
   """Raises ValueError naming the first prompt with an id outside the
-  vocabulary (the engine's rule, `scheduler.vocab_rejection`)."""
-  from paged_jax.serving.scheduler import vocab_rejection  # pylint: disable=import-outside-toplevel
+  vocabulary (the engine's rule, `admission.vocab_rejection`)."""
+  from paged_jax.serving.admission import vocab_rejection  # pylint: disable=import-outside-toplevel
   for i, prompt in enumerate(prompts):
     why = vocab_rejection(prompt, vocab_size)
     if why:

@@ -31,10 +31,10 @@ raises).
 device arrays live in the `Runner`.
 
 This file holds the queues, admission, preemption and fitting a step to the
-pool; the other concerns are mixins in their own files: input packing
-(`packing.py`), the prefix cache's host side (`prefix.py`) and applying
-results (`results.py`), multi-step decode (`multistep_host.py`); the pool
-model is `host_pool.py`.
+pool; which requests are accepted is `admission.py`; the other concerns are
+mixins in their own files: input packing (`packing.py`), the prefix cache's
+host side (`prefix.py`) and applying results (`results.py`), multi-step
+decode (`multistep_host.py`); the pool model is `host_pool.py`.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ import numpy as np
 
 from paged_jax import block_manager as bm
 from paged_jax import prefix_cache
-from paged_jax.serving import sampling as sampling_lib
-from paged_jax.serving import spec_host
 from paged_jax.serving import window_pool
+from paged_jax.serving.admission import (  # pylint: disable=unused-import
+    limits_rejection, request_rejection, size_rejection, vocab_rejection)
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.host_pool import HostPool
 from paged_jax.serving.multistep_host import MultiStep
@@ -67,55 +67,6 @@ from paged_jax.serving.step import StepInputs
 from paged_jax.serving.swap import Swapping
 
 __all__ = ["Bookkeeping", "Pending", "Scheduler", "register_rows"]
-
-def vocab_rejection(prompt, vocab_size: int) -> str | None:
-  """Why the engine rejects `prompt` (token ids) for its vocabulary, or None:
-  every id an int in `[0, vocab_size)`. `Scheduler._rejection` runs it for
-  every request; `paged-jax generate` asks it of a prompt file's entries
-  before loading a model (`entrypoints/prompts.check_vocab`)."""
-  bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size]
-  if bad:
-    return f"prompt token {bad[0]!r} is outside the vocabulary [0, {vocab_size})"
-  return None
-
-
-def limits_rejection(params, *, max_logprobs: int, max_logit_bias: int,
-                     vocab_size: int) -> str | None:
-  """Why the engine rejects these `SamplingParams` for its per-row limits,
-  or None: top log-probs up to `max_logprobs` (the engine's, at most the
-  vocabulary), `logit_bias` up to `max_logit_bias` entries with ids in the
-  vocabulary. `Scheduler._rejection` runs it for every request; the OpenAI
-  server asks it before queueing one (`protocol.check_limits`), in its field
-  names."""
-  p = params
-  if p.logprobs is not None and p.logprobs > max_logprobs:
-    return (f"logprobs must be <= {max_logprobs} (the engine's max_logprobs), "
-            f"got {p.logprobs}")
-  if len(p.logit_bias) > max_logit_bias:
-    return (f"logit_bias must hold at most {max_logit_bias} entries (the "
-            f"engine's max_logit_bias), got {len(p.logit_bias)}")
-  if p.logit_bias and p.logit_bias[-1][0] >= vocab_size:  # (sorted by id)
-    return (f"logit_bias token id {p.logit_bias[-1][0]} is outside the "
-            f"vocabulary [0, {vocab_size})")
-  return None
-
-
-def size_rejection(params, prompt_len: int, *, max_batch: int,
-                   max_model_len: int | None) -> str | None:
-  """Why the engine rejects a request of `prompt_len` tokens and these
-  `SamplingParams` on its sizes alone, or None: its prompt and budget must
-  fit `max_model_len` (None: not checked), and its sequences (`n` or the
-  beam width) one batch. `Scheduler._rejection` runs it for every request;
-  the CLIs ask it on their flags before loading a model
-  (`entrypoints/generate.check_fits_engine`), so the rule lives here alone."""
-  total = prompt_len + params.max_new_tokens
-  if max_model_len is not None and total > max_model_len:
-    return (f"prompt ({prompt_len}) + max_new_tokens ({params.max_new_tokens}) = "
-            f"{total} exceeds max_model_len={max_model_len}")
-  if params.num_seqs > max_batch:
-    return f"needs {params.num_seqs} sequences at once, max_batch is {max_batch}"
-  return None
-
 
 def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
@@ -204,34 +155,10 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     return None
 
   def _rejection(self, request: Request) -> str | None:
-    p, c = request.params, self.config
-    if c.speculative_config is not None and spec_host.rejection(request):
-      return spec_host.rejection(request)
-    prompt = request.prompt
-    if not prompt:
-      return "empty prompt"
-    if request.cache_salt is not None and not isinstance(request.cache_salt, (str, bytes)):
-      return f"cache_salt must be a str or bytes, got {request.cache_salt!r}"
-    vocab = self.model_config.vocab_size
-    why = vocab_rejection(prompt, vocab)
-    if why:
-      return why
-    why = size_rejection(p, len(prompt), max_batch=c.max_batch,
-                         max_model_len=self.max_model_len)
-    if why:
-      return why
-    if p.beam_width > c.max_beam_width:
-      return f"beam_width={p.beam_width} exceeds the engine's max_beam_width={c.max_beam_width}"
-    why = limits_rejection(p, max_logprobs=min(c.max_logprobs, vocab),
-                           max_logit_bias=c.max_logit_bias, vocab_size=vocab)
-    if why:
-      return why
-    stops = p.stop_ids(self.model_config.eos_token_ids)
-    if p.min_tokens and len(stops) > sampling_lib.MAX_BANNED:
-      return (f"min_tokens needs at most {sampling_lib.MAX_BANNED} EOS and stop "
-              f"token ids, got {len(stops)}")
-    return window_pool.block_rejection(self._pool, len(prompt) + p.max_new_tokens,
-                                       p.beam_width, c)
+    """`admission.request_rejection` for this engine and pool."""
+    return request_rejection(request, config=self.config,
+                             model_config=self.model_config,
+                             max_model_len=self.max_model_len, pool=self._pool)
 
   def has_unfinished(self) -> bool:
     return bool(self._waiting or self._running or self._swapped)

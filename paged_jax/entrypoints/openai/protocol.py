@@ -28,7 +28,7 @@ The rules, so that no value can harm the engine:
 
 Limits that depend on the server (its model's name, context length and batch)
 are checked by `check_limits`, the context and batch by asking the engine's
-own rule (`scheduler.size_rejection`). Rules across `SamplingParams` fields
+own rule (`admission.size_rejection`). Rules across `SamplingParams` fields
 (the seed with `n`, `min_tokens` within the budget) are `SamplingParams`'
 alone; `sampling_error` words its ValueError in the request's field names.
 """
@@ -522,8 +522,8 @@ def check_limits(req: _SamplingRequest, params: SamplingParams, *, prompt_len: i
   """The server's limits on a request whose `SamplingParams` are `params`.
 
   Top log-probs and `logit_bias` are the engine's rule
-  (`scheduler.limits_rejection`, in the request's field names); the context
-  and the batch are too (`scheduler.size_rejection`, asked here before the
+  (`admission.limits_rejection`, in the request's field names); the context
+  and the batch are too (`admission.size_rejection`, asked here before the
   request is queued, so that the answer can be OpenAI's
   `context_length_exceeded` naming the field, in the server's words).
 
@@ -532,7 +532,7 @@ def check_limits(req: _SamplingRequest, params: SamplingParams, *, prompt_len: i
       engine's `EngineConfig.max_logprobs`, the server's `--max-logprobs`),
       `max_logit_bias` (likewise) or the vocabulary (`logit_bias` ids).
   """
-  from paged_jax.serving.scheduler import limits_rejection, size_rejection  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving.admission import limits_rejection, size_rejection  # pylint: disable=import-outside-toplevel
   unbounded = 2**31  # a limit not given is not checked
   why = limits_rejection(
       params, max_logprobs=unbounded if max_logprobs is None else max_logprobs,

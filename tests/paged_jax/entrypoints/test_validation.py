@@ -174,7 +174,7 @@ def tiny():
 def test_the_cli_refuses_exactly_what_the_engine_rejects(tiny, n, max_new, batch, max_len,
                                                          capsys):
   """`check_fits_engine` asks the engine's own size rule
-  (`scheduler.size_rejection`) early: the engine rejects a request of the
+  (`admission.size_rejection`) early: the engine rejects a request of the
   flags (a one-token prompt) exactly when the CLI refuses the flags, with the
   same words (field names as flags)."""
   from paged_jax.serving.engine import Engine  # pylint: disable=import-outside-toplevel

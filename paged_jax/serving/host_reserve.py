@@ -1,0 +1,308 @@
+"""`HostPool.reserve`: `block_manager.reserve` on the host model, with its
+steady decode fast path and the shared read-only results.
+
+A mixin of `host_pool.HostPool` (it reads and writes the pool's arrays,
+`lens`, `tables`, `refs`, `stack`, the cached-block ring, through
+`HostPool._set` so that a trial can be rolled back), kept in its own file
+by concern:
+
+* **`reserve`** finds the scheduler's layout (`k` distinct valid entries,
+  then padding) or filters any inputs, then grants every entry at once when
+  the pool holds them all and nothing is copied, or runs
+  `block_manager.reserve`'s in-order scan over the entries that take or copy
+  a block (`_reserve`), evicting cached blocks last (`_evict`).
+* **The steady decode fast path** (`SteadyDecode`): after granting one token
+  to each of the same read-only `seq_ids`, the pool notes how many more such
+  steps stay within every entry's last block; those steps only add 1 to
+  each length (`_steady_step`).
+* **Shared read-only results** (`_granted`, `_no_copies`, `_no_forks`,
+  `_no_evictions`): what most steps return, made once per shape, so such a
+  step allocates and fills no array.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from paged_jax import block_manager as bm
+
+NULL = bm.NULL_BLOCK
+
+@dataclasses.dataclass
+class SteadyDecode:
+  """What `HostPool.reserve` knows of a steady decode step's arguments (the
+  scheduler sends the same read-only `seq_ids` and `num_new`, one token per
+  entry, while its running rows stay the same): `steps` more such
+  reservations take no block and copy none (no entry's last block is full
+  or shared), so each one only adds 1 to the entries' lengths. Forgotten at
+  any other change of a length (`HostPool._set`) or a rollback."""
+
+  seq_ids: np.ndarray  # the very arrays of the reservations it describes
+  num_new: np.ndarray
+  steps: int
+
+
+@dataclasses.dataclass
+class HostReservation:
+  """`block_manager.Reservation` on the host (NumPy)."""
+
+  ok: np.ndarray  # bool[n]
+  copy_src: np.ndarray  # i32[n]
+  copy_dst: np.ndarray  # i32[n]
+  evicted: np.ndarray | None  # i32[n, width], None without prefix caching
+
+
+def _first_occurrence(ids: np.ndarray) -> np.ndarray:
+  """bool[n]: True where `ids[i]` is not in `ids[:i]`."""
+  out = np.zeros(ids.shape, bool)
+  if ids.size:
+    _, first = np.unique(ids, return_index=True)
+    out[first] = True
+  return out
+
+
+
+class Reserving:
+  """`reserve` and its read-only results, for `host_pool.HostPool` (see the
+  module docstring). Expects the pool's attributes (`lens`, `tables`,
+  `refs`, `stack`, `num_free`, `num_cached`, `block_size`, `max_seqs`,
+  `max_seq_len`, `width`, `num_blocks`, `window`, `caching`, the ring's
+  `lru*`, `_journal`, `_arange`, `_mark`, `_steady`, the `_null_*` caches)
+  and its `_set`, `_add_refs` and `num_available`."""
+
+  def reserve(self, seq_ids, num_new, leading: int | None = None
+              ) -> HostReservation:
+    """`block_manager.reserve`. `leading`: the caller's promise that the
+    first `leading` entries are distinct valid slots with sizes >= 0 and the
+    rest padding (-1), the scheduler's layout (see `bookkeeping`'s
+    `packed`); None: found out here."""
+    seq_ids, num_new = np.asarray(seq_ids), np.asarray(num_new)
+    n, ms = seq_ids.shape[0], self.max_seqs
+    steady = self._steady
+    if (steady is not None and steady.steps and leading is not None
+        and seq_ids is steady.seq_ids and num_new is steady.num_new):
+      return self._steady_step(steady, leading)
+    null = self._no_copies(n)
+    res = HostReservation(
+        ok=None, copy_src=null, copy_dst=null,
+        evicted=self._no_evictions(n) if self.caching else None)
+    k = self._leading_unique(seq_ids, num_new) if leading is None else leading
+    if k is not None:  # the scheduler's layout: k valid entries, then padding
+      real = self._arange[:k]
+      s, q = seq_ids[:k], num_new[:k]
+      if seq_ids.flags.writeable:  # (`s` is journaled: a copy)
+        s = s.copy()
+    else:
+      real = np.flatnonzero((seq_ids >= 0) & (seq_ids < ms) & (num_new >= 0))
+      if real.size:
+        real = real[_first_occurrence(seq_ids)[real]]
+      s, q = seq_ids[real], num_new[real]
+    if leading is None:  # any sizes: no overflow in `lens + q`
+      q = q.astype(np.int64)
+    ok = self._reserve(real, s, q, res) if real.size else None
+    if ok is None and k is not None:  # the first k granted, the rest padding
+      res.ok = self._granted(n, k)
+      if leading is not None and not (seq_ids.flags.writeable or num_new.flags.writeable):
+        self._steady = self._steady_after(seq_ids, num_new, s, q)
+    else:
+      res.ok = np.zeros(n, bool)
+      res.ok[real] = True if ok is None else ok
+    if self.caching and self.num_cached == 0:
+      self.lru_len = 0
+    return res
+
+  def _steady_after(self, seq_ids, num_new, s, q) -> SteadyDecode | None:
+    """The `SteadyDecode` of read-only reservations of one token for each of
+    the slots `s`, just granted; None where it does not apply."""
+    if self.window is not None or not s.size or int(q.min()) != 1 or int(q.max()) != 1:
+      return None
+    lens = self.lens[s]
+    steps = int(((-lens) % self.block_size).min())  # tokens left in the last blocks
+    if steps and int(self.refs.max(initial=0)) > 1:  # a shared last block copies
+      last = self.tables[s, (lens - 1) // self.block_size]
+      if (self.refs[last] > 1).any():
+        steps = 0
+    return SteadyDecode(seq_ids, num_new, steps) if steps else None
+
+  def _steady_step(self, steady: SteadyDecode, k: int) -> HostReservation:
+    """`reserve` of a step that `steady` describes: one more token for each
+    of its `k` entries, within their last blocks."""
+    s = steady.seq_ids[:k]
+    old = self.lens[s]
+    if self._journal is not None:
+      self._journal.append((self.lens, s, old))
+    self.lens[s] = old + 1
+    steady.steps -= 1
+    n = steady.seq_ids.shape[0]
+    null = self._no_copies(n)
+    return HostReservation(ok=self._granted(n, k), copy_src=null, copy_dst=null,
+                           evicted=self._no_evictions(n) if self.caching else None)
+
+  def _granted(self, n: int, k: int) -> np.ndarray:
+    """A read-only `bool[n]`, True on the first `k` entries, made once per
+    `(n, k)`: the `ok` of a reservation that grants every one of `k` leading
+    entries (most of them)."""
+    out = self._null_forks.get((n, k))
+    if out is None:
+      out = np.zeros(n, bool)
+      out[:k] = True
+      out.flags.writeable = False
+      self._null_forks[n, k] = out
+    return out
+
+  def _leading_unique(self, seq_ids, num_new) -> int | None:
+    """`k` when the first `k` entries are distinct valid slots with sizes
+    >= 0 and the rest are padding (-1): the layout the scheduler sends, which
+    then skips the general filtering (a few whole-array operations, no sort).
+    None otherwise."""
+    n = seq_ids.shape[0]
+    if n > self._arange.shape[0] or not n:
+      return None
+    k = int(np.count_nonzero(seq_ids >= 0))
+    if k == 0 or (k < n and seq_ids[k:].max() >= 0):
+      return None
+    s = seq_ids[:k]
+    if int(s.max()) >= self.max_seqs or int(num_new[:k].min()) < 0:
+      return None
+    mark, ar = self._mark, self._arange[:k]
+    mark[s] = ar
+    if (mark[s] != ar).any():  # a repeated slot
+      return None
+    return k
+
+  def _reserve(self, real, s, q, res: HostReservation) -> np.ndarray | None:
+    """The granted reservations of the valid, distinct entries `real` (slots
+    `s`, sizes `q`, i64), in place; fills `res` but its `ok` (its shared
+    read-only defaults are copied before a write). Returns `ok` of the
+    entries, None when every one is granted."""
+    bs = self.block_size
+    old = self.lens[s]
+    new_len = old + q
+    all_valid = int(new_len.max()) <= self.max_seq_len  # every size fits a sequence
+    if not all_valid:
+      valid = q <= self.max_seq_len - old
+      new_len = old + np.where(valid, q, 0)
+    cur = (old + (bs - 1)) // bs
+    grow = (new_len + (bs - 1)) // bs - cur
+    avail = self.num_available
+    # Copy-on-write candidates: a partial last block that someone else holds
+    # (none while no block is shared).
+    shared = int(self.refs.max(initial=0)) > 1
+    if shared:
+      last = self.tables[s, np.maximum(cur - 1, 0)]
+      cow_cand = (q > 0) & (old % bs != 0) & (self.refs[last] > 1)
+      if not all_valid:
+        cow_cand &= valid
+    if all_valid and not (shared and cow_cand.any()) and int(grow.sum()) <= avail:
+      ok, cow, need = None, None, grow  # every entry granted, no copy
+    else:  # the in-order scan, over the entries that take or copy a block
+      if not shared:
+        last = self.tables[s, np.maximum(cur - 1, 0)]
+        cow_cand = np.zeros(s.shape, bool)
+      if all_valid:
+        valid = np.ones(s.shape, bool)
+      ok = valid.copy()
+      cow = np.zeros(s.shape, bool)
+      need = np.zeros(s.shape, np.int64)
+      last_refs = self.refs[np.clip(last, 0, self.num_blocks - 1)]
+      copied: dict[int, int] = {}
+      for i in np.flatnonzero(valid & ((grow > 0) | cow_cand)).tolist():
+        c = bool(cow_cand[i]) and last_refs[i] - copied.get(int(last[i]), 0) > 1
+        k = int(grow[i]) + c
+        if k <= avail:
+          avail -= k
+          need[i], cow[i] = k, c
+          if c:
+            copied[int(last[i])] = copied.get(int(last[i]), 0) + 1
+        else:
+          ok[i] = False
+      if not cow.any():
+        cow = None
+    take = need.nonzero()[0]
+    if take.size:
+      k = need[take]
+      total = int(k.sum())
+      # Blocks in request order: the top of the free stack, then evictions.
+      from_stack = min(total, self.num_free)
+      ids = self.stack[self.num_free - from_stack:self.num_free][::-1].copy()
+      evicted = self._evict(total - from_stack) if total > from_stack else None
+      new_ids = ids if evicted is None else np.concatenate([ids, evicted])
+      first = cur[take] if cow is None else cur[take] - cow[take]
+      if total == take.size:  # one block each (a decode step's usual case)
+        owner, cols = take, first
+      else:
+        owner = np.repeat(take, k)
+        cols = np.repeat(first, k) + (np.arange(total) - np.repeat(np.cumsum(k) - k, k))
+      self._set(self.refs, new_ids, self.refs[new_ids] + 1)
+      self._set(self.tables, (s[owner], cols), new_ids)
+      if self.caching:
+        self._set(self.cacheable, new_ids, False)
+        if evicted is not None:
+          self._set(self.lru_pos, evicted, -1)
+          res.evicted = res.evicted.copy()  # the shared all-NULL one: a copy
+          res.evicted[real[owner[from_stack:]], cols[from_stack:]] = evicted
+          self.num_cached -= int(evicted.size)
+      self.num_free -= from_stack
+      if cow is not None:
+        c = np.flatnonzero(cow)
+        self._add_refs(last[c], -1)
+        start = np.cumsum(need) - need
+        res.copy_src = res.copy_src.copy()
+        res.copy_dst = res.copy_dst.copy()
+        res.copy_src[real[c]] = last[c]
+        res.copy_dst[real[c]] = new_ids[start[c]]
+    if ok is None:  # every entry granted
+      self._set(self.lens, s, new_len, old)
+      return None
+    grown = np.flatnonzero(ok & (new_len != old))
+    if grown.size:
+      self._set(self.lens, s[grown], new_len[grown])
+    return ok
+
+  def _no_copies(self, n: int) -> np.ndarray:
+    """A read-only all-`NULL` `i32[n]`, made once per `n`: the `copy_src`
+    and `copy_dst` of a reservation that copies nothing."""
+    out = self._null_copies.get(n)
+    if out is None:
+      out = np.full(n, NULL, np.int32)
+      out.flags.writeable = False
+      self._null_copies[n] = out
+    return out
+
+  def _no_forks(self, n: int) -> np.ndarray:
+    """A read-only all-False `bool[n]`, made once per `n`: the `fork_ok` of
+    a step that forks nothing."""
+    out = self._null_forks.get(n)
+    if out is None:
+      out = np.zeros(n, bool)
+      out.flags.writeable = False
+      self._null_forks[n] = out
+    return out
+
+  def _no_evictions(self, n: int) -> np.ndarray:
+    """A read-only all-`NULL` `i32[n, width]`, made once per `n`: the
+    `evicted` of a reservation that evicts nothing (most of them), so such a
+    call allocates and fills no `[n, width]` array."""
+    cache = self._null_evicted
+    out = cache.get(n)
+    if out is None:
+      out = np.full((n, self.width), NULL, np.int32)
+      out.flags.writeable = False
+      cache[n] = out
+    return out
+
+  def _evict(self, count: int) -> np.ndarray:
+    """Pops the `count` least recently released cached blocks (`_evict`)."""
+    size = self.lru.shape[0]
+    out = []
+    head, length = self.lru_head, self.lru_len
+    while len(out) < count:
+      b = int(self.lru[head])
+      head = (head + 1) % size
+      length -= 1
+      if b >= 0:
+        out.append(b)
+    self.lru_head, self.lru_len = head, length
+    return np.array(out, np.int32)
