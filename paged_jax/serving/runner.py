@@ -40,15 +40,13 @@ from paged_jax.serving import slot_state as slot_state_lib
 from paged_jax.serving import step as step_lib
 from paged_jax.serving import out_pack, swap_step
 from paged_jax.serving.buckets import Bucket
-from paged_jax.serving.multistep import MultiStepInputs, multistep_device_step
+from paged_jax.serving.multistep_runner import DONATE as _DONATE, MultiStepPrograms
 from paged_jax.serving.step import ModelDef, StepInputs, StepOutputs, device_step
 
 _STATIC = ("decode_only", "num_logprobs")
-_DONATE = (2, 3, 4)  # cache, block state, last tokens
 _SWAP_DONATE = (2, 3, 4, 5)  # preemption by swap (`swap.py`): the host tier too
 # The slot state's argument in each step (`step.writing_slots` donates it).
 _SLOTS, _SWAP_SLOTS = 5, 6
-_MULTI_STATIC = ("num_steps", "num_logprobs")
 
 # The step variants written for one pool, on a 1x1 mesh's arrays (stacked
 # per data shard, `[1, ...]`: `step.on_one_pool`).
@@ -56,8 +54,6 @@ _swap_step = step_lib.on_one_pool(swap_step.device_step, args=(3, 5, 6, 7),
                                   outs=(1, 3, 4))
 _pooled_step = step_lib.on_one_pool(pooled_step.device_step, args=(3, 4, 5, 6),
                                     outs=(1, 2, 3))  # a hybrid model's pools
-_multistep = step_lib.on_one_pool(multistep_device_step, args=(3, 4, 5),
-                                  outs=(1, 2, 3))
 
 
 def _bookkeeping_step(states, x, *, mesh, num_logprobs):
@@ -82,7 +78,7 @@ def _stack(*arrays) -> np.ndarray:
   return arrays[0][None] if len(arrays) == 1 else np.stack(arrays)
 
 
-class Runner:
+class Runner(MultiStepPrograms):
   """Device arrays and compiled steps of one engine.
 
   Args:
@@ -489,58 +485,6 @@ class Runner:
     if not self._one_process:  # several hosts: every process gets it all
       out = multihost_utils.process_allgather(out, tiled=True)
     return out_pack.fetch(out, top=top, pools=num_pools)
-
-  # ------------------------------------------------------- multi-step decode
-
-  def _multistep_jit_for(self, bucket: Bucket, num_steps: int):
-    if not self.config.check_traces:
-      return jax.jit(out_pack.packs(functools.partial(_multistep, mesh=self.mesh),
-                                    per_pool=True),
-                     static_argnums=(0,), donate_argnums=_DONATE,
-                     static_argnames=_MULTI_STATIC)
-
-    @functools.partial(out_pack.packs, per_pool=True)
-    def traced(model_def, params, cache, state, last_tokens, slots, x, m, *,
-               num_steps, num_logprobs):
-      return _multistep(model_def, params, cache, state, last_tokens, slots, x,
-                        m, mesh=self.mesh, num_steps=num_steps,
-                        num_logprobs=num_logprobs)
-    traced.__name__ = f"decode_{num_steps}_steps_{bucket.num_tokens}"
-    return jax.jit(chex.assert_max_traces(traced, n=1), static_argnums=(0,),
-                   donate_argnums=_DONATE, static_argnames=_MULTI_STATIC)
-
-  def compile_multistep(self, inputs: dict[Bucket, tuple[StepInputs, MultiStepInputs]],
-                        num_steps: int) -> float:
-    """Compiles the `num_steps`-step decode program of every (decode) bucket
-    in `inputs` (`{bucket: (step inputs, loop inputs)}`, e.g. padding) not
-    compiled yet, in parallel; runs nothing. Returns the seconds spent."""
-    if self.mesh.size > 1:
-      raise ValueError("multi-step decode runs on one device, not on a mesh")
-
-    def lowerer(b, x, m):
-      specs = jax.tree.map(compiler.spec, (x, m))
-      return lambda: self._multistep_jit_for(b, num_steps).lower(
-          self._model_def, self._params, self.cache, self.state, self.last_tokens,
-          self.slots, *specs, num_steps=num_steps, num_logprobs=self.num_logprobs)
-    jobs = {(self._key, "multistep", num_steps, b): lowerer(b, x, m)
-            for b, (x, m) in inputs.items() if (b, num_steps) not in self._multi}
-    done, seconds = compiler.compile_all(jobs, rows={k: k[3].num_tokens for k in jobs})
-    for (_, _, k, b), exe in done.items():
-      self._multi[b, k] = exe
-    self.compile_seconds += seconds
-    return seconds
-
-  def dispatch_multistep(self, bucket: Bucket, num_steps: int, x: StepInputs,
-                         m: MultiStepInputs):
-    """Launches up to `num_steps` decode steps in one program (compiling it
-    first if needed); returns its `MultiStepOutputs`, still on the device."""
-    exe = self._multi.get((bucket, num_steps))
-    if exe is None:
-      self.compile_multistep({bucket: (x, m)}, num_steps)
-      exe = self._multi[bucket, num_steps]
-    self.cache, self.state, self.last_tokens, out = exe(
-        self._params, self.cache, self.state, self.last_tokens, self.slots, x, m)
-    return out
 
 
 def _device_of(params) -> jax.Device:
