@@ -141,9 +141,6 @@ class Runner:
       self.tier = host_tier.init(initial, num_host_blocks=config.swap_space_blocks)
       self.host_cache = kv_offload.host_cache(self.cache, config.swap_space_blocks)
       self._step_fn, self._donate = _swap_step, _SWAP_DONATE
-    self._jit = jax.jit(out_pack.packs(self._step_fn, per_pool=True),
-                        static_argnums=(0,),
-                        donate_argnums=self._donate, static_argnames=_STATIC)
     # The prefix cache's host level (`prefix_offload.py`): `host_cache` is a
     # `kv_offload.NumpyHostPool` then (swap's is a `KVCache` in host memory).
     self.prefix_host_blocks = 0
@@ -196,19 +193,23 @@ class Runner:
     return jax.tree.map(lambda a: a[0], self.state)
 
   def _jit_for(self, bucket: Bucket):
-    """The jitted step to lower for `bucket`: this runner's, or with
-    `config.check_traces` a trace-counted one per bucket."""
-    if not self.config.check_traces:
-      return self._jit
+    """The jitted step to lower for `bucket`, named after it
+    (`decode_step_4x4`, `mixed_step_16x4`: JAX's compile logs, XLA's dumps
+    and profiles name the program by it); with `config.check_traces`
+    trace-counted. The name, not the check, is in the program: a
+    trace-counted step is the same XLA module as an ordinary one of equal
+    sizes, so the persistent compilation cache serves either."""
     step_fn = out_pack.packs(self._step_fn, per_pool=True)
 
-    def traced(model_def, params, *args, decode_only, num_logprobs):
+    def step(model_def, params, *args, decode_only, num_logprobs):
       return step_fn(model_def, params, *args, decode_only=decode_only,
                      num_logprobs=num_logprobs)
     kind = "decode" if bucket.decode_only else "mixed"
-    traced.__name__ = f"{kind}_step_{bucket.num_tokens}x{bucket.num_seqs}"
-    return jax.jit(chex.assert_max_traces(traced, n=1), static_argnums=(0,),
-                   donate_argnums=self._donate, static_argnames=_STATIC)
+    step.__name__ = f"{kind}_step_{bucket.num_tokens}x{bucket.num_seqs}"
+    if self.config.check_traces:
+      step = chex.assert_max_traces(step, n=1)
+    return jax.jit(step, static_argnums=(0,), donate_argnums=self._donate,
+                   static_argnames=_STATIC)
 
   def replace_pool(self, config, state: bm.BlockState, cache: kv_cache_lib.KVCache):
     """A resized pool (`resize.resize_pool`, one device): its config, state
@@ -424,21 +425,20 @@ class Runner:
   # ------------------------------------------------------- multi-step decode
 
   def _multistep_jit_for(self, bucket: Bucket, num_steps: int):
-    if not self.config.check_traces:
-      return jax.jit(out_pack.packs(functools.partial(_multistep, mesh=self.mesh),
-                                    per_pool=True),
-                     static_argnums=(0,), donate_argnums=_DONATE,
-                     static_argnames=_MULTI_STATIC)
-
+    """The jitted `num_steps`-step decode program of `bucket`, named after
+    them (`decode_4_steps_4`; trace-counted with `config.check_traces`, the
+    same XLA module: see `_jit_for`)."""
     @functools.partial(out_pack.packs, per_pool=True)
-    def traced(model_def, params, cache, state, last_tokens, slots, x, m, *,
-               num_steps, num_logprobs):
+    def multistep(model_def, params, cache, state, last_tokens, slots, x, m, *,
+                  num_steps, num_logprobs):
       return _multistep(model_def, params, cache, state, last_tokens, slots, x,
                         m, mesh=self.mesh, num_steps=num_steps,
                         num_logprobs=num_logprobs)
-    traced.__name__ = f"decode_{num_steps}_steps_{bucket.num_tokens}"
-    return jax.jit(chex.assert_max_traces(traced, n=1), static_argnums=(0,),
-                   donate_argnums=_DONATE, static_argnames=_MULTI_STATIC)
+    multistep.__name__ = f"decode_{num_steps}_steps_{bucket.num_tokens}"
+    if self.config.check_traces:
+      multistep = chex.assert_max_traces(multistep, n=1)
+    return jax.jit(multistep, static_argnums=(0,), donate_argnums=_DONATE,
+                   static_argnames=_MULTI_STATIC)
 
   def compile_multistep(self, inputs: dict[Bucket, tuple[StepInputs, MultiStepInputs]],
                         num_steps: int) -> float:
