@@ -29,21 +29,20 @@ class MultiStepPrograms:
   `_multi` table `{(bucket, K): Compiled}`)."""
 
   def _multistep_jit_for(self, bucket: Bucket, num_steps: int):
-    if not self.config.check_traces:
-      return jax.jit(out_pack.packs(functools.partial(_multistep, mesh=self.mesh),
-                                    per_pool=True),
-                     static_argnums=(0,), donate_argnums=DONATE,
-                     static_argnames=_STATIC)
-
+    """The jitted `num_steps`-step decode program of `bucket`, named after
+    them (`decode_4_steps_4`; trace-counted with `config.check_traces`, the
+    same XLA module: see `Runner._jit_for`)."""
     @functools.partial(out_pack.packs, per_pool=True)
-    def traced(model_def, params, cache, state, last_tokens, slots, x, m, *,
-               num_steps, num_logprobs):
+    def multistep(model_def, params, cache, state, last_tokens, slots, x, m, *,
+                  num_steps, num_logprobs):
       return _multistep(model_def, params, cache, state, last_tokens, slots, x,
                         m, mesh=self.mesh, num_steps=num_steps,
                         num_logprobs=num_logprobs)
-    traced.__name__ = f"decode_{num_steps}_steps_{bucket.num_tokens}"
-    return jax.jit(chex.assert_max_traces(traced, n=1), static_argnums=(0,),
-                   donate_argnums=DONATE, static_argnames=_STATIC)
+    multistep.__name__ = f"decode_{num_steps}_steps_{bucket.num_tokens}"
+    if self.config.check_traces:
+      multistep = chex.assert_max_traces(multistep, n=1)
+    return jax.jit(multistep, static_argnums=(0,), donate_argnums=DONATE,
+                   static_argnames=_STATIC)
 
   def compile_multistep(self, inputs: dict[Bucket, tuple[StepInputs, MultiStepInputs]],
                         num_steps: int) -> float:

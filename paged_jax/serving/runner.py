@@ -150,9 +150,6 @@ class Runner(MultiStepPrograms):
     self._step_fn = out_pack.packs(
         step_lib.writing_slots(step_fn, slots_arg, self.mesh), per_pool=True)
     self._step_outs = (self._x_sharding,) + (None,) * outs
-    self._jit = jax.jit(self._step_fn, static_argnums=(0,),
-                        donate_argnums=self._donate, static_argnames=_STATIC,
-                        out_shardings=self._step_outs)
     self._no_slot_rows_by_size: dict[int, step_lib.SlotRows] = {}
     # The prefix cache's host level (`prefix_offload.py`): `host_cache` is a
     # `kv_offload.NumpyHostPool` then (swap's is a `KVCache` in host memory).
@@ -208,20 +205,23 @@ class Runner(MultiStepPrograms):
     return jax.tree.map(lambda a: a[0], self.state)
 
   def _jit_for(self, bucket: Bucket):
-    """The jitted step to lower for `bucket`: this runner's, or with
-    `config.check_traces` a trace-counted one per bucket."""
-    if not self.config.check_traces:
-      return self._jit
-    step_fn = self._step_fn
+    """The jitted step to lower for `bucket`, named after it
+    (`decode_step_4x4`, `mixed_step_16x4`: JAX's compile logs, XLA's dumps
+    and profiles name the program by it); with `config.check_traces`
+    trace-counted. The name, not the check, is in the program: a
+    trace-counted step is the same XLA module as an ordinary one of equal
+    sizes, so the persistent compilation cache serves either."""
+    step_fn = self._step_fn  # packed, writing the slot rows first
 
-    def traced(model_def, params, *args, decode_only, num_logprobs):
+    def step(model_def, params, *args, decode_only, num_logprobs):
       return step_fn(model_def, params, *args, decode_only=decode_only,
                      num_logprobs=num_logprobs)
     kind = "decode" if bucket.decode_only else "mixed"
-    traced.__name__ = f"{kind}_step_{bucket.num_tokens}x{bucket.num_seqs}"
-    return jax.jit(chex.assert_max_traces(traced, n=1), static_argnums=(0,),
-                   donate_argnums=self._donate, static_argnames=_STATIC,
-                   out_shardings=self._step_outs)
+    step.__name__ = f"{kind}_step_{bucket.num_tokens}x{bucket.num_seqs}"
+    if self.config.check_traces:
+      step = chex.assert_max_traces(step, n=1)
+    return jax.jit(step, static_argnums=(0,), donate_argnums=self._donate,
+                   static_argnames=_STATIC, out_shardings=self._step_outs)
 
   def replace_pool(self, config, state: bm.BlockState, cache: kv_cache_lib.KVCache):
     """A resized pool (`resize.resize_pool`, one device): its config, state

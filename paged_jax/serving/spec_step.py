@@ -242,22 +242,21 @@ def spec_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
 _DONATE = (2, 3, 4)  # cache, block state, last tokens
 # On the runner's arrays of a 1x1 mesh (state, last tokens, slots `[1, ...]`).
 _spec_on_pool = on_one_pool(spec_device_step, args=(3, 4, 5), outs=(1, 2))
-_spec_jit = jax.jit(_spec_on_pool, static_argnums=(0,), donate_argnums=_DONATE)
 
 
 def _jit_for(runner, bucket, k: int, budget: int):
-  """The shared jitted verification step, or with `config.check_traces` this
-  runner's own trace-counted one for `(bucket, budget)`."""
-  if not runner.config.check_traces:
-    return _spec_jit
+  """The jitted verification step for `(bucket, k, budget)`, named after
+  them (`spec_3_step_4_budget_12`); with `config.check_traces`
+  trace-counted (the same XLA module: see `Runner._jit_for`)."""
 
-  def traced(model_def, params, cache, state, last_tokens, slots, x, s):
+  def spec_step(model_def, params, cache, state, last_tokens, slots, x, s):
     return _spec_on_pool(model_def, params, cache, state, last_tokens, slots,
                          x, s)
 
-  traced.__name__ = f"spec_{k}_step_{bucket.num_seqs}_budget_{budget}"
-  return jax.jit(chex.assert_max_traces(traced, n=1), static_argnums=(0,),
-                 donate_argnums=_DONATE)
+  spec_step.__name__ = f"spec_{k}_step_{bucket.num_seqs}_budget_{budget}"
+  if runner.config.check_traces:
+    spec_step = chex.assert_max_traces(spec_step, n=1)
+  return jax.jit(spec_step, static_argnums=(0,), donate_argnums=_DONATE)
 
 
 def _budget(x: StepInputs, s: SpecInputs) -> int:

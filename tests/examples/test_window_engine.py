@@ -132,7 +132,8 @@ def test_reclamation_gives_the_outputs_of_keeping_every_block(
   # 8 sequences of up to 80 tokens would need 160 blocks without
   # reclamation; with it, ~4 each in a local pool (Gemma 3: the global
   # pool, 1 layer in 6, gets most of the 40 blocks' memory).
-  small = _engine(model, 24 if kind == "mistral" else 40, check_traces=True,
+  pool = 24 if kind == "mistral" else 40
+  small = _engine(model, pool, check_traces=True,
                   admission_headroom_steps=0, async_scheduling=async_scheduling)
   if kind == "mistral":
     assert small.reclamation.window == WINDOW
@@ -145,11 +146,13 @@ def test_reclamation_gives_the_outputs_of_keeping_every_block(
   assert small.stats.running.peak == 4  # max_batch: the pool was no limit
   assert _all_free(small)  # every block back in every pool
   assert_mirror_is_the_device_state(small)
-  if kind == "gemma3":  # without reclamation the same memory preempts
-    off = _engine(model, 40, admission_headroom_steps=0,
-                  sliding_window_reclamation=False)
-    assert _run(off, requests, checked=False) == want
-    assert off.stats.preemptions > 0
+  # Without reclamation the same memory preempts (and gives the same
+  # outputs): the comparison that test_without_reclamation_the_same_pool_preempts
+  # (-m slow) makes for Mistral in a pool of 40.
+  off = _engine(model, pool, admission_headroom_steps=0,
+                sliding_window_reclamation=False)
+  assert _run(off, requests, checked=False) == want
+  assert off.stats.preemptions > 0
 
 
 @pytest.mark.parametrize("kind, num_blocks", [("mistral", 12), ("gemma3", 20)])
@@ -166,6 +169,9 @@ def test_reclamation_under_preemption(request, kind, num_blocks):
   assert _all_free(tight)
 
 
+# test_reclamation_gives_the_outputs_of_keeping_every_block makes the same
+# comparison for both models in their reclaiming pools (4 step programs fewer).
+@pytest.mark.slow
 def test_without_reclamation_the_same_pool_preempts(mistral):
   """The comparison: the same small pool keeping every block preempts (and
   still gives the same outputs)."""

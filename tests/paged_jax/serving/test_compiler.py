@@ -31,3 +31,22 @@ def test_use_counts_and_a_clear_that_keeps_what_is_asked():
   assert compiler.use_counts()[("test_compiler", "mul")] == 1
   compiler.clear(keep=lambda k: k[0] != "test_compiler")
   assert not [k for k in compiler.use_counts() if k[0] == "test_compiler"]
+
+
+def test_a_trace_counted_step_is_the_same_program_named_after_its_bucket():
+  """`check_traces` changes no step program: a trace-counted engine's decode
+  step lowers to the module of an ordinary engine of equal sizes (so the
+  persistent compilation cache serves either), named after the bucket."""
+  from paged_jax.models.llama import model as model_lib  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving.engine import Engine, EngineConfig  # pylint: disable=import-outside-toplevel
+  model = model_lib.init_model(model_lib.LlamaConfig.tiny(num_layers=1), seed=0)
+  texts = []
+  for check in (False, True):
+    engine = Engine(model, EngineConfig(num_blocks=8, block_size=4, max_batch=2,
+                                        max_tokens_per_step=8, max_model_len=16,
+                                        check_traces=check))
+    bucket = next(b for b in engine.buckets if b.decode_only)
+    xs = [p._build([], bucket)[0] for p in engine._pools]  # pylint: disable=protected-access
+    texts.append(engine._runner._lowerer(bucket, xs)().as_text())  # pylint: disable=protected-access
+  assert texts[0] == texts[1]
+  assert f"@jit_decode_step_{bucket.num_tokens}x{bucket.num_seqs}" in texts[0]
