@@ -243,9 +243,24 @@ class HostPool:
     cols = np.arange(rows.shape[0]) - np.repeat(start, nb)
     return rows, cols
 
-  def register(self, seq_ids, cols) -> np.ndarray:
-    """`block_manager.register`."""
+  def register(self, seq_ids, cols, *, leading: bool = False) -> np.ndarray:
+    """`block_manager.register`. `leading`: the caller's promise that the
+    entries come first, then padding (-1): the few entries of a step (most
+    register one or two blocks) are then checked in Python, not with a dozen
+    whole-array operations."""
     seq_ids, cols = np.asarray(seq_ids), np.asarray(cols)
+    if leading:
+      k = int(np.count_nonzero(seq_ids >= 0))
+      ms, bs, lens = self.max_seqs, self.block_size, self.lens
+      ok = np.zeros(seq_ids.shape, bool)
+      ok[:k] = good = [s < ms and 0 <= c < lens[s] // bs for s, c in
+                       zip(seq_ids[:k].tolist(), cols[:k].tolist())]
+      s, c = seq_ids[:k], cols[:k]
+      if not all(good):
+        s, c = s[ok[:k]], c[ok[:k]]
+      if s.size:
+        self._set(self.cacheable, self.tables[s, c], True)
+      return ok
     ok = np.zeros(seq_ids.shape, bool)
     real = np.flatnonzero(seq_ids >= 0)
     if not real.size:
@@ -642,6 +657,21 @@ class HostPool:
     self.lru_head, self.lru_len = head, length
     return np.array(out, np.int32)
 
+  def _cache_ok(self, reg_ok, register_seqs, share_seqs, share_blocks,
+                share_counts, real) -> np.ndarray:
+    """`bookkeeping`'s share (skipped when it has no entry, as on the
+    device) and its `cache_ok bool[R + H]` (True on padding rows) from the
+    registrations' `reg_ok` (None: none ran)."""
+    share_ok = (self.share(share_seqs, share_blocks, np.maximum(share_counts, 1))
+                if real(share_seqs) else None)
+    if reg_ok is None and share_ok is None:
+      return np.ones(register_seqs.shape[0] + share_seqs.shape[0], bool)
+    if reg_ok is None:
+      reg_ok = np.zeros(register_seqs.shape, bool)
+    if share_ok is None:
+      share_ok = np.zeros(share_seqs.shape, bool)
+    return np.concatenate([reg_ok | (register_seqs < 0), share_ok | (share_seqs < 0)])
+
   def bookkeeping(self, register_seqs, register_cols, release_early,
                   fork_parents, fork_children, release_late, share_seqs,
                   share_blocks, share_counts, seq_ids, q_lens, *,
@@ -664,8 +694,10 @@ class HostPool:
     """
     real = _any_real if packed is None else _leads
     cache_ok = _NO_CACHE_OK
-    if self.caching:
-      cache_ok = self.register(register_seqs, register_cols) | (register_seqs < 0)
+    if self.caching:  # (the device skips an empty register or share too)
+      cache_ok = (self.register(register_seqs, register_cols,
+                                leading=packed is not None)
+                  if real(register_seqs) else None)
     if real(release_early):
       self.release(release_early)
     fork_ok = (self.fork(fork_parents, fork_children)
@@ -674,8 +706,8 @@ class HostPool:
     if real(release_late):
       self.release(release_late)
     if self.caching:
-      share_ok = self.share(share_seqs, share_blocks, np.maximum(share_counts, 1))
-      cache_ok = np.concatenate([cache_ok, share_ok | (share_seqs < 0)])
+      cache_ok = self._cache_ok(cache_ok, register_seqs, share_seqs, share_blocks,
+                                share_counts, real)
     res = self.reserve(seq_ids, q_lens, packed)
     if self.window is not None:
       window_reclaim.reclaim_host(self, seq_ids, q_lens, res.ok)

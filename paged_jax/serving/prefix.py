@@ -15,6 +15,10 @@ from paged_jax.serving.requests import PENDING, Seq
 from paged_jax.serving.window_pool import PooledHost
 
 
+_NONE_EVICTED = np.zeros((0,), np.int32)  # a step that evicts nothing
+_NONE_EVICTED.flags.writeable = False
+
+
 class Candidate(NamedTuple):
   """A full, computed block queued for registration (`_register_next`)."""
 
@@ -97,8 +101,8 @@ class PrefixCaching:
     changes)."""
     bs = self.config.block_size
     for seq in self._running:  # only those with a newly full block
-      if (seq.slot >= 0 and seq.fork_from < 0
-          and seq.num_cached // bs > seq.num_registered):
+      if (seq.num_cached // bs > seq.num_registered and seq.slot >= 0
+          and seq.fork_from < 0):
         self._collect_registrations(seq)
     queued, self._register_next = self._register_next, []
     self._registering = []
@@ -127,10 +131,13 @@ class PrefixCaching:
       if not self._index.insert(r.hash, r.block):
         raise RuntimeError("a registered block's hash was indexed already "
                            "(engine bug)")
-    evicted = evicted[evicted >= 0]
+    # (most steps evict nothing: one reduction, not a filtered copy)
+    evicted = (evicted[evicted >= 0] if evicted.size and int(evicted.max()) >= 0
+               else _NONE_EVICTED)
     if self._host_prefix is not None:  # before the index forgets `evicted`
       st.prefix_blocks_evicted += self._commit_offload(evicted, admitted)
-    st.prefix_blocks_evicted += self._index.evict(evicted)
+    if evicted.size:
+      st.prefix_blocks_evicted += self._index.evict(evicted)
     st.prefix_blocks_registered += len(self._registering)
     for seq in admitted:
       hit = len(self._shares.get(seq, ())) * bs
