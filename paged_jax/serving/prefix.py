@@ -45,6 +45,18 @@ def register_rows(config) -> int:
   return config.max_tokens_per_step // config.block_size + config.max_batch
 
 
+def registration_due(config) -> list | None:
+  """The scheduler's list of sequences that may have a full block to
+  register (those that completed one in a step, forked, or could not register
+  all theirs yet: `Results._commit` and `_prepare_registrations` append), so
+  a step registers without looking at every running row; None where
+  sequences also grow elsewhere (multi-step decode, speculative decoding:
+  every running row is looked at)."""
+  if config.num_scheduler_steps > 1 or config.speculative_config is not None:
+    return None
+  return []
+
+
 class PrefixCaching:
   """`Scheduler`'s prefix-cache bookkeeping (see the module docstring)."""
 
@@ -100,10 +112,18 @@ class PrefixCaching:
     from the host model before this step (a full block's entry never
     changes)."""
     bs = self.config.block_size
-    for seq in self._running:  # only those with a newly full block
+    due = self._register_due
+    if due is None:  # every running row
+      due = self._running
+    elif due:
+      self._register_due = []
+    for seq in due:  # only those with a newly full block
       if (seq.num_cached // bs > seq.num_registered and seq.slot >= 0
           and seq.fork_from < 0):
         self._collect_registrations(seq)
+        if (self._register_due is not None
+            and seq.num_cached // bs > seq.num_registered):
+          self._register_due.append(seq)  # a token still in flight: next step
     queued, self._register_next = self._register_next, []
     self._registering = []
     self._registering_by_hash = {}
@@ -115,6 +135,8 @@ class PrefixCaching:
       if len(self._registering) == self._register_rows:
         if seq.slot == slot:  # still live there: again next step
           seq.num_registered = min(seq.num_registered, col)
+          if self._register_due is not None:
+            self._register_due.append(seq)
         continue
       if h in self._index or h in taken:
         continue
