@@ -45,6 +45,10 @@ def register_rows(config) -> int:
   return config.max_tokens_per_step // config.block_size + config.max_batch
 
 
+def _order(seq: Seq) -> tuple[int, int]:
+  return seq.order
+
+
 def registration_due(config) -> list | None:
   """The scheduler's list of sequences that may have a full block to
   register (those that completed one in a step, forked, or could not register
@@ -115,8 +119,8 @@ class PrefixCaching:
     due = self._register_due
     if due is None:  # every running row
       due = self._running
-    elif due:
-      self._register_due = []
+    elif due:  # in the running order (the first of equal blocks registers)
+      due, self._register_due = sorted(set(due), key=_order), []
     for seq in due:  # only those with a newly full block
       if (seq.num_cached // bs > seq.num_registered and seq.slot >= 0
           and seq.fork_from < 0):
