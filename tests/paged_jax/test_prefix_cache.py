@@ -3,6 +3,8 @@ token rule, eviction, and its agreement with the block manager."""
 
 from __future__ import annotations
 
+import hashlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
