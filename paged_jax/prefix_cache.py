@@ -47,8 +47,10 @@ Example:
 
 from __future__ import annotations
 
+import array
 import hashlib
 import secrets
+import sys
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -56,6 +58,7 @@ import numpy as np
 from paged_jax import _int32
 
 DIGEST_SIZE = 32  # bytes: 256-bit block hashes
+_BIG_ENDIAN = sys.byteorder == "big"  # block token ids are hashed as "<i8"
 
 
 def max_hit_blocks(num_prompt_tokens: int, block_size: int) -> int:
@@ -91,11 +94,13 @@ class PrefixIndex:
       raise ValueError(f"key must be at most {hashlib.blake2b.MAX_KEY_SIZE} "
                        f"bytes, got {len(key)}")
     self._key = key
+    # The keyed state, copied for each hash (cheaper than keying anew).
+    self._keyed = hashlib.blake2b(digest_size=DIGEST_SIZE, key=key)
     self._block_of: dict[bytes, int] = {}
     self._hash_of: dict[int, bytes] = {}
 
   def _h(self, *parts: bytes) -> bytes:
-    h = hashlib.blake2b(digest_size=DIGEST_SIZE, key=self._key)
+    h = self._keyed.copy()
     for p in parts:
       h.update(p)
     return h.digest()
@@ -110,6 +115,12 @@ class PrefixIndex:
     Raises:
       ValueError: if `block_tokens` is not exactly `block_size` token ids.
     """
+    if isinstance(block_tokens, list) and len(block_tokens) == self.block_size:
+      # (the engine's case: a list of ints, packed without NumPy)
+      ids = array.array("q", block_tokens)
+      if _BIG_ENDIAN:
+        ids.byteswap()
+      return self._h(b"block", parent, ids.tobytes())
     ids = np.asarray(block_tokens, np.int64)
     if ids.shape != (self.block_size,):
       raise ValueError(f"a block has block_size={self.block_size} token ids, "

@@ -212,9 +212,24 @@ class HostPool(Reserving):
     cols = np.arange(rows.shape[0]) - np.repeat(start, nb)
     return rows, cols
 
-  def register(self, seq_ids, cols) -> np.ndarray:
-    """`block_manager.register`."""
+  def register(self, seq_ids, cols, *, leading: bool = False) -> np.ndarray:
+    """`block_manager.register`. `leading`: the caller's promise that the
+    entries come first, then padding (-1): the few entries of a step (most
+    register one or two blocks) are then checked in Python, not with a dozen
+    whole-array operations."""
     seq_ids, cols = np.asarray(seq_ids), np.asarray(cols)
+    if leading:
+      k = int(np.count_nonzero(seq_ids >= 0))
+      ms, bs, lens = self.max_seqs, self.block_size, self.lens
+      ok = np.zeros(seq_ids.shape, bool)
+      ok[:k] = good = [s < ms and 0 <= c < lens[s] // bs for s, c in
+                       zip(seq_ids[:k].tolist(), cols[:k].tolist())]
+      s, c = seq_ids[:k], cols[:k]
+      if not all(good):
+        s, c = s[ok[:k]], c[ok[:k]]
+      if s.size:
+        self._set(self.cacheable, self.tables[s, c], True)
+      return ok
     ok = np.zeros(seq_ids.shape, bool)
     real = np.flatnonzero(seq_ids >= 0)
     if not real.size:
@@ -424,8 +439,8 @@ class HostPool(Reserving):
     if real(release_late):
       self.release(release_late)
     if self.caching:
-      share_ok = self.share(share_seqs, share_blocks, np.maximum(share_counts, 1))
-      cache_ok = np.concatenate([cache_ok, share_ok | (share_seqs < 0)])
+      cache_ok = self._cache_ok(cache_ok, register_seqs, share_seqs, share_blocks,
+                                share_counts, real)
     res = self.reserve(seq_ids, q_lens, packed)
     if self.window is not None:
       window_reclaim.reclaim_host(self, seq_ids, q_lens, res.ok)

@@ -15,6 +15,10 @@ from paged_jax.serving.requests import PENDING, Seq
 from paged_jax.serving.window_pool import PooledHost
 
 
+_NONE_EVICTED = np.zeros((0,), np.int32)  # a step that evicts nothing
+_NONE_EVICTED.flags.writeable = False
+
+
 class Candidate(NamedTuple):
   """A full, computed block queued for registration (`_register_next`)."""
 
@@ -39,6 +43,22 @@ def register_rows(config) -> int:
   of prefill plus one block per decoding sequence; what does not fit waits a
   step (a block released before it is registered is simply not cached)."""
   return config.max_tokens_per_step // config.block_size + config.max_batch
+
+
+def _order(seq: Seq) -> tuple[int, int]:
+  return seq.order
+
+
+def registration_due(config) -> list | None:
+  """The scheduler's list of sequences that may have a full block to
+  register (those that completed one in a step, forked, or could not register
+  all theirs yet: `Results._commit` and `_prepare_registrations` append), so
+  a step registers without looking at every running row; None where
+  sequences also grow elsewhere (multi-step decode, speculative decoding:
+  every running row is looked at)."""
+  if config.num_scheduler_steps > 1 or config.speculative_config is not None:
+    return None
+  return []
 
 
 class PrefixCaching:
@@ -96,10 +116,18 @@ class PrefixCaching:
     from the host model before this step (a full block's entry never
     changes)."""
     bs = self.config.block_size
-    for seq in self._running:  # only those with a newly full block
-      if (seq.slot >= 0 and seq.fork_from < 0
-          and seq.num_cached // bs > seq.num_registered):
+    due = self._register_due
+    if due is None:  # every running row
+      due = self._running
+    elif due:  # in the running order (the first of equal blocks registers)
+      due, self._register_due = sorted(set(due), key=_order), []
+    for seq in due:  # only those with a newly full block
+      if (seq.num_cached // bs > seq.num_registered and seq.slot >= 0
+          and seq.fork_from < 0):
         self._collect_registrations(seq)
+        if (self._register_due is not None
+            and seq.num_cached // bs > seq.num_registered):
+          self._register_due.append(seq)  # a token still in flight: next step
     queued, self._register_next = self._register_next, []
     self._registering = []
     self._registering_by_hash = {}
@@ -111,6 +139,8 @@ class PrefixCaching:
       if len(self._registering) == self._register_rows:
         if seq.slot == slot:  # still live there: again next step
           seq.num_registered = min(seq.num_registered, col)
+          if self._register_due is not None:
+            self._register_due.append(seq)
         continue
       if h in self._index or h in taken:
         continue
@@ -127,10 +157,13 @@ class PrefixCaching:
       if not self._index.insert(r.hash, r.block):
         raise RuntimeError("a registered block's hash was indexed already "
                            "(engine bug)")
-    evicted = evicted[evicted >= 0]
+    # (most steps evict nothing: one reduction, not a filtered copy)
+    evicted = (evicted[evicted >= 0] if evicted.size and int(evicted.max()) >= 0
+               else _NONE_EVICTED)
     if self._host_prefix is not None:  # before the index forgets `evicted`
       st.prefix_blocks_evicted += self._commit_offload(evicted, admitted)
-    st.prefix_blocks_evicted += self._index.evict(evicted)
+    if evicted.size:
+      st.prefix_blocks_evicted += self._index.evict(evicted)
     st.prefix_blocks_registered += len(self._registering)
     for seq in admitted:
       hit = len(self._shares.get(seq, ())) * bs

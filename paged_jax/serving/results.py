@@ -76,8 +76,13 @@ class Results:
     and a sequence whose pending token is its last (`max_new_tokens`)
     retires now. What needs the tokens' values (EOS, beam search, streaming,
     latency) waits for `resolve`."""
+    # Prefix caching: the sequences that complete a block in this step (or
+    # fork now) register it in a later one (`prefix.PrefixCaching`).
+    due, bs = self._register_due, self.config.block_size
     for s in forks:
       s.fork_from = -1
+    if due is not None and forks:
+      due.extend(forks)
     # The plan's steady decode rows (`packing.Plan`) first: entry, token row
     # and sample row `i` are one, each appends one `PENDING` token.
     k = getattr(plan, "decode_rows", 0)
@@ -85,6 +90,8 @@ class Results:
     for s, n in plan[k:] if k else plan:
       s.num_cached += n
       computed += n
+      if due is not None and s.num_cached // bs != (s.num_cached - n) // bs:
+        due.append(s)
     self.stats.computed_tokens += computed
     rows: list[int] = list(range(k))  # the pending tokens, by column (`Pending`)
     targets: list[Seq] = samples.seqs[:k]
@@ -95,6 +102,8 @@ class Results:
       toks = t.tokens
       toks.append(PENDING)
       t.num_cached += 1
+      if due is not None and not t.num_cached % bs:
+        due.append(t)
       indices.append(len(toks) - 1)
       if len(toks) >= t.limit:  # its output budget
         t.final = True

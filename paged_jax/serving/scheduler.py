@@ -56,7 +56,7 @@ from paged_jax.serving.packing import (Bookkeeping, Entry, InputPacking, Plan,
                                       SteadyInputs)
 from paged_jax.serving.prefix_offload import PrefixOffload
 from paged_jax.serving.prefix import (Candidate, PrefixCaching, Registration,
-                                      register_rows)
+                                      register_rows, registration_due)
 from paged_jax.serving.requests import (Group, Request, RequestDelta,
                                         RequestOutput, Seq)
 from paged_jax.serving.resize import PoolResizing
@@ -112,6 +112,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     self._register_rows = register_rows(config) if caching else 0
     self._share_rows = config.max_batch if caching else 0
     self._register_next: list[Candidate] = []  # candidates
+    self._register_due = registration_due(config) if caching else None
     self._registering: list[Registration] = []  # this step's
     self._registering_by_hash: dict[bytes, int] = {}  # the same, by hash
     self._shares: dict[Seq, list[int]] = {}  # this step's hits (admissions)

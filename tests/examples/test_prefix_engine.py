@@ -184,3 +184,38 @@ def test_a_salt_that_is_not_str_or_bytes_is_rejected(model):
 def test_enable_prefix_caching_must_be_a_bool():
   with pytest.raises(ValueError, match="enable_prefix_caching must be a bool, got 1"):
     EngineConfig(num_blocks=8, enable_prefix_caching=1)
+
+
+def test_registration_looks_only_at_rows_that_completed_a_block(model):
+  """Each full block is hashed once (`seq.hashes` keeps them), and a step
+  looks for blocks to register only in the sequences that completed one in
+  the step before: a row that completed none is not looked at, even one
+  whose registration count was reset behind the engine's back (the old
+  per-step scan over every running row found it)."""
+  engine = make_engine(model, **TWO_SHAPES, enable_prefix_caching=True,
+                       async_scheduling=False)
+  pool = engine._pools[0]  # pylint: disable=protected-access
+  chained, looked = [], []
+  chain, collect = pool.prefix_index.chain, pool._collect_registrations  # pylint: disable=protected-access
+  pool.prefix_index.chain = lambda *a: chained.append(1) or chain(*a)
+  pool._collect_registrations = lambda s: looked.append(s.num_cached) or collect(s)  # pylint: disable=protected-access
+  prompt = list(range(10, 16))  # 6 tokens: 1 full block, then 1 per 4 outputs
+  engine.add_request(Request("a", prompt, SamplingParams(max_new_tokens=12,
+                                                         eos_token_ids=(-1,))))
+  engine.step()  # the prompt: 6 tokens computed, block 0 full
+  seq = pool._running[0]  # pylint: disable=protected-access
+  engine.step()  # registers block 0; computes token 7
+  assert looked == [6] and seq.num_registered == 1
+  seq.num_registered = 0  # not due: no block completed in the last step
+  engine.step()  # computes token 8, completing block 1
+  assert looked == [6]
+  seq.num_registered = 1
+  engine.step()  # registers block 1
+  assert looked == [6, 8]
+  engine.run_until_done()
+  # 17 computed tokens (6 + 11 outputs): 4 full blocks, each hashed once
+  # (the admission lookup's hash of block 0 included).
+  assert engine.stats.prefix_blocks_registered == 4
+  assert len(chained) == 4
+  pool.check_prefix_index()
+  assert_mirror_is_the_device_state(engine)

@@ -3,6 +3,8 @@ token rule, eviction, and its agreement with the block manager."""
 
 from __future__ import annotations
 
+import hashlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +28,22 @@ def test_hashes_are_chained_over_the_whole_prefix():
   # The same key gives the same hashes; another key, others.
   assert PrefixIndex(2, key=b"k").block_hashes([1, 2]) == a[:1]
   assert PrefixIndex(2).block_hashes([1, 2]) != a[:1]
+
+
+def test_a_list_and_an_array_hash_the_same_as_the_documented_encoding():
+  """`chain` packs a list of ids without NumPy (the engine's case): the
+  digest is the documented one, BLAKE2b keyed, of the parent and the ids as
+  little-endian int64, whatever container holds them."""
+  import hashlib
+  index = PrefixIndex(block_size=3, key=b"k")
+  parent, ids = index.root(b"s"), [7, 2**40, 0]
+  want = hashlib.blake2b(b"block" + parent + np.array(ids, "<i8").tobytes(),
+                         digest_size=32, key=b"k").digest()
+  assert index.chain(parent, ids) == want
+  assert index.chain(parent, np.array(ids, np.int64)) == want
+  assert index.chain(parent, tuple(ids)) == want
+  with pytest.raises(ValueError, match="block_size=3 token ids, got shape"):
+    index.chain(parent, [1, 2])
 
 
 def test_salts_keep_tenants_apart():
