@@ -403,6 +403,21 @@ class HostPool(Reserving):
       self.lru_len = 0
     return ok
 
+  def _cache_ok(self, reg_ok, register_seqs, share_seqs, share_blocks,
+                share_counts, real) -> np.ndarray:
+    """`bookkeeping`'s share (skipped when it has no entry, as on the
+    device) and its `cache_ok bool[R + H]` (True on padding rows) from the
+    registrations' `reg_ok` (None: none ran)."""
+    share_ok = (self.share(share_seqs, share_blocks, np.maximum(share_counts, 1))
+                if real(share_seqs) else None)
+    if reg_ok is None and share_ok is None:
+      return np.ones(register_seqs.shape[0] + share_seqs.shape[0], bool)
+    if reg_ok is None:
+      reg_ok = np.zeros(register_seqs.shape, bool)
+    if share_ok is None:
+      share_ok = np.zeros(share_seqs.shape, bool)
+    return np.concatenate([reg_ok | (register_seqs < 0), share_ok | (share_seqs < 0)])
+
   def bookkeeping(self, register_seqs, register_cols, release_early,
                   fork_parents, fork_children, release_late, share_seqs,
                   share_blocks, share_counts, seq_ids, q_lens, *,
@@ -425,8 +440,10 @@ class HostPool(Reserving):
     """
     real = _any_real if packed is None else _leads
     cache_ok = _NO_CACHE_OK
-    if self.caching:
-      cache_ok = self.register(register_seqs, register_cols) | (register_seqs < 0)
+    if self.caching:  # (the device skips an empty register or share too)
+      cache_ok = (self.register(register_seqs, register_cols,
+                                leading=packed is not None)
+                  if real(register_seqs) else None)
     if packed is not None and _leads(release_early) and (
         release_early.shape[0] == 1 or release_early[1] < 0) and (
             release_early[0] < self.max_seqs):
