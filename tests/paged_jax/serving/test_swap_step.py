@@ -52,9 +52,7 @@ def recorded():
   steps = []
   original = runner_lib.Runner.dispatch
 
-  def dispatch(self, bucket, xs, swaps=None, rows=None):
-    if rows is not None:  # the step's slot rows, written first: in the snapshot
-      self.write_slots(rows)
+  def dispatch(self, bucket, xs, swaps=None):
     snap = jax.tree.map(np.asarray, (self.cache, self.state, self.last_tokens,
                                      self.slots))
     one = jax.tree.map(lambda a: a[0], snap[1:])  # the one data shard's
