@@ -316,15 +316,10 @@ class Engine:
     # Did the device finish everything dispatched while the host worked?
     exposed = self._pending is None or out_pack.is_ready(self._pending.out)
     multi = None
-    nothing = all(not plan for plan in plans) and self._runner.tier is None
-    if nothing or k > 1 or drafts is not None:
-      self._write_slots()  # the slot rows bound since the last step, if any
-      rows = None
-    else:  # the step writes them itself (`step.writing_slots`)
-      rows = self._slot_rows(bucket.num_seqs)
+    self._write_slots()  # the slot rows bound since the last step, if any
     if len(self._pools) == 1:  # the prefix cache's host level: its copies first
       self._runner.copy_prefix_blocks(self._pools[0].take_prefix_copies())
-    if nothing:
+    if all(not plan for plan in plans) and self._runner.tier is None:
       # Nothing to compute (releases, registrations, forks only: e.g. the
       # sequences that finished in the last step): no model, no bucket.
       out = self._runner.dispatch_bookkeeping([x for x, _ in built])
@@ -339,7 +334,7 @@ class Engine:
       out, multi = spec_host.dispatch(self, built, bucket, drafts)
     else:
       out = self._runner.dispatch(bucket, [x for x, _ in built],
-                                  self._pools[0].take_swaps(), rows)
+                                  self._pools[0].take_swaps())
     if bucket is not None:
       self._count(bucket)
     for p in self._pools:
@@ -357,27 +352,12 @@ class Engine:
 
   def _write_slots(self):
     """Sends the pools' slot-state rows written since the last step (one
-    scatter; none in a steady decode step), before a step that does not
-    carry them."""
+    scatter; none in a steady decode step)."""
     n = max(p.slot_updates_pending() for p in self._pools)
     if not n:
       return
     rows = slot_state.update_rows(n)  # one shape for every data shard
     self._runner.write_slots([p.take_slot_updates(rows) for p in self._pools])
-
-  def _slot_rows(self, num_rows: int):
-    """The pools' slot-state rows written since the last step, padded to
-    `num_rows` (the bucket's `num_seqs`: one program per bucket), for the
-    step to write (`Runner.dispatch`'s `rows`); None when there are none.
-    More than `num_rows` (many forks at once) go in a scatter of their own
-    first (`_write_slots`)."""
-    n = max(p.slot_updates_pending() for p in self._pools)
-    if not n:
-      return None
-    if n > num_rows:
-      self._write_slots()
-      return None
-    return [p.take_slot_updates(num_rows) for p in self._pools]
 
   def _compile_seconds(self) -> float:
     """Seconds spent compiling step shapes so far."""

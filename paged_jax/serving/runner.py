@@ -3,15 +3,14 @@
 `Runner` owns the arrays that live on the device(s) -- parameters, cache,
 block state, the last sampled token and the sampling parameters of every
 sequence slot (`slot_state.SlotState`, written only for the slots the
-scheduler changed, by the step itself: `dispatch`'s `rows`) -- and one
+scheduler changed: `write_slots`) -- and one
 compiled step per bucket (`buckets.py`, compiled ahead of time and shared by
 engines of equal sizes through `compiler.py`). `dispatch` places a step's
 host-built inputs (on a mesh: each process only its own devices' shards) and
 launches the step without waiting; `fetch` brings a dispatched step's small
 outputs to the host (on several hosts, gathered from every process first).
-The cache, the block state, the last tokens and the slot state are donated
-to every step, so they are updated in place, and steps queue on the device
-in dispatch order.
+The cache, the block state and the last tokens are donated to every step, so
+they are updated in place, and steps queue on the device in dispatch order.
 """
 
 from __future__ import annotations
@@ -45,8 +44,6 @@ from paged_jax.serving.step import ModelDef, StepInputs, StepOutputs, device_ste
 
 _STATIC = ("decode_only", "num_logprobs")
 _SWAP_DONATE = (2, 3, 4, 5)  # preemption by swap (`swap.py`): the host tier too
-# The slot state's argument in each step (`step.writing_slots` donates it).
-_SLOTS, _SWAP_SLOTS = 5, 6
 
 # The step variants written for one pool, on a 1x1 mesh's arrays (stacked
 # per data shard, `[1, ...]`: `step.on_one_pool`).
@@ -131,26 +128,15 @@ class Runner(MultiStepPrograms):
                                     donate_argnums=(0,),
                                     out_shardings=self._x_sharding)
     if self._pooled():
-      step_fn, slots_arg, self._donate = _pooled_step, _SLOTS, _DONATE
+      self._step_fn, self._donate = _pooled_step, _DONATE
     else:
-      step_fn, slots_arg, self._donate = functools.partial(
-          device_step, mesh=self.mesh), _SLOTS, _DONATE
-    outs = 4  # the step's outputs: cache, state, last tokens, StepOutputs
+      self._step_fn, self._donate = functools.partial(
+          device_step, mesh=self.mesh), _DONATE
     self.tier = self.host_cache = None  # preemption by swap (`swap.py`)
     if config.preemption_mode == "swap":
       self.tier = host_tier.init(initial, num_host_blocks=config.swap_space_blocks)
       self.host_cache = kv_offload.host_cache(self.cache, config.swap_space_blocks)
-      step_fn, slots_arg, self._donate = _swap_step, _SWAP_SLOTS, _SWAP_DONATE
-      outs = 6  # and the tier, the swap's outputs
-    # The step writes the slot rows bound since the last step first
-    # (`step.writing_slots`: no scatter of its own per admission), so the
-    # slot state is donated to it too and comes back first, placed as it
-    # came (jit would give its empty fields, e.g. no logit bias, none).
-    self._donate += (slots_arg,)
-    self._step_fn = out_pack.packs(
-        step_lib.writing_slots(step_fn, slots_arg, self.mesh), per_pool=True)
-    self._step_outs = (self._x_sharding,) + (None,) * outs
-    self._no_slot_rows_by_size: dict[int, step_lib.SlotRows] = {}
+      self._step_fn, self._donate = _swap_step, _SWAP_DONATE
     # The prefix cache's host level (`prefix_offload.py`): `host_cache` is a
     # `kv_offload.NumpyHostPool` then (swap's is a `KVCache` in host memory).
     self.prefix_host_blocks = 0
@@ -211,7 +197,7 @@ class Runner(MultiStepPrograms):
     trace-counted. The name, not the check, is in the program: a
     trace-counted step is the same XLA module as an ordinary one of equal
     sizes, so the persistent compilation cache serves either."""
-    step_fn = self._step_fn  # packed, writing the slot rows first
+    step_fn = out_pack.packs(self._step_fn, per_pool=True)
 
     def step(model_def, params, *args, decode_only, num_logprobs):
       return step_fn(model_def, params, *args, decode_only=decode_only,
@@ -221,7 +207,7 @@ class Runner(MultiStepPrograms):
     if self.config.check_traces:
       step = chex.assert_max_traces(step, n=1)
     return jax.jit(step, static_argnums=(0,), donate_argnums=self._donate,
-                   static_argnames=_STATIC, out_shardings=self._step_outs)
+                   static_argnames=_STATIC)
 
   def replace_pool(self, config, state: bm.BlockState, cache: kv_cache_lib.KVCache):
     """A resized pool (`resize.resize_pool`, one device): its config, state
@@ -252,9 +238,7 @@ class Runner(MultiStepPrograms):
     take_updates`, one per pool, all of one row count) to the device: one
     small scatter, the slot state donated, dispatched before the step that
     reads them (it does not wait). Its program is compiled once per row
-    count (a power of two; `compile_slot_writes`, timed apart). For the steps
-    that do not carry the rows (`dispatch`'s `rows` do): a bookkeeping-only,
-    multi-step or speculative step, or more rows than a step carries."""
+    count (a power of two; `compile_slot_writes`, timed apart)."""
     self.slot_writes += 1
     cols = self._put(tuple(_stack(*[u[i] for u in updates]) for i in range(3)))
     rows = cols[0].shape[1]
@@ -296,35 +280,10 @@ class Runner(MultiStepPrograms):
     return jax.tree.map(
         lambda *a: compiler.spec(_stack(*a), self._x_sharding), *xs)
 
-  def _slot_rows(self, rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None,
-                 bucket: Bucket) -> step_lib.SlotRows:
-    """The step argument of the pools' slot rows (`HostSlots.take_updates`
-    padded to `bucket.num_seqs` rows, one per pool); None: none, the
-    padding rows, placed on the device once per size."""
-    if rows is not None:
-      return self._put(step_lib.SlotRows(*(
-          _stack(*[u[i] for u in rows]) for i in range(3))))
-    u = bucket.num_seqs
-    out = self._no_slot_rows_by_size.get(u)
-    if out is None:
-      ints, floats = slot_state_lib.pack(
-          slot_state_lib.empty(u, self.config.max_logit_bias))
-      data = self.mesh.shape[sharding.DATA]
-      out = jax.tree.map(
-          lambda a: np.broadcast_to(a, (data,) + a.shape),
-          step_lib.SlotRows(np.full(u, -1, np.int32), ints, floats))
-      out = self._put(out)
-      if self._one_process:
-        out = jax.device_put(out, self._x_sharding)
-      self._no_slot_rows_by_size[u] = out
-    return out
-
   def _lowerer(self, bucket: Bucket, xs: list[StepInputs]):
     specs = (self._specs(xs),)
     if self.tier is not None:
       specs += (jax.tree.map(compiler.spec, self._no_swaps()),)
-    specs += (jax.tree.map(lambda a: compiler.spec(a, self._x_sharding),
-                           self._slot_rows(None, bucket)),)
     return lambda: self._jit_for(bucket).lower(
         self._model_def, self._params, *self._donated(), self.slots, *specs,
         decode_only=bucket.decode_only, num_logprobs=self.num_logprobs)
@@ -366,24 +325,20 @@ class Runner(MultiStepPrograms):
     """The step of `bucket`, lowered for inspection; runs nothing."""
     return self._lowerer(bucket, xs)()
 
-  def dispatch(self, bucket: Bucket, xs: list[StepInputs], swaps=None,
-               rows=None) -> StepOutputs:
+  def dispatch(self, bucket: Bucket, xs: list[StepInputs], swaps=None
+               ) -> StepOutputs:
     """Launches the step on the pools' inputs (compiling it first if needed);
     returns its outputs, still on the device (this does not wait: steps queue
     on the device in dispatch order). `swaps`: with preemption by swap, the
-    scheduler's `take_swaps()` (the copies are dispatched first). `rows`:
-    the pools' slot-state rows bound since the last step (`HostSlots.
-    take_updates(bucket.num_seqs)`, one per pool), written by the step
-    before it samples; None: none."""
+    scheduler's `take_swaps()` (the copies are dispatched first)."""
     exe = self._steps.get(bucket)
     if exe is None:
       self.compile({bucket: xs})
       exe = self._steps[bucket]
-    rows = self._slot_rows(rows, bucket)
     if self.tier is None:
-      self.slots, self.cache, self.state, self.last_tokens, out = exe(
+      self.cache, self.state, self.last_tokens, out = exe(
           self._params, self.cache, self.state, self.last_tokens, self.slots,
-          self.place(xs), rows)
+          self.place(xs))
       return out
     s = self._no_swaps()
     if swaps is not None:
@@ -391,9 +346,9 @@ class Runner(MultiStepPrograms):
       self.cache, self.host_cache, moved = swap_step.dispatch_copies(
           self.cache, self.host_cache, moved_out, moved_in)
       self.moved = [a + b for a, b in zip(self.moved, moved)]
-    self.slots, self.cache, self.state, self.tier, self.last_tokens, out, _ = exe(
+    self.cache, self.state, self.tier, self.last_tokens, out, _ = exe(
         self._params, self.cache, self.state, self.tier, self.last_tokens,
-        self.slots, self.place(xs), s, rows)
+        self.slots, self.place(xs), s)
     return out
 
   def copy_prefix_blocks(self, copies) -> None:

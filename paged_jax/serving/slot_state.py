@@ -6,15 +6,11 @@ change from one step to the next -- its temperature, top-k, top-p, seed, the
 device, one row per sequence slot (`max_seqs` rows), next to the block
 state. A row is written when a sequence takes a slot (admission, a fork of
 a prompt's sample or of a beam) and at no other time: the host keeps an
-exact NumPy copy (`HostSlots`), marks the rows it changes, and sends only
-those (`HostSlots.take_updates`; the rows travel as two packed matrices,
-`pack`) with the next step, which writes them (`write`, in
-`step.writing_slots`) before it samples: an admission costs no dispatch of
-its own. A steady decode step sends none (padding rows, already on the
-device). Only the steps that do not carry them (a bookkeeping-only,
-multi-step or speculative step, or more rows than the bucket's `num_seqs`)
-have them written by a small scatter of their own first
-(`Runner.write_slots`). A finished sequence's row is simply left behind: nothing
+exact NumPy copy (`HostSlots`), marks the rows it changes, and before the
+next dispatch sends only those (`HostSlots.take_updates`, applied by one
+small jitted scatter, `write`, with the state donated; the rows travel as
+two packed matrices, `pack`). A steady decode
+step sends none. A finished sequence's row is simply left behind: nothing
 reads a slot that no live sequence holds, and the next sequence to take it
 overwrites all of it.
 

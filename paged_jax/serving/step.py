@@ -2,9 +2,7 @@
 
 `device_step` is pure: the cache, the block state and the last sampled token
 of every sequence slot go in and come out, and nothing else changes; each
-slot's sampling parameters (`slot_state.SlotState`) are read there too (the
-runner's step writes the rows bound since the last step into them first,
-`writing_slots`). It
+slot's sampling parameters (`slot_state.SlotState`) are read there too. It
 runs on a `(data, model)` device mesh of any shape -- one device is a 1x1
 mesh -- with every data shard's block state, last tokens, slot state and
 inputs stacked on a leading `[data]` axis: the bookkeeping runs once per data
@@ -225,46 +223,6 @@ def over_pools(mesh: Mesh, fn, states, *args, **kwargs):
   by_data = P(sharding.DATA)
   return jax.shard_map(local, mesh=mesh, in_specs=(by_data,) * (1 + len(args)),
                        out_specs=by_data, check_vma=False)(states, *args)
-
-
-@flax.struct.dataclass
-class SlotRows:
-  """Slot-state rows sent with a step (`U`: the bucket's `num_seqs`; on the
-  runner's arrays a leading `[data]` axis): the rows bound since the last
-  step (`slot_state.HostSlots.take_updates`, packed by `slot_state.pack`),
-  padded with slot -1 (dropped)."""
-
-  slots: jax.Array  # i32[U]  the slot each row writes; -1 = padding
-  ints: jax.Array  # i32[U, 4 + MAX_BANNED + B]  (`slot_state.packed_widths`)
-  floats: jax.Array  # f32[U, 2 + B]
-
-
-def write_slot_rows(mesh: Mesh, slots: slot_state_lib.SlotState,
-                    rows: SlotRows) -> slot_state_lib.SlotState:
-  """`slots` (every data shard's, stacked) with `rows` written
-  (`slot_state.write`), each shard its own; a shard whose rows are all
-  padding skips the scatter (a `lax.cond` per shard, `over_pools`)."""
-  def write(state, r):
-    return jax.lax.cond(
-        jnp.any(r.slots >= 0),
-        lambda st: slot_state_lib.write(st, r.slots, r.ints, r.floats),
-        lambda st: st, state)
-  return over_pools(mesh, write, slots, rows)
-
-
-def writing_slots(step_fn, slots_arg: int, mesh: Mesh):
-  """`step_fn`, a step whose positional argument `slots_arg` is the slot
-  state (read only), as a step that takes one more positional argument, a
-  `SlotRows`, writes it into the slot state before `step_fn` runs (so its
-  sampling reads the rows bound since the last step: an admission costs no
-  dispatch of its own) and returns the written slot state first, then
-  `step_fn`'s outputs. Jit it with the slot state donated."""
-  @functools.wraps(step_fn)
-  def wrapped(*args, **kwargs):
-    *args, rows = args
-    args[slots_arg] = write_slot_rows(mesh, args[slots_arg], rows)
-    return (args[slots_arg],) + tuple(step_fn(*args, **kwargs))
-  return wrapped
 
 
 def on_one_pool(fn, args: tuple[int, ...], outs: tuple[int, ...]):

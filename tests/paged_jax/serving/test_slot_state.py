@@ -156,44 +156,23 @@ def test_device_slot_state_matches_the_from_scratch_rows(monkeypatch, seed):
 
 
 def test_a_steady_decode_step_writes_no_slot_row():
-  """The rows an admission or a fork binds travel with the next step, which
-  writes them before sampling (`step.writing_slots`): no scatter of their
-  own (`Runner.write_slots`); a steady decode step writes none."""
   engine = _engine()
   runner = engine._runner  # pylint: disable=protected-access
   pool = engine._pools[0]  # pylint: disable=protected-access
   for i in range(2):
-    engine.add_request(Request(i, [1, 2, 3 + i], SamplingParams(max_new_tokens=12, seed=40 + i)))
-  engine.step()  # admits both: their two rows go with the step
-  assert runner.slot_writes == 0 and pool._slots.rows_written == 2  # pylint: disable=protected-access
-  seeds = np.asarray(runner.slots.seeds[0])
-  assert sorted(seeds[[s.slot for s in pool._running]].tolist()) == [40, 41]  # pylint: disable=protected-access
+    engine.add_request(Request(i, [1, 2, 3 + i], SamplingParams(max_new_tokens=12)))
+  engine.step()  # admits both: one write of their two rows
+  assert runner.slot_writes == 1 and pool._slots.rows_written == 2  # pylint: disable=protected-access
   for _ in range(6):  # steady decode
     engine.step()
-  assert runner.slot_writes == 0 and pool._slots.rows_written == 2  # pylint: disable=protected-access
+  assert runner.slot_writes == 1 and pool._slots.rows_written == 2  # pylint: disable=protected-access
   engine.add_request(Request("n", [4, 5], SamplingParams(n=2, max_new_tokens=3)))
-  engine.step()  # its prompt (one row), and its second sample, bound at commit
-  # (before this step is dispatched: both rows go with it)
-  assert pool._slots.rows_written == 4 and pool._slots.num_pending == 0  # pylint: disable=protected-access
+  engine.step()  # its prompt (one row), and its second sample, forked at commit
+  assert runner.slot_writes == 2 and pool._slots.rows_written == 4  # pylint: disable=protected-access
   engine.step()  # the fork runs; nothing new to write
   engine.step()
-  assert runner.slot_writes == 0 and pool._slots.rows_written == 4  # pylint: disable=protected-access
+  assert runner.slot_writes == 2
   engine.run_until_done()
-
-
-def test_more_slot_rows_than_a_step_carries_get_a_scatter_of_their_own():
-  """A step carries its bucket's `num_seqs` slot rows; more (many forks at
-  once) are written by a scatter of their own first, all of them."""
-  engine = _engine()
-  runner = engine._runner  # pylint: disable=protected-access
-  pool = engine._pools[0]  # pylint: disable=protected-access
-  for slot in (0, 3, 5):
-    pool._slots.bind(slot, SamplingParams(seed=7), 0, 2, frozenset())  # pylint: disable=protected-access
-  assert engine._slot_rows(2) is None and runner.slot_writes == 1  # pylint: disable=protected-access
-  assert np.asarray(runner.slots.seeds[0])[[0, 3, 5]].tolist() == [7, 7, 7]
-  pool._slots.bind(1, SamplingParams(seed=9), 0, 2, frozenset())  # pylint: disable=protected-access
-  rows = engine._slot_rows(2)  # pylint: disable=protected-access
-  assert runner.slot_writes == 1 and rows[0][0].tolist() == [1, -1]
 
 
 def test_a_step_with_nothing_to_compute_runs_no_model(monkeypatch):
@@ -203,9 +182,9 @@ def test_a_step_with_nothing_to_compute_runs_no_model(monkeypatch):
   dispatched = []
   original = Runner.dispatch
 
-  def dispatch(self, bucket, xs, swaps=None, rows=None):
+  def dispatch(self, bucket, xs, swaps=None):
     dispatched.append(xs[0])
-    return original(self, bucket, xs, swaps, rows)
+    return original(self, bucket, xs, swaps)
 
   monkeypatch.setattr(Runner, "dispatch", dispatch)
   engine = _engine()
