@@ -69,6 +69,12 @@ _pooled_bookkeeping_jit = jax.jit(
     donate_argnums=(0,), static_argnames=("num_logprobs",))
 
 
+def _shapes(xs) -> tuple:
+  """The pools' inputs' leaf shapes and dtypes: what fixes a program."""
+  return (len(xs),) + tuple((np.shape(a), np.asarray(a).dtype)
+                            for a in jax.tree.leaves(xs[0]))
+
+
 def _stack(*arrays) -> np.ndarray:
   """The pools' arrays (NumPy) stacked on a leading `[data]` axis (one: a
   view)."""
@@ -401,10 +407,10 @@ class Runner(MultiStepPrograms):
     pools' inputs `xs` (e.g. all padding, of the bucket an empty plan
     picks), unless compiled already; runs nothing. Returns the seconds spent
     (added to `compile_seconds`). Not with preemption by swap."""
-    specs = self._specs(xs)
-    shape = tuple((a.shape, a.dtype) for a in jax.tree.leaves(specs))
+    shape = _shapes(xs)
     if self.tier is not None or shape in self._bookkeepers:
       return 0.0
+    specs = self._specs(xs)
     if self._pooled():
       lower = lambda: _pooled_bookkeeping_jit.lower(  # noqa: E731
           self.state, specs, num_logprobs=self.num_logprobs)
@@ -425,7 +431,7 @@ class Runner(MultiStepPrograms):
     preemption by swap (`Engine` runs such a step as an ordinary one)."""
     if self.tier is not None:
       raise ValueError("a bookkeeping-only step does not carry swaps")
-    shape = tuple((a.shape, a.dtype) for a in jax.tree.leaves(self._specs(xs)))
+    shape = _shapes(xs)  # (no stacked copy just to look up the program)
     if shape not in self._bookkeepers:
       self.compile_bookkeeping(xs)
     self.state, out = self._bookkeepers[shape](self.state, self.place(xs))
