@@ -211,6 +211,10 @@ class PrefixIndex:
     self._hash_of = {int(new[b]): h for b, h in self._hash_of.items()}
     self._block_of = {h: int(new[b]) for h, b in self._block_of.items()}
 
+  def block_of(self, block_hash: bytes) -> int | None:
+    """The block indexed for `block_hash` (None if none)."""
+    return self._block_of.get(block_hash)
+
   def hash_of(self, block: int) -> bytes | None:
     """The hash indexed for `block` (None if it holds none)."""
     return self._hash_of.get(block)

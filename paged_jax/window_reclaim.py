@@ -202,3 +202,100 @@ def reclaim_host(pool, seq_ids: np.ndarray, num_new: np.ndarray,
               freed)
     pool.num_free += int(freed.size)
   pool._set(pool.tables, (s[row], col), NULL_BLOCK)  # pylint: disable=protected-access
+
+
+def share_columns(window: int, block_size: int, share_blocks, share_counts,
+                  links=None):
+  """What a prefix-cache hit shares in a pool with a sliding window.
+
+  A hit of `n` blocks starts its sequence at `n * block_size` tokens; its
+  future queries see only columns from `c = block_manager.
+  reclaimable_columns(window, n * block_size)` on. The pool shares its blocks
+  of columns `c .. n - 1`, and the columns before `c` stay `NULL_BLOCK`,
+  exactly the table reclamation would have left: a hit needs only its last
+  window cached, and the blocks before it may have been evicted (the host
+  marks them -1).
+
+  Args:
+    window: the pool's window (tokens).
+    block_size: tokens per block.
+    share_blocks: `i32[H, width]` the hits' blocks, per column (entries
+      before `c` and past `n` are ignored).
+    share_counts: `i32[H]` blocks each hit covers (`n`; 0 on padding rows,
+      taken as 1).
+    links: `i32[anchor_blocks]` or None. With it, `share_blocks` name another
+      pool's blocks (a hybrid model's global pool, `serving.pooled_step`) and
+      `links[b]` is this pool's block holding the same tokens (-1 none);
+      None: `share_blocks` are this pool's.
+
+  Returns:
+    `(blocks i32[H, width], counts i32[H], rows i32[H, width], skip i32[H])`:
+    the blocks and counts to hand `block_manager.share` (columns `c ..
+    n - 1` shifted to the front: `n - c` blocks, at least 1), the table rows
+    the sequences must end with (`NULL_BLOCK` before `c`), and `c`.
+  """
+  xp = jnp if isinstance(share_blocks, jax.Array) else np
+  n = xp.maximum(share_counts, 1)
+  skip = bm.reclaimable_columns(window, n * block_size, block_size)
+  width = share_blocks.shape[1]
+  cols = xp.arange(width, dtype=np.int32)[None, :]
+
+  def mine(blocks):
+    if links is None:
+      return blocks
+    return links[xp.clip(blocks, 0, links.shape[0] - 1)]
+
+  shifted = xp.take_along_axis(share_blocks, xp.clip(cols + skip[:, None], 0, width - 1),
+                               axis=1)
+  blocks = xp.where(cols < (n - skip)[:, None], mine(shifted), NULL_BLOCK).astype(np.int32)
+  rows = xp.where((cols >= skip[:, None]) & (cols < n[:, None]), mine(share_blocks),
+                  NULL_BLOCK).astype(np.int32)
+  return blocks, (n - skip).astype(np.int32), rows, skip
+
+
+def share(state: bm.BlockState, seq_ids: jax.Array, block_ids: jax.Array,
+          num_shared: jax.Array, *, links=None) -> tuple[bm.BlockState, jax.Array]:
+  """`block_manager.share` in a pool with a window: each hit takes only the
+  blocks its future queries see (`share_columns`), the table before them
+  `NULL_BLOCK`, and `num_shared * block_size` tokens.
+
+  Args:
+    state: a `BlockState` with `window` and prefix caching.
+    seq_ids: `i32[H]` empty sequence slots (-1 padding: refused, unchanged).
+    block_ids: `i32[H, width]` the hits' blocks per column (see
+      `share_columns`; with `links`, another pool's).
+    num_shared: `i32[H]` blocks each hit covers.
+    links: see `share_columns`.
+
+  Returns:
+    `(state, ok bool[H])`, `ok` as `block_manager.share`'s.
+  """
+  blocks, counts, rows, _ = share_columns(state.window, state.block_size,
+                                          block_ids, num_shared, links)
+  state, ok = bm.share(state, seq_ids, blocks, counts)
+  write = jnp.where(ok, seq_ids, state.max_seqs)  # past the end: dropped
+  state = state.replace(
+      block_tables=state.block_tables.at[write].set(rows, mode="drop"),
+      seq_lens=state.seq_lens.at[write].set(
+          jnp.maximum(num_shared, 1) * state.block_size, mode="drop"))
+  return state, ok
+
+
+def share_host(pool, seq_ids: np.ndarray, block_ids: np.ndarray,
+               num_shared: np.ndarray, *, links=None) -> np.ndarray:
+  """`share` on a `host_pool.HostPool` (in place, journaled).
+
+  Returns:
+    `ok bool[H]`.
+  """
+  blocks, counts, rows, _ = share_columns(pool.window, pool.block_size,
+                                          np.asarray(block_ids),
+                                          np.asarray(num_shared), links)
+  seq_ids = np.asarray(seq_ids)
+  ok = pool.share(seq_ids, blocks, counts)
+  if ok.any():
+    s = seq_ids[ok]
+    pool._set(pool.tables, s, rows[ok])  # pylint: disable=protected-access
+    n = np.maximum(np.asarray(num_shared)[ok], 1)
+    pool._set(pool.lens, s, n * pool.block_size)  # pylint: disable=protected-access
+  return ok

@@ -408,8 +408,12 @@ class HostPool(Reserving):
     """`bookkeeping`'s share (skipped when it has no entry, as on the
     device) and its `cache_ok bool[R + H]` (True on padding rows) from the
     registrations' `reg_ok` (None: none ran)."""
-    share_ok = (self.share(share_seqs, share_blocks, np.maximum(share_counts, 1))
-                if real(share_seqs) else None)
+    if not real(share_seqs):
+      share_ok = None
+    elif self.window is None:
+      share_ok = self.share(share_seqs, share_blocks, np.maximum(share_counts, 1))
+    else:  # only the hit's last window, as `step.bookkeeping`
+      share_ok = window_reclaim.share_host(self, share_seqs, share_blocks, share_counts)
     if reg_ok is None and share_ok is None:
       return np.ones(register_seqs.shape[0] + share_seqs.shape[0], bool)
     if reg_ok is None:

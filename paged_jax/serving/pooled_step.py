@@ -35,7 +35,7 @@ every pool (one length for all). Its future queries in a local pool of
 window `w` see only columns from `c = block_manager.reclaimable_columns(w, n
 * block_size)` on, so that pool shares its linked blocks of columns `c ..
 n - 1` and leaves `0 .. c - 1` as `NULL_BLOCK`, exactly the table
-reclamation would have left (`window_share`). The host shortens each hit to
+reclamation would have left (`window_reclaim.share_columns`). The host shortens each hit to
 the longest `n` for which every local pool's links of those columns are
 live (`window_pool.PooledHost.usable_hit`): so the hit length is the same
 in every pool, and a local pool that lost part of the last window (evicted,
@@ -44,6 +44,8 @@ wrong K/V.
 """
 
 from __future__ import annotations
+
+import functools
 
 import flax
 import jax
@@ -102,45 +104,6 @@ class PooledState:
     return self.states[0].seq_lens
 
 
-def window_share(window: int, block_size: int, links, share_blocks,
-                 share_counts):
-  """A local pool's part of prefix-cache hits given in anchor blocks.
-
-  A hit of `n` blocks starts the sequence at `n * block_size` tokens; its
-  future queries see only columns from `c = reclamation's
-  reclaimable_columns(window, n * block_size)` on. The local pool shares
-  its blocks linked to the anchor's columns `c .. n - 1` (`links[anchor
-  block]`), and the columns before `c` stay `NULL_BLOCK`, as if reclaimed.
-
-  Args:
-    window: the pool's window (tokens).
-    block_size: tokens per block.
-    links: `i32[anchor_blocks]` anchor block -> this pool's block (-1 none).
-    share_blocks: `i32[H, width]` the hits' anchor blocks.
-    share_counts: `i32[H]` blocks each hit shares.
-
-  Returns:
-    `(blocks i32[H, width], counts i32[H], rows i32[H, width], skip i32[H])`:
-    the shifted blocks and counts to hand `block_manager.share` (`n - c`
-    blocks, at least 1), the table rows the sequences must end with
-    (`NULL_BLOCK` before `c`) and `c`.
-  """
-  xp = jnp if isinstance(share_blocks, jax.Array) else np
-  n = xp.maximum(share_counts, 1)
-  skip = bm.reclaimable_columns(window, n * block_size, block_size)
-  width = share_blocks.shape[1]
-  cols = xp.arange(width, dtype=np.int32)[None, :]
-  anchor = xp.take_along_axis(share_blocks, xp.clip(cols + skip[:, None], 0, width - 1),
-                              axis=1)
-  inside = cols < (n - skip)[:, None]
-  mine = links[xp.clip(anchor, 0, links.shape[0] - 1)]
-  blocks = xp.where(inside, mine, NULL_BLOCK).astype(np.int32)
-  full = links[xp.clip(share_blocks, 0, links.shape[0] - 1)]
-  rows = xp.where((cols >= skip[:, None]) & (cols < n[:, None]), full,
-                  NULL_BLOCK).astype(np.int32)
-  return blocks, (n - skip).astype(np.int32), rows, skip
-
-
 def _link_registrations(links, anchor_tables, local_tables, register_seqs,
                         register_cols):
   """`links` after this step's registrations: each registered anchor block
@@ -159,7 +122,7 @@ def _local_bookkeeping(state: bm.BlockState, links, anchor_tables,
                        share_blocks, share_counts, seq_ids, q_lens):
   """`step.bookkeeping` on a local pool with prefix caching: registrations
   of blocks this pool already reclaimed are skipped, and hits share the
-  linked blocks of the last window (`window_share`).
+  linked blocks of the last window (`window_reclaim.share`).
 
   Returns:
     `(state, links, fork_ok, Reservation, cache_ok)` as `step.bookkeeping`.
@@ -175,14 +138,8 @@ def _local_bookkeeping(state: bm.BlockState, links, anchor_tables,
   state, _ = unless(bm.release, state, release_early)
   state, fork_ok = unless(bm.fork, state, fork_parents, fork_children)
   state, _ = unless(bm.release, state, release_late)
-  blocks, counts, rows, _ = window_share(state.window, state.block_size, links,
-                                         share_blocks, share_counts)
-  state, share_ok = unless(bm.share, state, share_seqs, blocks, counts)
-  write = jnp.where(share_ok, share_seqs, state.max_seqs)
-  state = state.replace(
-      block_tables=state.block_tables.at[write].set(rows, mode="drop"),
-      seq_lens=state.seq_lens.at[write].set(
-          jnp.maximum(share_counts, 1) * state.block_size, mode="drop"))
+  state, share_ok = unless(functools.partial(window_reclaim.share, links=links),
+                           state, share_seqs, share_blocks, share_counts)
   cache_ok = jnp.concatenate([cache_ok, share_ok | (share_seqs < 0)])
   state, res = bm.reserve(state, seq_ids, q_lens)
   return state, links, fork_ok, res, cache_ok

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from paged_jax import block_manager as bm
 from paged_jax import prefix_cache
 from paged_jax.serving.requests import PENDING, Seq
 from paged_jax.serving.window_pool import PooledHost
@@ -84,13 +85,16 @@ class PrefixCaching:
     limit = prefix_cache.max_hit_blocks(len(seq.tokens), bs)
     self._extend_hashes(seq, limit)
     hashes = seq.hashes[:limit]
-    blocks = self._index.lookup(hashes)
-    # Blocks this very step registers (computed by an earlier step, not in
-    # the index until the step is accepted) are hits too: `share` runs after
-    # `register` in the step's bookkeeping.
-    same_step = self._registering_by_hash
-    while len(blocks) < len(hashes) and hashes[len(blocks)] in same_step:
-      blocks.append(same_step[hashes[len(blocks)]])
+    if getattr(self._pool, "window", None) is not None:  # one windowed pool
+      blocks = self._window_hit(hashes)
+    else:
+      blocks = self._index.lookup(hashes)
+      # Blocks this very step registers (computed by an earlier step, not in
+      # the index until the step is accepted) are hits too: `share` runs after
+      # `register` in the step's bookkeeping.
+      same_step = self._registering_by_hash
+      while len(blocks) < len(hashes) and hashes[len(blocks)] in same_step:
+        blocks.append(same_step[hashes[len(blocks)]])
     blocks = self._extend_hit(seq, hashes, blocks)  # the host level's, if any
     if isinstance(self._pool, PooledHost):  # what every window's pool holds
       blocks = self._pool.usable_hit(blocks, self._registering)
@@ -98,6 +102,31 @@ class PrefixCaching:
       self._shares[seq] = blocks
       seq.num_cached = len(blocks) * bs
       seq.num_registered = len(blocks)
+
+  def _window_hit(self, hashes: list) -> list[int]:
+    """The hit of `hashes` in a pool whose every layer has one sliding window
+    (`window_reclaim.share`): the longest `n` whose columns `c(n) .. n - 1`
+    (`c` = `block_manager.reclaimable_columns(window, n * block_size)`, what
+    the next query sees) are all indexed or registered by this step; the
+    columns before `c(n)` need not be cached (-1 in the list: they are never
+    read). [] if none."""
+    bs, window = self.config.block_size, self._pool.window
+    same_step = self._registering_by_hash
+    index = self._index
+    found = []
+    for h in hashes:
+      b = index.block_of(h)
+      found.append(same_step.get(h, -1) if b is None else b)
+    best, run = 0, 0
+    for j, b in enumerate(found):  # run: indexed columns ending at j
+      run = run + 1 if b >= 0 else 0
+      n = j + 1
+      if run and run >= n - bm.reclaimable_columns(window, n * bs, bs):
+        best = n
+    if not best:
+      return []
+    skip = bm.reclaimable_columns(window, best * bs, bs)
+    return [-1] * skip + found[skip:best]
 
   def _collect_registrations(self, seq: Seq):
     """Queues `seq`'s full, computed blocks not registered yet (`Candidate`s)
@@ -142,10 +171,10 @@ class PrefixCaching:
           if self._register_due is not None:
             self._register_due.append(seq)
         continue
-      if h in self._index or h in taken:
-        continue
-      taken.add(h)
       block = int(tables[slot, col])
+      if h in self._index or h in taken or block < 0:  # (< 0: slid out of a
+        continue  # window before its turn came, emptied uncached)
+      taken.add(h)
       self._registering.append(Registration(slot, col, h, block))
       self._registering_by_hash[h] = block
 

@@ -13,10 +13,11 @@
 
 Not supported, and why:
 
-* prefix caching on a model with no global layer (Mistral: every layer
-  local, one pool): hits are anchored on a global pool's blocks
-  (`pooled_step`'s "Prefix caching"); a hybrid model (Gemma 2, 3) has one,
-  and runs prefix caching with reclamation;
+* prefix caching on a model with several windows and no global layer:
+  hits are anchored on a global pool's blocks (`pooled_step`'s "Prefix
+  caching"). A hybrid model (Gemma 2, 3) has one; a model whose layers all
+  share one window (Mistral) has one pool, where a hit needs only its last
+  window cached (`window_reclaim.share`, `prefix.PrefixCaching._lookup`);
 * the prefix cache's host level (`kv_offloading_size`): it copies whole
   prefixes of one pool;
 * swap preemption: the swap tier copies `ceil(L / bs)` blocks per sequence;
@@ -94,9 +95,10 @@ def config_conflict(config) -> str | None:
 def caching_conflict(config, pools: tuple | None) -> str | None:
   """Why prefix caching cannot run with reclamation for a model of `pools`
   (`model_window`'s; None: every layer in one window), or None."""
-  if config.enable_prefix_caching and (pools is None or None not in pools):
+  if config.enable_prefix_caching and pools is not None and None not in pools:
     return ("enable_prefix_caching=True is not supported with it for a model "
-            "without global layers (hits are anchored on the global pool)")
+            "with several windows and no global layer (hits are anchored on "
+            "the global pool)")
   return None
 
 

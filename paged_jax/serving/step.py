@@ -333,8 +333,12 @@ def bookkeeping(state: bm.BlockState, register_seqs, register_cols,
     state, _ = _unless_empty(bm.release, state, release_late)
   if state.prefix_caching:
     # Padding rows ask for 1 block of slot -1: refused, nothing changes.
-    state, share_ok = _unless_empty(bm.share, state, share_seqs, share_blocks,
-                                    jnp.maximum(share_counts, 1))
+    if state.window is None:
+      state, share_ok = _unless_empty(bm.share, state, share_seqs, share_blocks,
+                                      jnp.maximum(share_counts, 1))
+    else:  # only the hit's last window (`window_reclaim.share`)
+      state, share_ok = _unless_empty(window_reclaim.share, state, share_seqs,
+                                      share_blocks, share_counts)
     cache_ok = jnp.concatenate([cache_ok, share_ok | (share_seqs < 0)])
   state, res = bm.reserve(state, seq_ids, q_lens)
   return state, fork_ok, res, cache_ok

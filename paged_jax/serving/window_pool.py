@@ -196,7 +196,7 @@ class PooledHost:
   def usable_hit(self, blocks: list, registering=()) -> list:
     """The longest prefix of a hit's anchor `blocks` that every pool can
     serve: `n` blocks where each local pool holds, linked, the blocks of the
-    columns the next query sees (`pooled_step.window_share`). `registering`
+    columns the next query sees (`window_reclaim.share_columns`). `registering`
     are this step's `prefix.Registration`s (linked by this step: their local
     block is the one at their slot and column now). Without prefix caching,
     `blocks` unchanged."""
@@ -279,16 +279,9 @@ class PooledHost:
     pool.release(release_early)
     fork_ok = pool.fork(fork_parents, fork_children)
     pool.release(release_late)
-    blocks, counts, rows, _ = pooled_step.window_share(
-        pool.window, pool.block_size, self.links[g], np.asarray(share_blocks),
-        np.asarray(share_counts))
     share_seqs = np.asarray(share_seqs)
-    share_ok = pool.share(share_seqs, blocks, counts)
-    if share_ok.any():
-      s = share_seqs[share_ok]
-      pool._set(pool.tables, s, rows[share_ok])  # pylint: disable=protected-access
-      n = np.maximum(np.asarray(share_counts)[share_ok], 1)
-      pool._set(pool.lens, s, n * pool.block_size)  # pylint: disable=protected-access
+    share_ok = window_reclaim.share_host(pool, share_seqs, share_blocks,
+                                         share_counts, links=self.links[g])
     cache_ok = np.concatenate([cache_ok, share_ok | (share_seqs < 0)])
     res = pool.reserve(seq_ids, q_lens)
     window_reclaim.reclaim_host(pool, seq_ids, q_lens, res.ok)

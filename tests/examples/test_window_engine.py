@@ -27,6 +27,7 @@ from paged_jax.speculative import SpeculativeConfig
 from tests.examples.conftest import (assert_mirror_is_the_device_state,
                                      random_requests)
 from paged_jax.serving import pooled_step
+from paged_jax.serving import prefix as prefix_lib
 from tests.examples.test_prefix_engine import _poison, _poison_unowned_blocks
 
 WINDOW, BS = 10, 4
@@ -240,26 +241,46 @@ def _poison_empty_blocks(engine):
   """Every block on a pool's free stack (reclaimed or released, not cached)
   all NaN: a hit or a step reading one shows in the tokens."""
   runner = engine._runner  # pylint: disable=protected-access
-  runner.cache = tuple(
-      _poison(c, np.isin(np.arange(s.num_blocks),
-                         np.asarray(s.free_stack)[:int(s.num_free)]))
-      for c, s in zip(runner.cache, engine.block_state.states))
+  empty = [np.isin(np.arange(s.num_blocks), np.asarray(s.free_stack)[:int(s.num_free)])
+           for s in _states(engine)]
+  if isinstance(engine.block_state, pooled_step.PooledState):
+    runner.cache = tuple(_poison(c, e) for c, e in zip(runner.cache, empty))
+  else:
+    runner.cache = _poison(runner.cache, empty[0])
 
 
-@pytest.mark.parametrize("num_blocks", [
-    pytest.param(40, marks=pytest.mark.slow), 20])  # the suite's time
-def test_prefix_caching_with_reclamation(gemma3, num_blocks):
-  """Prefix caching on a hybrid model with reclamation: hits occur, the
-  greedy tokens are those with neither (every empty block NaN after every
-  step), the host model (links included) and the index match the device at
-  every step, and every block of every pool ends free or cached. 20 blocks
-  are too few to keep every sequence: preemptions and evictions."""
+@pytest.mark.parametrize("kind, num_blocks", [
+    pytest.param("gemma3", 40, marks=pytest.mark.slow),  # the suite's time
+    ("gemma3", 20), ("mistral", 16)])
+def test_prefix_caching_with_reclamation(request, monkeypatch, kind, num_blocks):
+  """Prefix caching with reclamation, on a hybrid model (a pool per window,
+  hits anchored on the global pool) and on one whose every layer has the
+  window (one pool: a hit needs only its last window cached): hits occur,
+  the greedy tokens are those with neither (every empty block NaN after
+  every step), the host model (links included) and the index match the
+  device at every step, and every block of every pool ends free or cached.
+  The pools are too small to keep every sequence: preemptions and
+  evictions. On one pool, some hits are longer than the cached chain from
+  the first block: their blocks before the last window were evicted."""
+  model = request.getfixturevalue(kind)
+  beyond = []  # one pool: hits longer than the chain from column 0
+  window_hit = prefix_lib.PrefixCaching._window_hit  # pylint: disable=protected-access
+
+  def spy(self, hashes):
+    blocks = window_hit(self, hashes)
+    beyond.append(len(blocks) > len(self._index.lookup(hashes)))  # pylint: disable=protected-access
+    return blocks
+
+  monkeypatch.setattr(prefix_lib.PrefixCaching, "_window_hit", spy)
   requests = _shared_prefix_requests()
-  want = _run(_engine(gemma3, 256, sliding_window_reclamation=False), requests,
+  want = _run(_engine(model, 256, sliding_window_reclamation=False), requests,
               checked=False)
-  engine = _engine(gemma3, num_blocks, enable_prefix_caching=True,
+  engine = _engine(model, num_blocks, enable_prefix_caching=True,
                    admission_headroom_steps=0)
-  assert engine.reclamation.pools == (WINDOW, None)
+  if kind == "gemma3":
+    assert engine.reclamation.pools == (WINDOW, None)
+  else:
+    assert engine.block_state.window == WINDOW
   assert engine.block_state.prefix_caching
   for r in requests:
     assert engine.add_request(r) is None
@@ -283,24 +304,20 @@ def test_prefix_caching_with_reclamation(gemma3, num_blocks):
   for state in _states(engine):  # every block back: free or cached
     assert int(state.num_free) + int(state.num_cached) == state.num_blocks
     assert int(np.sum(np.asarray(state.refcounts))) == 0
-  if num_blocks == 20:
+  if num_blocks <= 20:
     assert st.preemptions > 0 and st.prefix_blocks_evicted > 0, st
+  assert any(beyond) == (kind == "mistral"), beyond
 
 
-def test_prefix_caching_needs_a_global_pool(mistral, caplog):
-  """A model whose every layer is local has no pool to anchor hits on:
-  reclamation is off with prefix caching (auto), refused when asked."""
-  with caplog.at_level(logging.INFO, logger="paged_jax.serving"):
-    engine = _engine(mistral, 64, enable_prefix_caching=True)
-  field = "enable_prefix_caching=True is not supported with it for a model without global"
-  assert not engine.reclamation.on
-  assert field in engine.reclamation.reason
-  assert f"sliding-window reclamation off: {field}" in caplog.text
-  with pytest.raises(ValueError, match=f"sliding_window_reclamation=True: {field}"):
-    _engine(mistral, 64, enable_prefix_caching=True, sliding_window_reclamation=True)
+def test_prefix_caching_over_windows_needs_a_global_pool():
+  """Pools of windows with no global one have no pool to anchor hits on."""
   with pytest.raises(ValueError, match=r"needs a global pool .* got windows=\(10,\)"):
     pooled_step.init([8], [WINDOW], block_size=BS, max_seqs=2,
                      max_blocks_per_seq=4, prefix_caching=True)
+  assert reclamation.caching_conflict(
+      EngineConfig(num_blocks=8, enable_prefix_caching=True), (10, 20))
+  assert reclamation.caching_conflict(
+      EngineConfig(num_blocks=8, enable_prefix_caching=True), None) is None
 
 
 @pytest.mark.parametrize("kw, field", [

@@ -86,12 +86,13 @@ def test_device_and_host_reclaim_alike_and_keep_the_window(window, num_blocks, s
 
 
 @jax.jit
-def _caching_step(state, reg_seqs, reg_cols, release, seq_ids, q_lens):
-  """`step.bookkeeping` with registrations, then `reclaim`."""
+def _caching_step(state, reg_seqs, reg_cols, release, share_seqs, share_blocks,
+                  share_counts, seq_ids, q_lens):
+  """`step.bookkeeping` with registrations and hits, then `reclaim`."""
   none = jnp.full((2,), -1, jnp.int32)
   state, _, res, cache_ok = step_lib.bookkeeping(
       state, reg_seqs, reg_cols, release, none, none, jnp.full_like(release, -1),
-      none, jnp.zeros((2, WIDTH), jnp.int32), none, seq_ids, q_lens)
+      share_seqs, share_blocks, share_counts, seq_ids, q_lens)
   state = window_reclaim.reclaim(state, seq_ids, q_lens, res.ok,
                                  max_new_tokens=12, deferred_columns=12 // BS + 1)
   return state, res.ok, cache_ok
@@ -103,12 +104,15 @@ def test_reclaimed_registered_blocks_are_cached_alike(window, num_blocks, seed):
   the ring, in release order), an unregistered one emptied, a step's newly
   full blocks kept one step longer (`reclaim_stop`), on the device and in
   the host model alike; a registration of a reclaimed column is refused.
-  Every block ends free or cached."""
+  A hit shares only the blocks of its last window (`window_reclaim.share`):
+  the entries before it are ignored (here random, or -1 as the host sends
+  them) and the table starts `NULL_BLOCK` there. Every block ends free or
+  cached."""
   rng = np.random.default_rng(seed)
   state = bm.init(num_blocks=num_blocks, block_size=BS, max_seqs=SEQS,
                   max_blocks_per_seq=WIDTH, window=window, prefix_caching=True)
   pool = HostPool(state)
-  cached_any = False
+  cached_any = shared_any = False
   for _ in range(25):
     tables, lens = np.asarray(state.block_tables), np.asarray(state.seq_lens)
     live = np.flatnonzero(lens > 0)
@@ -125,17 +129,41 @@ def test_reclaimed_registered_blocks_are_cached_alike(window, num_blocks, seed):
     seq_ids[:k] = rng.permutation(SEQS)[:k]
     q_lens = rng.integers(1, 13, size=SEQS).astype(np.int32)
     none = np.full(2, -1, np.int32)
+    share_seqs, share_counts = none.copy(), np.zeros(2, np.int32)
+    share_blocks = rng.integers(-1, num_blocks, size=(2, WIDTH)).astype(np.int32)
+    cacheable = np.flatnonzero(np.asarray(state.cacheable))
+    empty = np.flatnonzero(lens == 0)
+    if empty.size and cacheable.size and rng.random() < 0.5:
+      n = int(rng.integers(1, 6))
+      skip = int(bm.reclaimable_columns(window, n * BS, BS))
+      if n - skip <= cacheable.size:
+        share_seqs[0], share_counts[0] = rng.choice(empty), n
+        share_blocks[0, skip:n] = rng.permutation(cacheable)[:n - skip]
+        if rng.random() < 0.5:
+          share_blocks[0, :skip] = -1
     _, res, cache_ok = pool.bookkeeping(
         reg_seqs, reg_cols, release, none, none, np.full(SEQS, -1, np.int32),
-        none, np.zeros((2, WIDTH), np.int32), none, seq_ids, q_lens)
+        share_seqs, share_blocks, share_counts, seq_ids, q_lens)
     state, ok, dev_cache_ok = _caching_step(state, *map(jnp.asarray, (
-        reg_seqs, reg_cols, release, seq_ids, q_lens)))
+        reg_seqs, reg_cols, release, share_seqs, share_blocks, share_counts,
+        seq_ids, q_lens)))
     np.testing.assert_array_equal(res.ok, np.asarray(ok))
     np.testing.assert_array_equal(cache_ok, np.asarray(dev_cache_ok))
     _assert_equal(pool, state)
     bm.check_invariants(state)
+    if share_seqs[0] >= 0 and dev_cache_ok[4] and share_seqs[0] not in seq_ids:
+      # the hit was taken (and the slot did not grow in the step)
+      shared_any = True
+      row = np.asarray(state.block_tables)[share_seqs[0]]
+      skip = int(bm.reclaimable_columns(window, share_counts[0] * BS, BS))
+      np.testing.assert_array_equal(row[skip:share_counts[0]],
+                                    share_blocks[0, skip:share_counts[0]])
+      assert np.all(row[:skip] == bm.NULL_BLOCK)
+      taken = share_blocks[0, skip:share_counts[0]]
+      assert np.all(np.asarray(state.refcounts)[taken] >= 1)
     cached_any |= int(state.num_cached) > 0 and bool(np.any(np.asarray(state.refcounts) > 0))
   assert cached_any  # blocks were cached while sequences still ran
+  assert shared_any
   tables, lens = np.asarray(state.block_tables), np.asarray(state.seq_lens)
   slid = np.flatnonzero((tables[:, 0] < 0) & (lens > 0))
   assert slid.size  # a live sequence whose first column was reclaimed
