@@ -4,6 +4,7 @@
     PYTHONPATH=. python benchmarks/hybrid_reclaim.py --quick  # smoke test
     PYTHONPATH=. python benchmarks/hybrid_reclaim.py --max-num-seqs 32  # batch no cap
     PYTHONPATH=. python benchmarks/hybrid_reclaim.py --prefix 384  # prefix caching
+    PYTHONPATH=. python benchmarks/hybrid_reclaim.py --layers mistral --prefix 384
 
 A Gemma-3-shaped random model (6 layers: 5 local of window 64 to 1 global;
 hidden 64, 4 query / 2 KV heads of 16, float32) serves 24 greedy requests
@@ -18,6 +19,9 @@ median wall, output tokens/s, peak and mean running sequences, preemptions,
 token rows computed; the greedy outputs are checked equal. The ideal is
 `hybrid_capacity.plan_hybrid`'s ratio at the requests' mean length. Results
 in benchmarks/results/hybrid_reclaim.json.
+
+`--layers mistral`: every layer local (window 64), one pool (Mistral's
+shape) instead of the Gemma-3 pattern. Results get `_mistral` in the name.
 
 `--prefix P`: both engines with `enable_prefix_caching=True`, and every
 prompt of a run is one shared prefix of `P` tokens and a distinct tail of
@@ -40,7 +44,8 @@ from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.stats import Gauge
 
 WINDOW, BS, NUM_BLOCKS = 64, 16, 160
-TYPES = ("sliding_attention",) * 5 + ("full_attention",)
+LAYERS = {"gemma3": ("sliding_attention",) * 5 + ("full_attention",),
+          "mistral": ("sliding_attention",) * 6}
 
 
 def _requests(rng, count, prompt=(256, 641)):
@@ -66,10 +71,14 @@ def main():
   p.add_argument("--prefix", type=int, default=0,
                  help="shared-prefix tokens, with prefix caching on in both engines "
                  "(0: section 15b's workload, no caching)")
+  p.add_argument("--layers", choices=sorted(LAYERS), default="gemma3",
+                 help="the layer pattern: gemma3 (5 local : 1 global, a pool per "
+                 "window) or mistral (every layer local, one pool)")
   args = p.parse_args()
   quick = args.quick
   cfg = model_lib.LlamaConfig.tiny(num_layers=6, sliding_window=WINDOW,
-                                   layer_types=TYPES, max_position_embeddings=1024)
+                                   layer_types=LAYERS[args.layers],
+                                   max_position_embeddings=1024)
   model = model_lib.init_model(cfg, seed=0)
   count = 6 if quick else args.num_requests
   if args.prefix:
@@ -86,9 +95,14 @@ def main():
               enable_prefix_caching=bool(args.prefix))
   engines = {"on": Engine(model, EngineConfig(**base)),
              "off": Engine(model, EngineConfig(**base, sliding_window_reclamation=False))}
-  assert engines["on"].reclamation.pools == (WINDOW, None)
-  pools = [s.num_blocks for s in engines["on"].block_state.states]
-  layer_blocks_on = 5 * pools[0] + pools[1]
+  if args.layers == "gemma3":
+    assert engines["on"].reclamation.pools == (WINDOW, None)
+    pools = [s.num_blocks for s in engines["on"].block_state.states]
+    layer_blocks_on = 5 * pools[0] + pools[1]
+  else:
+    assert engines["on"].block_state.window == WINDOW
+    pools = [engines["on"].block_state.num_blocks]
+    layer_blocks_on = 6 * pools[0]
   for k, e in engines.items():
     e.warmup()
     common.serve_timed(e, warm, f"warm-{k}")  # first-run costs outside the timed runs
@@ -119,8 +133,10 @@ def main():
       groups=hybrid_capacity.groups_from_windows([s.sliding_window for s in cfg.layer_specs]),
       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=BS,
       context=mean_len, kv_dtype="float32")
-  out = {"model": "gemma3-shaped tiny: 6 layers (5 local w=64 : 1 global), hidden 64, "
-                  "2 KV heads x 16, f32",
+  out = {"model": ("gemma3-shaped tiny: 6 layers (5 local w=64 : 1 global)"
+                   if args.layers == "gemma3" else
+                   "mistral-shaped tiny: 6 layers, all local w=64")
+                  + ", hidden 64, 2 KV heads x 16, f32",
          "requests": len(reqs), "config": base, "pools_on": pools,
          "layer_blocks": {"on": layer_blocks_on, "off": NUM_BLOCKS * 6},
          "repeats": len(walls["on"]), "load_average": os.getloadavg(),
@@ -138,7 +154,7 @@ def main():
   print("on / off tokens/s:", round(out["tokens_per_s_ratio"], 3),
         "mean running ratio:", round(out["mean_running_ratio"], 3),
         "ideal:", round(plan.ratio, 3), "load:", os.getloadavg())
-  name = "hybrid_reclaim" + ("" if args.max_num_seqs == 16 else f"_b{args.max_num_seqs}") + (
+  name = "hybrid_reclaim" + ("" if args.layers == "gemma3" else f"_{args.layers}") + ("" if args.max_num_seqs == 16 else f"_b{args.max_num_seqs}") + (
       "" if args.num_requests == 24 else f"_n{args.num_requests}") + (
       f"_prefix{args.prefix}" if args.prefix else "")
   print("wrote", common.write_json(args.out, name, out, quick=quick))

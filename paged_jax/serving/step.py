@@ -163,7 +163,9 @@ def device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
   hidden, cache = model.paged_forward(tokens_in.reshape(-1), meta, cache)
   if states.window is not None:  # blocks no future query sees go back
     states = jax.vmap(functools.partial(
-        window_reclaim.reclaim, max_new_tokens=num_tokens))(
+        window_reclaim.reclaim, max_new_tokens=num_tokens,
+        # register rows >= max_tokens_per_step // block_size (`prefix.register_rows`)
+        deferred_columns=x.register_seqs.shape[1] + 1))(
             states, x.seq_ids, x.q_lens, res.ok)
   # Each shard's sample rows index its own token rows: gather locally.
   hidden = hidden.reshape(data, num_tokens, -1)

@@ -309,6 +309,32 @@ def test_prefix_caching_with_reclamation(request, monkeypatch, kind, num_blocks)
   assert any(beyond) == (kind == "mistral"), beyond
 
 
+def test_prefix_caching_on_one_pool_with_a_window_under_a_block():
+  """A window shorter than a block (3 tokens, blocks of 4), so a 16-token
+  chunk defers more columns (kept for registration, `reclaim_stop`) than a
+  4-row decode step makes invisible: the decode step's reclamation must reach
+  back to them, as the host's does (the fingerprints compared at every step).
+  One long prompt twice, the second after the first finished: the second
+  hits, greedy tokens equal to caching and reclamation off."""
+  model = model_lib.init_model(model_lib.LlamaConfig.tiny(sliding_window=3), seed=5)
+  rng = np.random.default_rng(7)
+  prompt = rng.integers(3, 512, size=61).tolist()
+  reqs = [Request(i, prompt, SamplingParams(max_new_tokens=6)) for i in range(2)]
+  want, got = [], []
+  for out, kw in ((want, dict(sliding_window_reclamation=False)),
+                  (got, dict(enable_prefix_caching=True))):
+    engine = _engine(model, 64, **kw)
+    for r in reqs:
+      assert engine.add_request(r) is None
+      while engine.has_unfinished():
+        for o in engine.step():
+          out.append(o.completions[0].token_ids)
+        assert_mirror_is_the_device_state(engine)
+  assert engine.block_state.window == 3 and engine.block_state.prefix_caching
+  assert engine.stats.prefix_hit_tokens > 0, engine.stats
+  assert got == want
+
+
 def test_prefix_caching_over_windows_needs_a_global_pool():
   """Pools of windows with no global one have no pool to anchor hits on."""
   with pytest.raises(ValueError, match=r"needs a global pool .* got windows=\(10,\)"):
