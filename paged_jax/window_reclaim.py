@@ -32,13 +32,13 @@ num_tokens / block_size), not O(batch x max_blocks_per_seq). Freed blocks go
 on the free stack in ascending block id, as `block_manager.release` pushes
 them, so both sides hand out the same ids next.
 
-With prefix caching (a hybrid model's local pools, `serving.pooled_step`),
-a reclaimed block that was registered is cached, not emptied, exactly as a
+With prefix caching (one windowed pool, or a hybrid model's local pools,
+`serving.pooled_step`), a reclaimed block that was registered is cached, not emptied, exactly as a
 released one (`block_manager._unref`; `reclaim_host` appends it to the ring
 in the same release order): it still counts as available, and serves hits
-until an allocation evicts it. Not with speculative decoding (its rollback
-would need the reclaimed blocks back), multi-step decode (blocks reserved on
-the device, no per-step reclaim), swap preemption or a mesh:
+until an allocation evicts it. Multi-step decode reclaims after each of its
+loop's iterations (one pool). Not with speculative decoding (its rollback
+would need the reclaimed blocks back), swap preemption or a mesh:
 `paged_jax.serving.reclamation` decides where it runs.
 
 Example:

@@ -13,6 +13,10 @@ runs `EngineConfig.num_scheduler_steps` decode steps in ONE jitted program:
   cross block boundaries), copies a shared partial block if needed, computes
   the rows' next token from the one sampled before and samples.
 
+With a sliding window on the pool (`window_reclaim`), each iteration gives
+back, after the model, the blocks its rows made invisible, as a single step
+does.
+
 A row stops inside the loop (its later iterations reserve, write and attend
 nothing) when it samples one of its stop ids (`SamplingParams.stop_ids`),
 when it reaches its budget (`max_new_tokens`, `max_model_len`: the host's
@@ -40,6 +44,7 @@ from jax.sharding import Mesh
 from paged_jax import block_manager as bm
 from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import step_metadata as step_metadata_lib
+from paged_jax import window_reclaim
 from paged_jax.serving.step import (ModelDef, StepInputs, _sample, device_step,
                                     input_tokens, sample_rows,
                                     state_fingerprint, store_tokens)
@@ -127,6 +132,7 @@ def multistep_device_step(model_def: ModelDef, params,
   top_ids = jnp.zeros((K,) + out0.top_ids.shape, jnp.int32).at[0].set(out0.top_ids)
   refused = jnp.zeros((rows,), bool)
   safe_slots = jnp.maximum(x.seq_ids, 0)
+  deferred = x.register_seqs.shape[0] + 1  # as `step.device_step`'s bound
 
   def cond(carry):
     j, active = carry[0], carry[4]
@@ -147,6 +153,9 @@ def multistep_device_step(model_def: ModelDef, params,
         state, x.seq_ids, x.q_lens, num_tokens=rows, active=ok,
         decode_only=True)
     hidden, cache = model.paged_forward(last_tokens[safe_slots], meta, cache)
+    if state.window is not None:  # as `step.device_step`: after the model
+      state = window_reclaim.reclaim(state, seq, active.astype(jnp.int32), ok,
+                                     max_new_tokens=1, deferred_columns=deferred)
     tok, tlp, tid, tok_lp = _sample(model.logits(hidden),
                                     rows0.replace(positions=rows0.positions + j),
                                     num_logprobs)

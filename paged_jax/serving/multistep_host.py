@@ -28,6 +28,7 @@ import dataclasses
 
 import numpy as np
 
+from paged_jax import window_reclaim
 from paged_jax.serving.multistep import (MAX_STOP_IDS, MultiStepInputs,
                                          MultiStepOutputs)
 from paged_jax.serving.results import Pending
@@ -115,7 +116,10 @@ class MultiStep:
     pool = self._pool
     for j in range(1, int((counts + refused).max(initial=0))):
       tried = (counts > j) | (refused & (counts == j))
-      res = pool.reserve(np.where(tried, ms.seq_ids, -1), tried.astype(np.int32))
+      seq, grow = np.where(tried, ms.seq_ids, -1), tried.astype(np.int32)
+      res = pool.reserve(seq, grow)
+      if pool.window is not None:  # the loop's reclamation (`multistep.py`)
+        window_reclaim.reclaim_host(pool, seq, grow, res.ok)
       if not np.array_equal(res.ok[tried], counts[tried] > j):
         raise RuntimeError("the device's reservations inside the multi-step "
                            "loop differ from the host model's (engine bug)")

@@ -23,8 +23,9 @@ Not supported, and why:
 * swap preemption: the swap tier copies `ceil(L / bs)` blocks per sequence;
 * speculative decoding: its rollback (`block_manager.truncate`) would need
   blocks already given back;
-* multi-step decode (`num_scheduler_steps > 1`): its steps reserve on the
-  device with no reclamation between them;
+* multi-step decode (`num_scheduler_steps > 1`) on a hybrid model: its loop
+  runs one pool (on one pool, Mistral, each iteration reclaims as a single
+  step does);
 * a mesh: the sharded step runs its own bookkeeping.
 
 Hybrid models (Gemma 2, Gemma 3: local and global layers) get one pool per
@@ -86,15 +87,17 @@ def config_conflict(config) -> str | None:
     return "preemption_mode='swap' is not supported with it"
   if config.speculative_config is not None:
     return "speculative_config (speculative decoding) is not supported with it"
-  if config.num_scheduler_steps > 1:
-    return (f"num_scheduler_steps={config.num_scheduler_steps} (multi-step "
-            "decode) is not supported with it")
   return None
 
 
 def caching_conflict(config, pools: tuple | None) -> str | None:
-  """Why prefix caching cannot run with reclamation for a model of `pools`
-  (`model_window`'s; None: every layer in one window), or None."""
+  """Why the engine's features cannot run with reclamation for a model of
+  `pools` (`model_window`'s; None: every layer in one window), or None:
+  prefix caching and multi-step decode need one pool, or a global one."""
+  if config.num_scheduler_steps > 1 and pools is not None:
+    return (f"num_scheduler_steps={config.num_scheduler_steps} (multi-step "
+            "decode) is not supported with it for a model with a pool per "
+            "window")
   if config.enable_prefix_caching and pools is not None and None not in pools:
     return ("enable_prefix_caching=True is not supported with it for a model "
             "with several windows and no global layer (hits are anchored on "

@@ -97,6 +97,12 @@ def _run(engine, requests, *, checked: bool) -> dict:
   while engine.has_unfinished():
     for o in engine.step():
       outs[o.request_id] = o
+    pending = engine._pending  # pylint: disable=protected-access
+    if checked and pending is not None and pending.multi is not None:
+      # a K-step dispatch: the host replays its loop when it resolves it
+      engine._resolve_pending()  # pylint: disable=protected-access
+      for o in engine._take_outputs():  # pylint: disable=protected-access
+        outs[o.request_id] = o
     if checked:
       assert_mirror_is_the_device_state(engine)
       for state in _states(engine):
@@ -352,7 +358,6 @@ def test_prefix_caching_over_windows_needs_a_global_pool():
     (dict(preemption_mode="swap", swap_space_blocks=8), "preemption_mode='swap'"),
     (dict(speculative_config=SpeculativeConfig(num_speculative_tokens=2)),
      "speculative_config"),
-    (dict(num_scheduler_steps=4), "num_scheduler_steps=4"),
 ])
 def test_unsupported_features_turn_it_off_or_refuse(gemma3, caplog, kw, field):
   with caplog.at_level(logging.INFO, logger="paged_jax.serving"):
@@ -363,6 +368,29 @@ def test_unsupported_features_turn_it_off_or_refuse(gemma3, caplog, kw, field):
   assert f"sliding-window reclamation off: {field}" in caplog.text
   with pytest.raises(ValueError, match=rf"sliding_window_reclamation=True: .*{field}"):
     EngineConfig(num_blocks=64, sliding_window_reclamation=True, **kw)
+
+
+def test_multistep_reclaims_in_its_loop_on_one_pool(gemma3, mistral, caplog):
+  """Multi-step decode (K = 4) on one windowed pool reclaims after each of
+  its loop's iterations: greedy tokens equal a single-step engine keeping
+  every block, the host model equals the device after every dispatch, every
+  sequence holds at most `MAX_HELD` blocks, freed blocks NaN, and K-step
+  dispatches ran. On a hybrid model (a pool per window) reclamation is off
+  (auto) or refused (True)."""
+  requests = _requests(seed=3)
+  want = _run(_engine(mistral, 64, sliding_window_reclamation=False), requests,
+              checked=False)
+  engine = _engine(mistral, 64, num_scheduler_steps=4)
+  assert engine.block_state.window == WINDOW
+  assert _run(engine, requests, checked=True) == want
+  assert engine.stats.multistep_tokens > 0, engine.stats
+  assert _all_free(engine)
+  field = "num_scheduler_steps=4 (multi-step decode) is not supported with it"
+  with caplog.at_level(logging.INFO, logger="paged_jax.serving"):
+    hybrid = _engine(gemma3, 64, num_scheduler_steps=4)
+  assert not hybrid.reclamation.on and field in hybrid.reclamation.reason
+  with pytest.raises(ValueError, match=re.escape(f"sliding_window_reclamation=True: {field}")):
+    _engine(gemma3, 64, num_scheduler_steps=4, sliding_window_reclamation=True)
 
 
 def test_explicit_true_refuses_a_model_or_mesh_it_cannot_serve(model, mistral):
