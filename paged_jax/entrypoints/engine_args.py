@@ -24,8 +24,14 @@ from paged_jax.models import loader
 MAX_SIMULATED_DEVICES = 512
 # (--min-bucket, --bucket-midpoints) when not given. A real model's step
 # shape takes seconds to compile on CPU, the tiny one's a fraction of that:
-# fewer shapes for it (7 per engine instead of 15 at the default sizes).
-STEP_SHAPE_DEFAULTS = {"tiny": (1, True), "real": (4, False)}
+# no shapes under 4 rows for it. Both keep the 1.5x midpoints: without them
+# a mixed step of a full batch's decodes plus one admitted prompt (`B` +
+# a few dozen rows) pads to `2B`, and vLLM's ShareGPT-like comparison
+# (batch 32, 256-token budget) computed 1.29x its real token rows (8 shapes)
+# against 1.12x with them (14 shapes; benchmarks/RESULTS.md 7h, the
+# devstep3 note). JAX's persistent compilation cache pays the extra shapes'
+# compile once per machine.
+STEP_SHAPE_DEFAULTS = {"tiny": (1, True), "real": (4, True)}
 
 # Ranges of the flags that set no `EngineConfig` / `SamplingParams` field,
 # checked while parsing (one line, exit 2). A flag that sets a field parses
@@ -152,8 +158,7 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_model: str = "tiny")
                    f"{STEP_SHAPE_DEFAULTS['real'][0]} for a real one)")
   eng.add_argument("--bucket-midpoints", action=argparse.BooleanOptionalAction,
                    help="also the 1.5x midpoints between powers of two (less "
-                   "padding, about twice the shapes; default: on for the tiny "
-                   "model, off for a real one)")
+                   "padding, about twice the shapes; default on)")
   eng.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=True,
                    help="dispatch each step before reading the previous step's "

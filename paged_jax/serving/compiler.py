@@ -24,7 +24,10 @@ step (`[32, 512] @ [512, 2048]`, weights read once per step) ran at ~15-30
 GFLOP/s, and the decode step of the random 30.7M Llama took 0.84x the time
 without them, the 8 layers' matmuls alone 0.4-0.8x at 4-32 rows; at 64 rows
 and more YNNPACK was faster, so wider steps keep it (`benchmarks/RESULTS.md`
-7f). A setting of that flag in your own `XLA_FLAGS` wins.
+7f). Mixed (prefill) steps keep XLA's defaults at every size: a batch-1
+engine's 32-token prefill step took 0.84-0.87x the CPU time with them than
+without (12 tokens: 0.93x; the devstep3 note). The runners pass rows for
+their decode steps only. A setting of that flag in your own `XLA_FLAGS` wins.
 """
 
 from __future__ import annotations

@@ -300,7 +300,10 @@ class Runner(MultiStepPrograms):
     compiled yet, in parallel; runs nothing. Returns the seconds spent."""
     jobs = {(self._key, b): self._lowerer(b, xs) for b, xs in inputs.items()
             if b not in self._steps}
-    done, seconds = compiler.compile_all(jobs, rows={k: k[1].num_tokens for k in jobs})
+    # Only decode steps take the CPU dots option (`compiler.compiler_options`);
+    # a mixed step of as few rows ran faster with XLA's defaults.
+    done, seconds = compiler.compile_all(
+        jobs, rows={k: k[1].num_tokens for k in jobs if k[1].decode_only})
     for (_, b), exe in done.items():
       self._steps[b] = exe
     self.compile_seconds += seconds

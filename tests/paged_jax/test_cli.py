@@ -139,6 +139,25 @@ def test_model_dependent_defaults_are_filled_in_and_flags_win():
   assert (args.min_bucket, args.bucket_midpoints, args.no_bucket_midpoints) == (8, False, True)
 
 
+def test_real_model_default_pads_a_full_batch_plus_a_prompt_below_2x(monkeypatch):
+  # The mixed step of continuous batching: a full batch's decodes plus one
+  # admitted prompt. Without midpoints the real model's default padded 45
+  # rows to 64 (vllm_compare's ShareGPT-like run: 1.29x rows in all).
+  from paged_jax.entrypoints import engine_args, generate  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving import buckets  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving.engine import EngineConfig  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(engine_args, "model_kind", lambda model: "real")
+  args = generate.parse_and_check(["--model", "tiny", "--max-num-seqs", "32",
+                                   "--max-num-batched-tokens", "256"])
+  engine_args.load_model(args)
+  config = EngineConfig(num_blocks=64, max_batch=32, max_tokens_per_step=256,
+                        min_bucket=args.min_bucket, bucket_midpoints=args.bucket_midpoints)
+  step = buckets.choose(config.buckets, num_tokens=32 - 1 + 14, num_seqs=32,
+                        decode_only=False)
+  assert step.num_tokens == 48
+  assert len(config.buckets) <= 14  # decode 4..32, mixed 32..256
+
+
 def test_no_fetch_env_never_runs_pip(no_smollm2, monkeypatch):
   monkeypatch.setenv(loader.NO_FETCH_ENV, "1")
   with pytest.raises(loader.ModelNotAvailable, match="is not installed: pip install"):
