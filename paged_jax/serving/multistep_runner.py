@@ -54,9 +54,10 @@ class MultiStepPrograms:
 
     def lowerer(b, x, m):
       specs = jax.tree.map(compiler.spec, (x, m))
+      held = [self.arg_spec(n) for n in ("cache", "state", "last_tokens", "slots")]
       return lambda: self._multistep_jit_for(b, num_steps).lower(
-          self._model_def, self._params, self.cache, self.state, self.last_tokens,
-          self.slots, *specs, num_steps=num_steps, num_logprobs=self.num_logprobs)
+          self._model_def, self._params, *held, *specs, num_steps=num_steps,
+          num_logprobs=self.num_logprobs)
     jobs = {(self._key, "multistep", num_steps, b): lowerer(b, x, m)
             for b, (x, m) in inputs.items() if (b, num_steps) not in self._multi}
     done, seconds = compiler.compile_all(jobs, rows={k: k[3].num_tokens for k in jobs})

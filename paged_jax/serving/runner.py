@@ -44,6 +44,8 @@ from paged_jax.serving.step import ModelDef, StepInputs, StepOutputs, device_ste
 
 _STATIC = ("decode_only", "num_logprobs")
 _SWAP_DONATE = (2, 3, 4, 5)  # preemption by swap (`swap.py`): the host tier too
+# The arrays a runner holds and passes to its programs (`Runner.arg_spec`).
+_HELD = ("cache", "state", "tier", "last_tokens", "slots")
 
 # The step variants written for one pool, on a 1x1 mesh's arrays (stacked
 # per data shard, `[1, ...]`: `step.on_one_pool`).
@@ -150,6 +152,7 @@ class Runner(MultiStepPrograms):
       self.prefix_host_blocks = prefix_tier.num_host_blocks(
           config.kv_offloading_size, self.cache.bytes_per_block)
       self.host_cache = kv_offload.NumpyHostPool(self.cache, self.prefix_host_blocks)
+    self._remember_shardings()
     # What fixes the executables besides the bucket (`compiler.signature`;
     # `max_logit_bias` is the width of two step inputs).
     self._key = (self._model_def, self.mesh, num_logprobs, config.max_logit_bias,
@@ -221,6 +224,7 @@ class Runner(MultiStepPrograms):
     is in their shapes)."""
     self.config, self.state = config, self._per_shard(state)
     self.cache = sharding.shard_cache(cache, self.mesh)
+    self._remember_shardings()
     self._steps.clear()
     self._multi.clear()
     self._bookkeepers.clear()
@@ -232,12 +236,34 @@ class Runner(MultiStepPrograms):
     """A hybrid model's pool per window (`pooled_step.PooledState`)."""
     return isinstance(self.state, pooled_step.PooledState)
 
-  def _donated(self) -> tuple:
+  def _donated_names(self) -> tuple[str, ...]:
     """The arrays donated to every step, in the step's argument order (then
     the slot state, read only)."""
     if self.tier is None:
-      return self.cache, self.state, self.last_tokens
-    return self.cache, self.state, self.tier, self.last_tokens
+      return "cache", "state", "last_tokens"
+    return "cache", "state", "tier", "last_tokens"
+
+  def _donated(self) -> tuple:
+    return tuple(getattr(self, n) for n in self._donated_names())
+
+  def _remember_shardings(self):
+    """Keeps the shardings the runner's arrays were made with (see
+    `arg_spec`)."""
+    self._made_with = {n: [getattr(a, "sharding", None)
+                           for a in jax.tree.leaves(getattr(self, n))]
+                       for n in _HELD}
+
+  def arg_spec(self, name: str):
+    """The runner's array `name` (one of `_HELD`) as the abstract value a
+    program lowers with: its shapes and dtypes, and the shardings it was
+    made with. The arrays a step returns have equivalent shardings that may
+    be spelled otherwise (on a 1x1 mesh, an empty spec): lowered as they
+    are, a program compiled on first use after other steps would be
+    another XLA module (another persistent-cache key) than `Engine.warmup`'s
+    of the same shapes."""
+    leaves, treedef = jax.tree.flatten(getattr(self, name))
+    return treedef.unflatten([compiler.spec(a, s) for a, s in
+                              zip(leaves, self._made_with[name], strict=True)])
 
   def write_slots(self, updates: list[tuple[np.ndarray, np.ndarray, np.ndarray]]):
     """Writes the changed rows of each pool's slot state (`HostSlots.
@@ -290,8 +316,9 @@ class Runner(MultiStepPrograms):
     specs = (self._specs(xs),)
     if self.tier is not None:
       specs += (jax.tree.map(compiler.spec, self._no_swaps()),)
+    held = [self.arg_spec(n) for n in self._donated_names() + ("slots",)]
     return lambda: self._jit_for(bucket).lower(
-        self._model_def, self._params, *self._donated(), self.slots, *specs,
+        self._model_def, self._params, *held, *specs,
         decode_only=bucket.decode_only, num_logprobs=self.num_logprobs)
 
   def compile(self, inputs: dict[Bucket, list[StepInputs]]) -> float:
@@ -413,18 +440,19 @@ class Runner(MultiStepPrograms):
     shape = _shapes(xs)
     if self.tier is not None or shape in self._bookkeepers:
       return 0.0
-    specs = self._specs(xs)
-    if self._pooled():
-      lower = lambda: _pooled_bookkeeping_jit.lower(  # noqa: E731
-          self.state, specs, num_logprobs=self.num_logprobs)
-    else:
-      lower = lambda: _bookkeeping_jit.lower(  # noqa: E731
-          self.state, specs, mesh=self.mesh, num_logprobs=self.num_logprobs)
     key = (self._key, "bookkeeping", shape)
-    done, seconds = compiler.compile_all({key: lower})
+    done, seconds = compiler.compile_all({key: self._bookkeeping_lowerer(xs)})
     self._bookkeepers[shape] = done[key]
     self.compile_seconds += seconds
     return seconds
+
+  def _bookkeeping_lowerer(self, xs: list[StepInputs]):
+    specs, state = self._specs(xs), self.arg_spec("state")
+    if self._pooled():
+      return lambda: _pooled_bookkeeping_jit.lower(
+          state, specs, num_logprobs=self.num_logprobs)
+    return lambda: _bookkeeping_jit.lower(
+        state, specs, mesh=self.mesh, num_logprobs=self.num_logprobs)
 
   def dispatch_bookkeeping(self, xs: list[StepInputs]) -> StepOutputs:
     """Launches the bookkeeping of a step with no entries

@@ -263,6 +263,15 @@ def _budget(x: StepInputs, s: SpecInputs) -> int:
   return s.tokens.shape[0] - x.seq_ids.shape[0]
 
 
+def _lowerer(runner, b, x: StepInputs, s: SpecInputs):
+  """A function lowering the verification step of bucket `b` for inputs of
+  `x`'s and `s`'s shapes (the runner's arrays as `Runner.arg_spec`)."""
+  specs = jax.tree.map(compiler.spec, (x, s))
+  held = [runner.arg_spec(n) for n in ("cache", "state", "last_tokens", "slots")]
+  return lambda: _jit_for(runner, b, s.drafts.shape[1], _budget(x, s)).lower(
+      runner._model_def, runner._params, *held, *specs)  # pylint: disable=protected-access
+
+
 def compile_spec(runner, inputs: list) -> float:
   """Compiles the verification step of every `(bucket, StepInputs,
   SpecInputs)` in `inputs` that `runner` lacks (keyed by bucket, `k` and
@@ -271,19 +280,11 @@ def compile_spec(runner, inputs: list) -> float:
   if runner.mesh.size > 1:
     raise ValueError("speculative decoding runs on one device, not on a mesh")
   steps = runner.__dict__.setdefault("_spec_steps", {})
-
-  def lowerer(b, x, s):
-    specs = jax.tree.map(compiler.spec, (x, s))
-    k, budget = s.drafts.shape[1], _budget(x, s)
-    return lambda: _jit_for(runner, b, k, budget).lower(
-        runner._model_def, runner._params, runner.cache, runner.state,  # pylint: disable=protected-access
-        runner.last_tokens, runner.slots, *specs)
-
   jobs = {}
   for b, x, s in inputs:
     key = (b, s.drafts.shape[1], _budget(x, s))
     if key not in steps:
-      jobs[(runner._key, "spec") + key] = lowerer(b, x, s)  # pylint: disable=protected-access
+      jobs[(runner._key, "spec") + key] = _lowerer(runner, b, x, s)  # pylint: disable=protected-access
   done, seconds = compiler.compile_all(jobs)
   for (_, _, *key), exe in done.items():
     steps[tuple(key)] = exe

@@ -21,9 +21,11 @@ from paged_jax.speculative import SpeculativeConfig
 from tests.examples.conftest import (assert_mirror_is_the_device_state, assert_pool_empty,
                                      random_requests)
 
-# One decode shape (2 rows) and two mixed ones (4, 8): few programs to compile.
+# One decode shape (2 rows) and one mixed one (8 tokens): few programs to
+# compile (each costs ~5 s of CPU on JAX 0.12; several mixed shapes are
+# test_engine.py's test_steps_never_retrace's).
 SIZES = dict(block_size=4, max_batch=2, max_tokens_per_step=8, max_model_len=64,
-             min_bucket=4, bucket_midpoints=False)
+             min_bucket=8, bucket_midpoints=False)
 POOL = 48
 IDENTICAL = SpeculativeConfig(method="draft_model", num_speculative_tokens=3,
                               adaptive=False)

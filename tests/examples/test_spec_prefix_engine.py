@@ -25,10 +25,10 @@ NGRAM = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
                           prompt_lookup_max=3, adaptive=False)
 IDENTICAL = SpeculativeConfig(method="draft_model", num_speculative_tokens=3,
                               adaptive=False)
-# test_draft_engine's sizes (one decode shape: few programs) and a pool
-# that preempts.
+# test_draft_engine's sizes (one decode and one mixed shape: few programs)
+# and a pool that preempts.
 SIZES = dict(block_size=4, max_batch=2, max_tokens_per_step=8, max_model_len=64,
-             min_bucket=2, bucket_midpoints=False, num_blocks=20,
+             min_bucket=8, bucket_midpoints=False, num_blocks=20,
              admission_headroom_steps=0)
 PASSAGE = [30, 41, 52, 63, 74, 85, 96]
 

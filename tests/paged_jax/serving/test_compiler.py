@@ -50,3 +50,44 @@ def test_a_trace_counted_step_is_the_same_program_named_after_its_bucket():
     texts.append(engine._runner._lowerer(bucket, xs)().as_text())  # pylint: disable=protected-access
   assert texts[0] == texts[1]
   assert f"@jit_decode_step_{bucket.num_tokens}x{bucket.num_seqs}" in texts[0]
+
+
+def test_a_step_first_used_after_other_steps_is_the_warm_up_program():
+  """The arrays a step returns may carry their shardings spelled otherwise
+  (on one device, a 1x1 mesh, an empty spec); programs still lower with
+  the shardings the runner made its arrays with, so a step compiled on
+  first use after other steps ran is the module `Engine.warmup` compiles
+  (the persistent compilation cache serves either): the decode step, the
+  bookkeeping-only step and a verification step, lowered before and after
+  a request was served (a prefill step and a step of releases only)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from paged_jax.models.llama import model as model_lib  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving import spec_host, spec_step  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving.engine import Engine, EngineConfig  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving.requests import Request  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving.sampling import SamplingParams  # pylint: disable=import-outside-toplevel
+  from paged_jax.speculative import SpeculativeConfig  # pylint: disable=import-outside-toplevel
+  model = model_lib.init_model(model_lib.LlamaConfig.tiny(num_layers=1), seed=0)
+  spec = SpeculativeConfig(num_speculative_tokens=2, adaptive=False)
+  engine = Engine(model, EngineConfig(num_blocks=8, block_size=4, max_batch=2,
+                                      max_tokens_per_step=8, max_model_len=16,
+                                      speculative_config=spec))
+  runner = engine._runner  # pylint: disable=protected-access
+  decode = next(b for b in engine.buckets if b.decode_only)
+  xs = [p._build([], decode)[0] for p in engine._pools]  # pylint: disable=protected-access
+  S = xs[0].seq_ids.shape[0]
+  budget = spec_step.draft_budgets(S, 2)[0]
+  verify = spec_host._inputs(xs[0], [], np.zeros(S, np.int32), 2, budget)  # pylint: disable=protected-access
+
+  def programs():
+    return (runner.lower(decode, xs).as_text(),
+            runner._bookkeeping_lowerer(xs)().as_text(),  # pylint: disable=protected-access
+            spec_step._lowerer(runner, decode, xs[0], verify)().as_text())  # pylint: disable=protected-access
+
+  before = programs()
+  engine.add_request(Request(0, [5, 6, 7, 8, 9], SamplingParams(max_new_tokens=1)))
+  engine.run_until_done()
+  st = engine.stats
+  assert st.mixed_steps == 1 and st.decode_steps == 0 and st.bookkeeping_steps == 1
+  for name, a, b in zip(("decode", "bookkeeping", "verification"), before, programs()):
+    assert a == b, name
