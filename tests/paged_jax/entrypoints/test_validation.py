@@ -46,14 +46,16 @@ RULES = [
      r"min_tokens must be in \[0, max_new_tokens=5\], got 9",
      ["--max-new-tokens", "5", "--min-tokens", "9"],
      "error: --min-tokens must be in [0, --max-new-tokens 5], got 9\n"),
-    ("window reclamation refuses multi-step decode",
+    # (multi-step decode runs with it on one pool: refused per model, at
+    # `reclamation.decide`, tests/examples/test_window_engine.py)
+    ("window reclamation refuses preemption by swap",
      lambda: EngineConfig(num_blocks=8, sliding_window_reclamation=True,
-                          num_scheduler_steps=4),
-     r"sliding_window_reclamation=True: num_scheduler_steps=4 \(multi-step decode\) is "
-     "not supported",
-     ["--sliding-window-reclamation", "--num-scheduler-steps", "4"],
-     "error: --sliding-window-reclamation True: --num-scheduler-steps 4 (multi-step "
-     "decode) is not supported with it\n"),
+                          preemption_mode="swap", swap_space_blocks=8),
+     r"sliding_window_reclamation=True: preemption_mode='swap' is not supported",
+     ["--sliding-window-reclamation", "--preemption-mode", "swap",
+      "--swap-space-blocks", "8"],
+     "error: --sliding-window-reclamation True: --preemption-mode 'swap' is not "
+     "supported with it\n"),
     ("stop strings are not empty", lambda: SamplingParams(stop=("",)),
      "stop strings must be non-empty str, got",
      ["--prompt", "hi", "--stop", ""],
