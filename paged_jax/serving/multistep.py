@@ -132,7 +132,6 @@ def multistep_device_step(model_def: ModelDef, params,
   top_ids = jnp.zeros((K,) + out0.top_ids.shape, jnp.int32).at[0].set(out0.top_ids)
   refused = jnp.zeros((rows,), bool)
   safe_slots = jnp.maximum(x.seq_ids, 0)
-  deferred = x.register_seqs.shape[0] + 1  # as `step.device_step`'s bound
 
   def cond(carry):
     j, active = carry[0], carry[4]
@@ -154,8 +153,11 @@ def multistep_device_step(model_def: ModelDef, params,
         decode_only=True)
     hidden, cache = model.paged_forward(last_tokens[safe_slots], meta, cache)
     if state.window is not None:  # as `step.device_step`: after the model
+      # Each iteration grows a row by one token, so its stop column moves by
+      # at most one: one deferred column is the bound here (iteration 0,
+      # `device_step`, reclaimed what earlier steps deferred).
       state = window_reclaim.reclaim(state, seq, active.astype(jnp.int32), ok,
-                                     max_new_tokens=1, deferred_columns=deferred)
+                                     max_new_tokens=1, deferred_columns=1)
     tok, tlp, tid, tok_lp = _sample(model.logits(hidden),
                                     rows0.replace(positions=rows0.positions + j),
                                     num_logprobs)
