@@ -13,6 +13,7 @@ per decode step, the median per-round ratio to the first form, and whether
 the greedy tokens of every form equal the first's.
 
   PYTHONPATH=. python -m benchmarks.cpu_step_forms [--steps 40] [--batch 32]
+      [--model smollm2] [--forms scan-xla,noscan-xla]
 """
 
 from __future__ import annotations
@@ -41,15 +42,19 @@ XLA_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 def run(args) -> dict:
-  ckpt = pathlib.Path(tempfile.mkdtemp(prefix="cpu_step_forms_")) / "ckpt"
-  vllm_compare.write_checkpoint(ckpt)
-  base = loader.load(str(ckpt), scan_layers=True).model
+  if args.model:
+    base = loader.load(args.model, scan_layers=True).model
+  else:
+    ckpt = pathlib.Path(tempfile.mkdtemp(prefix="cpu_step_forms_")) / "ckpt"
+    vllm_compare.write_checkpoint(ckpt)
+    base = loader.load(str(ckpt), scan_layers=True).model
+  forms = args.forms
   batch, steps = args.batch, args.steps
   max_len = PROMPT + 4 + steps + 16
   engines, warmup_s = [], {}
   saved = dict(compiler.CPU_COMPILER_OPTIONS), compiler.CPU_XLA_DOTS_MAX_ROWS
   try:
-    for form in FORMS:
+    for form in forms:
       compiler.clear()  # the table's keys do not hold the options
       compiler.CPU_COMPILER_OPTIONS = dict(XLA_DOTS) if form.endswith("xla") else {}
       compiler.CPU_XLA_DOTS_MAX_ROWS = batch
@@ -71,7 +76,7 @@ def run(args) -> dict:
   finally:
     compiler.CPU_COMPILER_OPTIONS, compiler.CPU_XLA_DOTS_MAX_ROWS = saved
     compiler.clear()
-  walls = [[] for _ in FORMS]
+  walls = [[] for _ in forms]
   for _ in range(steps):
     for k, e in enumerate(engines):
       t = time.perf_counter()
@@ -80,22 +85,31 @@ def run(args) -> dict:
       walls[k].append(time.perf_counter() - t)
   tokens = [{o.request_id: list(o.completions[0].token_ids) for o in e.run_until_done()}
             for e in engines]
-  return {"batch": batch, "steps": steps, "warmup_s": warmup_s,
-          "ms_per_decode_step": {f: 1e3 * statistics.median(w) for f, w in zip(FORMS, walls)},
+  return {"model": args.model or "vllm_compare's random Llama", "batch": batch,
+          "steps": steps, "forms": list(forms), "warmup_s": warmup_s,
+          "ms_per_decode_step": {f: 1e3 * statistics.median(w) for f, w in zip(forms, walls)},
           "ratio_to_first": {f: statistics.median(b / a for a, b in zip(walls[0], w))
-                             for f, w in zip(FORMS, walls)},
-          "same_tokens_as_first": {f: t == tokens[0] for f, t in zip(FORMS, tokens)}}
+                             for f, w in zip(forms, walls)},
+          "same_tokens_as_first": {f: t == tokens[0] for f, t in zip(forms, tokens)}}
 
 
 def main(argv=None):
   p = common.parser(__doc__.split("\n\n")[0])
   p.add_argument("--steps", type=int, default=40)
   p.add_argument("--batch", type=int, default=32)
+  p.add_argument("--model", default=None,
+                 help="what loader.load takes (e.g. smollm2); default vllm_compare's "
+                      "random checkpoint")
+  p.add_argument("--forms", default=",".join(FORMS),
+                 help=f"comma-separated subset of {','.join(FORMS)}, the first the baseline")
   args = p.parse_args(argv)
+  args.forms = tuple(args.forms.split(","))
+  if bad := set(args.forms) - set(FORMS):
+    p.error(f"--forms: expected names from {FORMS}, got {sorted(bad)}")
   if args.quick:
     args.steps, args.batch = 3, 4
   r = run(args)
-  for f in FORMS:
+  for f in args.forms:
     print(f"{f:12s} {r['ms_per_decode_step'][f]:8.2f} ms/step  x{r['ratio_to_first'][f]:.3f}"
           f"  warm-up {r['warmup_s'][f]:.0f} s  same tokens {r['same_tokens_as_first'][f]}")
   path = common.write_json(args.out, "cpu_step_forms",

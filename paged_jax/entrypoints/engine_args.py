@@ -117,9 +117,11 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_model: str = "tiny")
   src.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="parameter/compute dtype (default: the checkpoint's; "
                    "float32 for GGUF, dequantised at load)")
-  src.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
-                   help="layers stacked under lax.scan (default), or separate and "
-                   "unrolled: no per-step weight copies on CPU, a larger program")
+  src.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help="layers stacked under lax.scan, or separate and unrolled "
+                   "(no per-step weight copies on CPU, a larger program: compile "
+                   "time grows with depth); default: separate on CPU for models of "
+                   f"up to {loader.CPU_SEPARATE_MAX_LAYERS} layers, stacked otherwise")
   src.add_argument("--disable-sliding-window", action="store_true",
                    help="run a sliding-window model (Mistral, Gemma 2/3) with full "
                    "attention in every layer (vLLM's flag): nothing to reclaim, and "

@@ -132,12 +132,44 @@ def load_gguf(path, *, dtype=None, implementation=None) -> LoadedModel:
   return LoadedModel(model, tokenizer, pathlib.Path(path).stem, str(path))
 
 
+CPU_SEPARATE_MAX_LAYERS = 16  # deepest model `load` separates on CPU by default
+
+
+def default_scan_layers(num_layers: int, backend: str | None = None) -> bool:
+  """Whether `load` stacks a model's layers under `lax.scan` when not told
+  (`scan_layers=None`): everywhere but on CPU, and on CPU for models of more
+  than `CPU_SEPARATE_MAX_LAYERS` layers.
+
+  XLA CPU cannot hand a dot a slice of a buffer at a dynamic offset, so a
+  scanned step copies each layer's weights out of the stack on every call
+  (425 MB per step for SmolLM2-135M's 30 layers, RESULTS 12). Separate layers
+  have none of those copies: the decode step of vllm_compare's 8-layer model
+  took 0.85x the time (RESULTS 7f), SmolLM2-135M's 0.72x at batch 1 and 0.77x
+  at batch 16 (RESULTS 7k). The price is compile time that grows with depth
+  (one unrolled program): at 8 layers the engine's warm-up took about 1.3x,
+  at 30 layers SmolLM2's engine compiled with 1.9x the CPU time and the
+  quick start's first run took 1.5x (RESULTS 7k). So deep models keep the
+  scan by default on CPU too; `scan_layers=False` (`--no-scan-layers`)
+  trades that compile, which the persistent compilation cache pays once per
+  machine, for faster steps. On TPU XLA fuses the slice into the dot, and the
+  scan keeps one small program at any depth.
+
+  Args:
+    num_layers: the model's decoder layers.
+    backend: a JAX platform name ("cpu", "gpu", "tpu"); default
+      `jax.default_backend()`.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  cpu = (backend or jax.default_backend()) == "cpu"
+  return not (cpu and num_layers <= CPU_SEPARATE_MAX_LAYERS)
+
+
 def load(model: str = DEFAULT_MODEL, *, dtype: str | None = None,
          implementation: str | None = None, seed: int = 0,
-         scan_layers: bool = True,
+         scan_layers: bool | None = None,
          disable_sliding_window: bool = False) -> LoadedModel:
   """The model `model` names (see the module doc), its layers stacked
-  (`scan_layers`, default) or separate (`Llama.with_scan_layers`), with or
+  (`scan_layers=True`) or separate (False, `Llama.with_scan_layers`), with or
   without its sliding window (`disable_sliding_window`).
 
   Args:
@@ -147,7 +179,9 @@ def load(model: str = DEFAULT_MODEL, *, dtype: str | None = None,
     implementation: attention backend.
     seed: the tiny model's weight seed.
     scan_layers: `LlamaConfig.scan_layers` (False: separate layers, unrolled;
-      on CPU no per-step weight copies, a larger program).
+      on CPU no per-step weight copies, a larger program); None (default):
+      `default_scan_layers(num_layers)`: separate on CPU up to
+      `CPU_SEPARATE_MAX_LAYERS` layers, stacked otherwise.
     disable_sliding_window: vLLM's `--disable-sliding-window`: full attention
       in every layer, sequences capped at the smallest window
       (`Llama.without_sliding_window`); no effect on a model without one.
@@ -158,6 +192,8 @@ def load(model: str = DEFAULT_MODEL, *, dtype: str | None = None,
     ValueError: a malformed checkpoint (one line naming the file).
   """
   loaded = _load(model, dtype=dtype, implementation=implementation, seed=seed)
+  if scan_layers is None:
+    scan_layers = default_scan_layers(loaded.model.config.num_layers)
   served = loaded.model.with_scan_layers(scan_layers)
   if disable_sliding_window:
     served = served.without_sliding_window()

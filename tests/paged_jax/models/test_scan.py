@@ -285,3 +285,17 @@ def test_with_scan_layers_converts_both_ways_and_the_loader_uses_it():
   assert isinstance(loaded.model.layers, nnx.List)
   np.testing.assert_array_equal(loaded.model.layers[1].mlp.up_proj.kernel[...],
                                 stacked.layers.mlp.up_proj.kernel[...][1])
+
+
+def test_the_loader_separates_shallow_models_on_cpu_only_by_default():
+  from paged_jax.models import loader  # pylint: disable=import-outside-toplevel
+  deepest = loader.CPU_SEPARATE_MAX_LAYERS
+  assert loader.default_scan_layers(deepest, "cpu") is False
+  assert loader.default_scan_layers(deepest + 1, "cpu") is True
+  assert loader.default_scan_layers(2, "tpu") is True
+  assert loader.default_scan_layers(2, "gpu") is True
+  assert loader.default_scan_layers(2) is (jax.default_backend() != "cpu")
+  model = loader.load("tiny", seed=2).model
+  assert model.config.scan_layers is loader.default_scan_layers(model.config.num_layers)
+  assert isinstance(model.layers, nnx.List) is (not model.config.scan_layers)
+  assert loader.load("tiny", seed=2, scan_layers=True).model.config.scan_layers
