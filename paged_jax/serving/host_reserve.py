@@ -12,9 +12,10 @@ by concern:
   `block_manager.reserve`'s in-order scan over the entries that take or copy
   a block (`_reserve`), evicting cached blocks last (`_evict`).
 * **The steady decode fast path** (`SteadyDecode`): after granting one token
-  to each of the same read-only `seq_ids`, the pool notes how many more such
-  steps stay within every entry's last block; those steps only add 1 to
-  each length (`_steady_step`).
+  to each of the same read-only `seq_ids`, the pool notes which entries
+  cross a block boundary at which later step (their lengths grow by one a
+  step); such steps add 1 to each length and give the crossing entries the
+  free stack's top blocks, with no scan of the entries (`_steady_step`).
 * **Shared read-only results** (`_granted`, `_no_copies`, `_no_forks`,
   `_no_evictions`): what most steps return, made once per shape, so such a
   step allocates and fills no array.
@@ -34,14 +35,32 @@ NULL = bm.NULL_BLOCK
 class SteadyDecode:
   """What `HostPool.reserve` knows of a steady decode step's arguments (the
   scheduler sends the same read-only `seq_ids` and `num_new`, one token per
-  entry, while its running rows stay the same): `steps` more such
-  reservations take no block and copy none (no entry's last block is full
-  or shared), so each one only adds 1 to the entries' lengths. Forgotten at
-  any other change of a length (`HostPool._set`) or a rollback."""
+  entry, while its running rows stay the same): each such reservation adds
+  1 to the entries' lengths, and an entry whose last block is full takes
+  the next block off the free stack (no entry's last block is shared, so
+  none copies). Which entries those are is known in advance: entry `i`
+  crosses a block boundary at the steps `j` (counted from 0 when this was
+  made) with `j % block_size == phase[i]`, `phase` = tokens left in its
+  last block. Forgotten at any other change of a length (`HostPool._set`)
+  or a rollback; a step that would evict a cached block or outgrow a
+  sequence leaves it to the general path.
 
-  seq_ids: np.ndarray  # the very arrays of the reservations it describes
+  Attributes:
+    seq_ids, num_new: the very arrays of the reservations it describes.
+    k: the leading entries (the rest are padding).
+    order: i64[k], the entries by `phase`, ascending (entry order within a
+      phase).
+    bounds: `order[bounds[p]:bounds[p + 1]]` are the entries of phase `p`
+      (a list of `block_size + 1` ints).
+    step: the steps reserved since it was made.
+  """
+
+  seq_ids: np.ndarray
   num_new: np.ndarray
-  steps: int
+  k: int
+  order: np.ndarray
+  bounds: list
+  step: int = 0
 
 
 @dataclasses.dataclass
@@ -81,9 +100,12 @@ class Reserving:
     seq_ids, num_new = np.asarray(seq_ids), np.asarray(num_new)
     n, ms = seq_ids.shape[0], self.max_seqs
     steady = self._steady
-    if (steady is not None and steady.steps and leading is not None
+    if (steady is not None and leading == steady.k
         and seq_ids is steady.seq_ids and num_new is steady.num_new):
-      return self._steady_step(steady, leading)
+      res = self._steady_step(steady)
+      if res is not None:
+        return res
+      self._steady = None  # (an eviction or a full sequence: the general path)
     null = self._no_copies(n)
     res = HostReservation(
         ok=None, copy_src=null, copy_dst=null,
@@ -115,26 +137,50 @@ class Reserving:
 
   def _steady_after(self, seq_ids, num_new, s, q) -> SteadyDecode | None:
     """The `SteadyDecode` of read-only reservations of one token for each of
-    the slots `s`, just granted; None where it does not apply."""
+    the slots `s`, just granted; None where it does not apply (a window, or
+    a last block shared: it would be copied)."""
     if self.window is not None or not s.size or int(q.min()) != 1 or int(q.max()) != 1:
       return None
+    bs = self.block_size
     lens = self.lens[s]
-    steps = int(((-lens) % self.block_size).min())  # tokens left in the last blocks
-    if steps and int(self.refs.max(initial=0)) > 1:  # a shared last block copies
-      last = self.tables[s, (lens - 1) // self.block_size]
+    if int(self.refs.max(initial=0)) > 1:  # a shared last block copies
+      last = self.tables[s, (lens - 1) // bs]
       if (self.refs[last] > 1).any():
-        steps = 0
-    return SteadyDecode(seq_ids, num_new, steps) if steps else None
+        return None
+    phase = (-lens) % bs  # tokens left in the last block
+    order = np.argsort(phase, kind="stable")
+    bounds = np.searchsorted(phase[order], np.arange(bs + 1)).tolist()
+    return SteadyDecode(seq_ids, num_new, int(s.size), order, bounds)
 
-  def _steady_step(self, steady: SteadyDecode, k: int) -> HostReservation:
+  def _steady_step(self, steady: SteadyDecode) -> HostReservation | None:
     """`reserve` of a step that `steady` describes: one more token for each
-    of its `k` entries, within their last blocks."""
+    of its `k` entries, a new block (the free stack's top, in entry order)
+    for each one whose last block is full; None, changing nothing, when
+    those need more than the free stack or a sequence is full (the general
+    path evicts or refuses)."""
+    bs, k = self.block_size, steady.k
     s = steady.seq_ids[:k]
+    p = steady.step % bs
+    lo, hi = steady.bounds[p], steady.bounds[p + 1]
+    if lo < hi:  # entries whose last block is full: one block each
+      c = hi - lo
+      rows = s[steady.order[lo:hi]]  # (in entry order: the stack's order)
+      cols = self.lens[rows] // bs
+      if c > self.num_free or int(cols.max()) >= self.width:
+        return None
+      ids = self.stack[self.num_free - c:self.num_free][::-1].copy()
+      self._set(self.refs, ids, self.refs[ids] + 1)
+      self._set(self.tables, (rows, cols), ids)
+      if self.caching:
+        self._set(self.cacheable, ids, False)
+      self.num_free -= c
     old = self.lens[s]
     if self._journal is not None:
       self._journal.append((self.lens, s, old))
     self.lens[s] = old + 1
-    steady.steps -= 1
+    steady.step += 1
+    if self.caching and self.num_cached == 0:
+      self.lru_len = 0
     n = steady.seq_ids.shape[0]
     null = self._no_copies(n)
     return HostReservation(ok=self._granted(n, k), copy_src=null, copy_dst=null,

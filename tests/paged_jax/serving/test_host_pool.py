@@ -374,3 +374,58 @@ def test_steady_decode_reservations_add_one_token_within_the_last_blocks(caching
     np.testing.assert_array_equal(got.copy_dst, want.copy_dst)
     assert_same(pool, state)
   assert 3 <= len(fast) < 10
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_steady_decode_reservations_cross_block_boundaries_without_a_scan(caching):
+  """Steady one-token reservations of slots at staggered lengths (one of
+  them crosses a block boundary at most steps): each step whose crossing
+  entries the free stack can serve takes `HostPool._steady_step`, not the
+  general path (`_reserve`), and the pool equals the block manager's after
+  every step, results included; once the free stack runs short (with
+  caching: a cached block to evict) the general path evicts or refuses."""
+  bs = 4
+  state = bm.init(num_blocks=8, block_size=bs, max_seqs=MAX_SEQS,
+                  max_blocks_per_seq=WIDTH, prefix_caching=caching)
+  pool = HostPool(state)
+
+  def both(op, jitted, *args):
+    nonlocal state
+    got = getattr(pool, op)(*args)
+    state, want = jitted(state, *args)
+    np.testing.assert_array_equal(getattr(got, "ok", got), getattr(want, "ok", want))
+
+  both("reserve", _reserve, _pad([0, 1, 2]), _pad([1, 2, 3], 0))
+  if caching:  # two cached blocks (slot 3's, registered, then released)
+    both("reserve", _reserve, _pad([3]), _pad([2 * bs], 0))
+    both("register", _register, _pad([3, 3]), _pad([0, 1], 0))
+    both("release", _release, _pad([3]))
+    assert pool.num_cached == 2
+  general = []
+  scan = pool._reserve  # pylint: disable=protected-access
+  pool._reserve = lambda *a: general.append(1) or scan(*a)  # pylint: disable=protected-access
+  x, q = _pad([0, 1, 2]), _pad([1, 1, 1], 0)
+  x.flags.writeable = q.flags.writeable = False
+  fast = evicted = 0
+  steady = False  # whether the last step granted every entry (on any path)
+  for _ in range(16):
+    crossing = int(np.count_nonzero(pool.lens[:3] % bs == 0))
+    served = crossing <= pool.num_free
+    before = len(general)
+    got = pool.reserve(x, q, leading=3)
+    state, want = _reserve(state, x, q)
+    np.testing.assert_array_equal(got.ok, want.ok)
+    np.testing.assert_array_equal(got.copy_src, want.copy_src)
+    np.testing.assert_array_equal(got.copy_dst, want.copy_dst)
+    if caching:
+      np.testing.assert_array_equal(got.evicted, want.evicted)
+      evicted += int((np.asarray(want.evicted) >= 0).sum())
+    assert_same(pool, state)
+    if steady and served:
+      assert len(general) == before, "a steady step took the general path"
+      fast += crossing > 0
+    steady = bool(np.asarray(want.ok)[:3].all())
+  assert fast >= 2  # crossings served without the scan
+  assert not np.asarray(want.ok)[:3].all()  # the pool ran out: the general path refused
+  if caching:
+    assert evicted > 0
