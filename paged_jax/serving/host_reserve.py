@@ -33,34 +33,42 @@ NULL = bm.NULL_BLOCK
 
 @dataclasses.dataclass
 class SteadyDecode:
-  """What `HostPool.reserve` knows of a steady decode step's arguments (the
-  scheduler sends the same read-only `seq_ids` and `num_new`, one token per
-  entry, while its running rows stay the same): each such reservation adds
-  1 to the entries' lengths, and an entry whose last block is full takes
-  the next block off the free stack (no entry's last block is shared, so
-  none copies). Which entries those are is known in advance: entry `i`
-  crosses a block boundary at the steps `j` (counted from 0 when this was
-  made) with `j % block_size == phase[i]`, `phase` = tokens left in its
-  last block. Forgotten at any other change of a length (`HostPool._set`)
-  or a rollback; a step that would evict a cached block or outgrow a
-  sequence leaves it to the general path.
+  """What `HostPool.reserve` knows of the scheduler's steady decode rows:
+  the same `k` slots, first in every call, each reserving one token a step
+  (`bookkeeping`'s `decode` promise). Each such reservation adds 1 to their
+  lengths, and an entry whose last block is full takes the next block off
+  the free stack (no entry's last block is shared, so none copies). Which
+  entries those are is known in advance: entry `i` crosses a block boundary
+  at the steps `j` (counted from 0 when this was made) with
+  `j % block_size == phase[i]`, `phase` = tokens left in its last block.
+  The other entries of a call (admissions, prompts) take the general path
+  after them. Forgotten when anything else changes one of the slots' lengths
+  (`HostPool._set`), at a fork, or a rollback; a step that would evict a
+  cached block or outgrow a sequence for them leaves it to the general path.
 
   Attributes:
-    seq_ids, num_new: the very arrays of the reservations it describes.
-    k: the leading entries (the rest are padding).
+    slots: i32[k], the slots (a copy).
+    mask: bool[max_seqs], True on `slots` (`HostPool._set` reads it).
     order: i64[k], the entries by `phase`, ascending (entry order within a
       phase).
     bounds: `order[bounds[p]:bounds[p + 1]]` are the entries of phase `p`
       (a list of `block_size + 1` ints).
+    seq_ids, num_new: the read-only arrays it was made from, or None: a call
+      with these very arrays is all steady rows (no comparison needed).
     step: the steps reserved since it was made.
   """
 
-  seq_ids: np.ndarray
-  num_new: np.ndarray
-  k: int
+  slots: np.ndarray
+  mask: np.ndarray
   order: np.ndarray
   bounds: list
+  seq_ids: np.ndarray | None = None
+  num_new: np.ndarray | None = None
   step: int = 0
+
+  @property
+  def k(self) -> int:
+    return self.slots.shape[0]
 
 
 @dataclasses.dataclass
@@ -91,29 +99,33 @@ class Reserving:
   `lru*`, `_journal`, `_arange`, `_mark`, `_steady`, the `_null_*` caches)
   and its `_set`, `_add_refs` and `num_available`."""
 
-  def reserve(self, seq_ids, num_new, leading: int | None = None
-              ) -> HostReservation:
+  def reserve(self, seq_ids, num_new, leading: int | None = None,
+              decode: int = 0) -> HostReservation:
     """`block_manager.reserve`. `leading`: the caller's promise that the
     first `leading` entries are distinct valid slots with sizes >= 0 and the
     rest padding (-1), the scheduler's layout (see `bookkeeping`'s
-    `packed`); None: found out here."""
+    `packed`); None: found out here. `decode`: with `leading`, the caller's
+    promise that the first `decode` of them reserve one token each (its
+    steady decode rows: `SteadyDecode`)."""
     seq_ids, num_new = np.asarray(seq_ids), np.asarray(num_new)
     n, ms = seq_ids.shape[0], self.max_seqs
-    steady = self._steady
-    if (steady is not None and leading == steady.k
-        and seq_ids is steady.seq_ids and num_new is steady.num_new):
-      res = self._steady_step(steady)
-      if res is not None:
-        return res
-      self._steady = None  # (an eviction or a full sequence: the general path)
     null = self._no_copies(n)
     res = HostReservation(
         ok=None, copy_src=null, copy_dst=null,
         evicted=self._no_evictions(n) if self.caching else None)
+    steady, first = self._steady, 0
+    if steady is not None and leading is not None and leading >= steady.k and (
+        (seq_ids is steady.seq_ids and num_new is steady.num_new)
+        or (decode >= steady.k
+            and np.array_equal(seq_ids[:steady.k], steady.slots))):
+      if self._steady_step(steady):  # its rows granted; the others follow
+        first = steady.k
+      else:  # (an eviction or a full sequence: the general path)
+        self._steady = None
     k = self._leading_unique(seq_ids, num_new) if leading is None else leading
     if k is not None:  # the scheduler's layout: k valid entries, then padding
-      real = self._arange[:k]
-      s, q = seq_ids[:k], num_new[:k]
+      real = self._arange[first:k]
+      s, q = seq_ids[first:k], num_new[first:k]
       if seq_ids.flags.writeable:  # (`s` is journaled: a copy)
         s = s.copy()
     else:
@@ -126,40 +138,45 @@ class Reserving:
     ok = self._reserve(real, s, q, res) if real.size else None
     if ok is None and k is not None:  # the first k granted, the rest padding
       res.ok = self._granted(n, k)
-      if leading is not None and not (seq_ids.flags.writeable or num_new.flags.writeable):
-        self._steady = self._steady_after(seq_ids, num_new, s, q)
+      if leading is not None and decode > first:  # (new) steady rows to note
+        self._steady = self._steady_after(seq_ids, num_new, min(decode, k))
     else:
       res.ok = np.zeros(n, bool)
+      res.ok[:first] = True
       res.ok[real] = True if ok is None else ok
     if self.caching and self.num_cached == 0:
       self.lru_len = 0
     return res
 
-  def _steady_after(self, seq_ids, num_new, s, q) -> SteadyDecode | None:
-    """The `SteadyDecode` of read-only reservations of one token for each of
-    the slots `s`, just granted; None where it does not apply (a window, or
-    a last block shared: it would be copied)."""
-    if self.window is not None or not s.size or int(q.min()) != 1 or int(q.max()) != 1:
+  def _steady_after(self, seq_ids, num_new, d: int) -> SteadyDecode | None:
+    """The `SteadyDecode` of the first `d` entries of `seq_ids` (distinct
+    slots), each just granted one token; None where it does not apply (a
+    window, or a last block shared: it would be copied)."""
+    if self.window is not None:
       return None
     bs = self.block_size
-    lens = self.lens[s]
+    slots = seq_ids[:d].copy()
+    lens = self.lens[slots]
     if int(self.refs.max(initial=0)) > 1:  # a shared last block copies
-      last = self.tables[s, (lens - 1) // bs]
+      last = self.tables[slots, (lens - 1) // bs]
       if (self.refs[last] > 1).any():
         return None
     phase = (-lens) % bs  # tokens left in the last block
     order = np.argsort(phase, kind="stable")
     bounds = np.searchsorted(phase[order], np.arange(bs + 1)).tolist()
-    return SteadyDecode(seq_ids, num_new, int(s.size), order, bounds)
+    mask = np.zeros(self.max_seqs, bool)
+    mask[slots] = True
+    whole = d == seq_ids.shape[0] or seq_ids[d] < 0  # (all the call's entries)
+    if whole and not (seq_ids.flags.writeable or num_new.flags.writeable):
+      return SteadyDecode(slots, mask, order, bounds, seq_ids, num_new)
+    return SteadyDecode(slots, mask, order, bounds)
 
-  def _steady_step(self, steady: SteadyDecode) -> HostReservation | None:
-    """`reserve` of a step that `steady` describes: one more token for each
-    of its `k` entries, a new block (the free stack's top, in entry order)
-    for each one whose last block is full; None, changing nothing, when
-    those need more than the free stack or a sequence is full (the general
-    path evicts or refuses)."""
-    bs, k = self.block_size, steady.k
-    s = steady.seq_ids[:k]
+  def _steady_step(self, steady: SteadyDecode) -> bool:
+    """Reserves one more token for each of `steady`'s slots, a new block
+    (the free stack's top, in entry order) for each one whose last block is
+    full. Returns False, changing nothing, when those need more than the
+    free stack or a sequence is full (the general path evicts or refuses)."""
+    bs, s = self.block_size, steady.slots
     p = steady.step % bs
     lo, hi = steady.bounds[p], steady.bounds[p + 1]
     if lo < hi:  # entries whose last block is full: one block each
@@ -167,7 +184,7 @@ class Reserving:
       rows = s[steady.order[lo:hi]]  # (in entry order: the stack's order)
       cols = self.lens[rows] // bs
       if c > self.num_free or int(cols.max()) >= self.width:
-        return None
+        return False
       ids = self.stack[self.num_free - c:self.num_free][::-1].copy()
       self._set(self.refs, ids, self.refs[ids] + 1)
       self._set(self.tables, (rows, cols), ids)
@@ -177,14 +194,9 @@ class Reserving:
     old = self.lens[s]
     if self._journal is not None:
       self._journal.append((self.lens, s, old))
-    self.lens[s] = old + 1
+    self.lens[s] = old + 1  # (not `_set`: it would forget `steady`)
     steady.step += 1
-    if self.caching and self.num_cached == 0:
-      self.lru_len = 0
-    n = steady.seq_ids.shape[0]
-    null = self._no_copies(n)
-    return HostReservation(ok=self._granted(n, k), copy_src=null, copy_dst=null,
-                           evicted=self._no_evictions(n) if self.caching else None)
+    return True
 
   def _granted(self, n: int, k: int) -> np.ndarray:
     """A read-only `bool[n]`, True on the first `k` entries, made once per
