@@ -135,7 +135,11 @@ class Reserving:
       s, q = seq_ids[real], num_new[real]
     if leading is None:  # any sizes: no overflow in `lens + q`
       q = q.astype(np.int64)
-    ok = self._reserve(real, s, q, res) if real.size else None
+    if real.size == 1 and leading is not None and self._reserve_one(
+        int(s[0]), int(q[0])):  # (one admission or prompt chunk: scalar reads)
+      ok = None
+    else:
+      ok = self._reserve(real, s, q, res) if real.size else None
     if ok is None and k is not None:  # the first k granted, the rest padding
       res.ok = self._granted(n, k)
       if leading is not None and decode > first:  # (new) steady rows to note
@@ -196,6 +200,33 @@ class Reserving:
       self._journal.append((self.lens, s, old))
     self.lens[s] = old + 1  # (not `_set`: it would forget `steady`)
     steady.step += 1
+    return True
+
+  def _reserve_one(self, slot: int, q: int) -> bool:
+    """`_reserve` of a single valid entry (`slot`, `q >= 0` tokens) by scalar
+    reads, when it copies nothing, fits its sequence and the free stack
+    holds its blocks (then it is granted): True. False, changing nothing,
+    otherwise (the general path copies, evicts or refuses)."""
+    bs = self.block_size
+    old = int(self.lens[slot])
+    new = old + q
+    if new > self.max_seq_len:
+      return False
+    cur = -(-old // bs)
+    grow = -(-new // bs) - cur
+    if q and old % bs and self.refs[self.tables[slot, cur - 1]] > 1:
+      return False  # its partial last block is shared: copy-on-write
+    if grow > self.num_free:
+      return False
+    if grow:
+      ids = self.stack[self.num_free - grow:self.num_free][::-1].copy()
+      self._set(self.refs, ids, self.refs[ids] + 1)
+      self._set(self.tables, (slot, self._arange_width[cur:cur + grow]), ids)
+      if self.caching:
+        self._set(self.cacheable, ids, False)
+      self.num_free -= grow
+    if q:
+      self._set(self.lens, slot, new)
     return True
 
   def _granted(self, n: int, k: int) -> np.ndarray:
