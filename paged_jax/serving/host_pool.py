@@ -150,8 +150,9 @@ class HostPool(Reserving):
     """`arr[idx] = vals`, journaled (and the block tables' fingerprint sum
     kept). `idx` names each entry of the tables once (no repeats); `old`:
     `arr[idx]` when the caller has it (a copy)."""
-    if arr is self.lens:  # (every change of a slot's blocks changes a length)
-      self._steady = None
+    if arr is self.lens and self._steady is not None and (
+        self._steady.mask[idx].any()):  # (every change of a slot's blocks
+      self._steady = None  # changes its length)
     if old is None:
       old = arr[idx]
       if isinstance(idx, slice):  # a view: keep the old values
@@ -350,6 +351,7 @@ class HostPool(Reserving):
       return ok
     p, c = parents[real], children[real]
     ms = self.max_seqs
+    self._steady = None  # (a parent's last block becomes shared)
     good = (p >= 0) & (p < ms) & (c >= 0) & (c < ms) & (p != c)
     pc, cc = np.clip(p, 0, ms - 1), np.clip(c, 0, ms - 1)
     good &= (self.lens[pc] > 0) & (self.lens[cc] == 0)
@@ -425,7 +427,7 @@ class HostPool(Reserving):
   def bookkeeping(self, register_seqs, register_cols, release_early,
                   fork_parents, fork_children, release_late, share_seqs,
                   share_blocks, share_counts, seq_ids, q_lens, *,
-                  packed: int | None = None):
+                  packed: int | None = None, decode: int = 0):
     """`step.bookkeeping` on the model, in place (the same order: register ->
     release -> fork -> release -> share -> reserve; arguments in
     `step.BOOKKEEPING_FIELDS` order), then, with a `window`, the reclamation
@@ -438,6 +440,9 @@ class HostPool(Reserving):
     valid slots with sizes >= 0, the rest padding. The call then skips the
     scans that find that out (an all-padding argument is told by its first
     entry); the results are the same. None (the default): any inputs.
+    `decode`: with `packed`, the promise that `q_lens[:decode]` are 1 (the
+    plan's steady decode rows, `Plan.decode_rows`), which `reserve` serves
+    without a scan while they stay the same (`SteadyDecode`).
 
     Returns:
       `(fork_ok bool[max_batch], HostReservation, cache_ok bool[R + H])`.
@@ -462,7 +467,7 @@ class HostPool(Reserving):
     if self.caching:
       cache_ok = self._cache_ok(cache_ok, register_seqs, share_seqs, share_blocks,
                                 share_counts, real)
-    res = self.reserve(seq_ids, q_lens, packed)
+    res = self.reserve(seq_ids, q_lens, packed, decode)
     if self.window is not None:
       window_reclaim.reclaim_host(self, seq_ids, q_lens, res.ok)
     return fork_ok, res, cache_ok

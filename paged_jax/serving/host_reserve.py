@@ -12,9 +12,10 @@ by concern:
   `block_manager.reserve`'s in-order scan over the entries that take or copy
   a block (`_reserve`), evicting cached blocks last (`_evict`).
 * **The steady decode fast path** (`SteadyDecode`): after granting one token
-  to each of the same read-only `seq_ids`, the pool notes how many more such
-  steps stay within every entry's last block; those steps only add 1 to
-  each length (`_steady_step`).
+  to each of the same read-only `seq_ids`, the pool notes which entries
+  cross a block boundary at which later step (their lengths grow by one a
+  step); such steps add 1 to each length and give the crossing entries the
+  free stack's top blocks, with no scan of the entries (`_steady_step`).
 * **Shared read-only results** (`_granted`, `_no_copies`, `_no_forks`,
   `_no_evictions`): what most steps return, made once per shape, so such a
   step allocates and fills no array.
@@ -32,16 +33,42 @@ NULL = bm.NULL_BLOCK
 
 @dataclasses.dataclass
 class SteadyDecode:
-  """What `HostPool.reserve` knows of a steady decode step's arguments (the
-  scheduler sends the same read-only `seq_ids` and `num_new`, one token per
-  entry, while its running rows stay the same): `steps` more such
-  reservations take no block and copy none (no entry's last block is full
-  or shared), so each one only adds 1 to the entries' lengths. Forgotten at
-  any other change of a length (`HostPool._set`) or a rollback."""
+  """What `HostPool.reserve` knows of the scheduler's steady decode rows:
+  the same `k` slots, first in every call, each reserving one token a step
+  (`bookkeeping`'s `decode` promise). Each such reservation adds 1 to their
+  lengths, and an entry whose last block is full takes the next block off
+  the free stack (no entry's last block is shared, so none copies). Which
+  entries those are is known in advance: entry `i` crosses a block boundary
+  at the steps `j` (counted from 0 when this was made) with
+  `j % block_size == phase[i]`, `phase` = tokens left in its last block.
+  The other entries of a call (admissions, prompts) take the general path
+  after them. Forgotten when anything else changes one of the slots' lengths
+  (`HostPool._set`), at a fork, or a rollback; a step that would evict a
+  cached block or outgrow a sequence for them leaves it to the general path.
 
-  seq_ids: np.ndarray  # the very arrays of the reservations it describes
-  num_new: np.ndarray
-  steps: int
+  Attributes:
+    slots: i32[k], the slots (a copy).
+    mask: bool[max_seqs], True on `slots` (`HostPool._set` reads it).
+    order: i64[k], the entries by `phase`, ascending (entry order within a
+      phase).
+    bounds: `order[bounds[p]:bounds[p + 1]]` are the entries of phase `p`
+      (a list of `block_size + 1` ints).
+    seq_ids, num_new: the read-only arrays it was made from, or None: a call
+      with these very arrays is all steady rows (no comparison needed).
+    step: the steps reserved since it was made.
+  """
+
+  slots: np.ndarray
+  mask: np.ndarray
+  order: np.ndarray
+  bounds: list
+  seq_ids: np.ndarray | None = None
+  num_new: np.ndarray | None = None
+  step: int = 0
+
+  @property
+  def k(self) -> int:
+    return self.slots.shape[0]
 
 
 @dataclasses.dataclass
@@ -72,26 +99,33 @@ class Reserving:
   `lru*`, `_journal`, `_arange`, `_mark`, `_steady`, the `_null_*` caches)
   and its `_set`, `_add_refs` and `num_available`."""
 
-  def reserve(self, seq_ids, num_new, leading: int | None = None
-              ) -> HostReservation:
+  def reserve(self, seq_ids, num_new, leading: int | None = None,
+              decode: int = 0) -> HostReservation:
     """`block_manager.reserve`. `leading`: the caller's promise that the
     first `leading` entries are distinct valid slots with sizes >= 0 and the
     rest padding (-1), the scheduler's layout (see `bookkeeping`'s
-    `packed`); None: found out here."""
+    `packed`); None: found out here. `decode`: with `leading`, the caller's
+    promise that the first `decode` of them reserve one token each (its
+    steady decode rows: `SteadyDecode`)."""
     seq_ids, num_new = np.asarray(seq_ids), np.asarray(num_new)
     n, ms = seq_ids.shape[0], self.max_seqs
-    steady = self._steady
-    if (steady is not None and steady.steps and leading is not None
-        and seq_ids is steady.seq_ids and num_new is steady.num_new):
-      return self._steady_step(steady, leading)
     null = self._no_copies(n)
     res = HostReservation(
         ok=None, copy_src=null, copy_dst=null,
         evicted=self._no_evictions(n) if self.caching else None)
+    steady, first = self._steady, 0
+    if steady is not None and leading is not None and leading >= steady.k and (
+        (seq_ids is steady.seq_ids and num_new is steady.num_new)
+        or (decode >= steady.k
+            and np.array_equal(seq_ids[:steady.k], steady.slots))):
+      if self._steady_step(steady):  # its rows granted; the others follow
+        first = steady.k
+      else:  # (an eviction or a full sequence: the general path)
+        self._steady = None
     k = self._leading_unique(seq_ids, num_new) if leading is None else leading
     if k is not None:  # the scheduler's layout: k valid entries, then padding
-      real = self._arange[:k]
-      s, q = seq_ids[:k], num_new[:k]
+      real = self._arange[first:k]
+      s, q = seq_ids[first:k], num_new[first:k]
       if seq_ids.flags.writeable:  # (`s` is journaled: a copy)
         s = s.copy()
     else:
@@ -101,44 +135,99 @@ class Reserving:
       s, q = seq_ids[real], num_new[real]
     if leading is None:  # any sizes: no overflow in `lens + q`
       q = q.astype(np.int64)
-    ok = self._reserve(real, s, q, res) if real.size else None
+    if real.size == 1 and leading is not None and self._reserve_one(
+        int(s[0]), int(q[0])):  # (one admission or prompt chunk: scalar reads)
+      ok = None
+    else:
+      ok = self._reserve(real, s, q, res) if real.size else None
     if ok is None and k is not None:  # the first k granted, the rest padding
       res.ok = self._granted(n, k)
-      if leading is not None and not (seq_ids.flags.writeable or num_new.flags.writeable):
-        self._steady = self._steady_after(seq_ids, num_new, s, q)
+      if leading is not None and decode > first:  # (new) steady rows to note
+        self._steady = self._steady_after(seq_ids, num_new, min(decode, k))
     else:
       res.ok = np.zeros(n, bool)
+      res.ok[:first] = True
       res.ok[real] = True if ok is None else ok
     if self.caching and self.num_cached == 0:
       self.lru_len = 0
     return res
 
-  def _steady_after(self, seq_ids, num_new, s, q) -> SteadyDecode | None:
-    """The `SteadyDecode` of read-only reservations of one token for each of
-    the slots `s`, just granted; None where it does not apply."""
-    if self.window is not None or not s.size or int(q.min()) != 1 or int(q.max()) != 1:
+  def _steady_after(self, seq_ids, num_new, d: int) -> SteadyDecode | None:
+    """The `SteadyDecode` of the first `d` entries of `seq_ids` (distinct
+    slots), each just granted one token; None where it does not apply (a
+    window, or a last block shared: it would be copied)."""
+    if self.window is not None:
       return None
-    lens = self.lens[s]
-    steps = int(((-lens) % self.block_size).min())  # tokens left in the last blocks
-    if steps and int(self.refs.max(initial=0)) > 1:  # a shared last block copies
-      last = self.tables[s, (lens - 1) // self.block_size]
+    bs = self.block_size
+    slots = seq_ids[:d].copy()
+    lens = self.lens[slots]
+    if int(self.refs.max(initial=0)) > 1:  # a shared last block copies
+      last = self.tables[slots, (lens - 1) // bs]
       if (self.refs[last] > 1).any():
-        steps = 0
-    return SteadyDecode(seq_ids, num_new, steps) if steps else None
+        return None
+    phase = (-lens) % bs  # tokens left in the last block
+    order = np.argsort(phase, kind="stable")
+    bounds = np.searchsorted(phase[order], np.arange(bs + 1)).tolist()
+    mask = np.zeros(self.max_seqs, bool)
+    mask[slots] = True
+    whole = d == seq_ids.shape[0] or seq_ids[d] < 0  # (all the call's entries)
+    if whole and not (seq_ids.flags.writeable or num_new.flags.writeable):
+      return SteadyDecode(slots, mask, order, bounds, seq_ids, num_new)
+    return SteadyDecode(slots, mask, order, bounds)
 
-  def _steady_step(self, steady: SteadyDecode, k: int) -> HostReservation:
-    """`reserve` of a step that `steady` describes: one more token for each
-    of its `k` entries, within their last blocks."""
-    s = steady.seq_ids[:k]
+  def _steady_step(self, steady: SteadyDecode) -> bool:
+    """Reserves one more token for each of `steady`'s slots, a new block
+    (the free stack's top, in entry order) for each one whose last block is
+    full. Returns False, changing nothing, when those need more than the
+    free stack or a sequence is full (the general path evicts or refuses)."""
+    bs, s = self.block_size, steady.slots
+    p = steady.step % bs
+    lo, hi = steady.bounds[p], steady.bounds[p + 1]
+    if lo < hi:  # entries whose last block is full: one block each
+      c = hi - lo
+      rows = s[steady.order[lo:hi]]  # (in entry order: the stack's order)
+      cols = self.lens[rows] // bs
+      if c > self.num_free or int(cols.max()) >= self.width:
+        return False
+      ids = self.stack[self.num_free - c:self.num_free][::-1].copy()
+      self._set(self.refs, ids, self.refs[ids] + 1)
+      self._set(self.tables, (rows, cols), ids)
+      if self.caching:
+        self._set(self.cacheable, ids, False)
+      self.num_free -= c
     old = self.lens[s]
     if self._journal is not None:
       self._journal.append((self.lens, s, old))
-    self.lens[s] = old + 1
-    steady.steps -= 1
-    n = steady.seq_ids.shape[0]
-    null = self._no_copies(n)
-    return HostReservation(ok=self._granted(n, k), copy_src=null, copy_dst=null,
-                           evicted=self._no_evictions(n) if self.caching else None)
+    self.lens[s] = old + 1  # (not `_set`: it would forget `steady`)
+    steady.step += 1
+    return True
+
+  def _reserve_one(self, slot: int, q: int) -> bool:
+    """`_reserve` of a single valid entry (`slot`, `q >= 0` tokens) by scalar
+    reads, when it copies nothing, fits its sequence and the free stack
+    holds its blocks (then it is granted): True. False, changing nothing,
+    otherwise (the general path copies, evicts or refuses)."""
+    bs = self.block_size
+    old = int(self.lens[slot])
+    new = old + q
+    if new > self.max_seq_len:
+      return False
+    cur = -(-old // bs)
+    grow = -(-new // bs) - cur
+    if q and old % bs and self.refs[self.tables[slot, cur - 1]] > 1:
+      return False  # its partial last block is shared: copy-on-write
+    if grow > self.num_free:
+      return False
+    if grow:
+      ids = self.stack[self.num_free - grow:self.num_free][::-1].copy()
+      self._set(self.refs, ids, self.refs[ids] + 1)
+      self._set(self.tables, (slot, self._arange_width[cur:cur + grow]), ids)
+      if self.caching:
+        self._set(self.cacheable, ids, False)
+      self.num_free -= grow
+    if q:
+      self._set(self.lens, slot, new)
+    return True
 
   def _granted(self, n: int, k: int) -> np.ndarray:
     """A read-only `bool[n]`, True on the first `k` entries, made once per

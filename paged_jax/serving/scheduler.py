@@ -398,7 +398,8 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
       pool.begin()
       if type(pool) is HostPool:  # pylint: disable=unidiomatic-typecheck
         # (not a subclass or a pool per window: they take no layout promise)
-        fork_ok, res, cache_ok = pool.bookkeeping(*x, packed=len(plan))
+        fork_ok, res, cache_ok = pool.bookkeeping(
+            *x, packed=len(plan), decode=getattr(plan, "decode_rows", 0))
       else:
         fork_ok, res, cache_ok = pool.bookkeeping(*x)
       if forks and not fork_ok[:forks].all():
