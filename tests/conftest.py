@@ -1,5 +1,4 @@
 import os
-import re
 
 import pytest
 
@@ -93,28 +92,31 @@ def pytest_unconfigure(config):
 # test modules whose engines share sizes (tests/examples/conftest.py's
 # `SIZES`, `BIG_POOL`, `SMALL_POOL`, and test_generate's 32-block CLI pool)
 # are one unit of work, run on one worker one after another, and every other
-# module of tests/examples is a unit of its own (its configurations compile
-# on one worker); every other test is its own unit, as with xdist's default
-# `--dist load`. (pytest-xdist's `--dist loadgroup` would do it with marks,
+# test module is a unit of its own (its configurations and module fixtures
+# compile on one worker; before 2026-12-07 each test outside tests/examples
+# was its own unit, and e.g. test_slot_state's seeds or test_logprobs_and_bias's
+# module engine compiled on both workers: tests/paged_jax/serving +
+# entrypoints on JAX 0.12, -n 2, run side by side on a loaded machine,
+# 350 -> 329 s of CPU, BUILD.md). (pytest-xdist's `--dist loadgroup` would do it with marks,
 # but 3.8 renames the node ids to group them, which pytest 9 ignores.) On
 # 2026-12-04 (loaded 2-core AMD EPYC, JAX 0.10.2) the default scheduling
 # compiled 43 of tests/examples' step programs on both workers; BUILD.md's
 # suite section has the times.
 SHARED_ENGINE_SIZES = frozenset({
-    "test_async", "test_engine", "test_engine_model", "test_engine_text_support",
-    "test_generate", "test_generate_text", "test_multihost", "test_multistep",
-    "test_prefix_engine", "test_prefix_offload_engine", "test_resize_engine",
-    "test_serving_api", "test_spec_engine", "test_swap_engine"})
-_EXAMPLE = re.compile(r"tests/examples/(test_\w+)\.py::")
+    f"tests/examples/{m}.py" for m in (
+        "test_async", "test_engine", "test_engine_model", "test_engine_text_support",
+        "test_generate", "test_generate_text", "test_multihost", "test_multistep",
+        "test_prefix_engine", "test_prefix_offload_engine", "test_resize_engine",
+        "test_serving_api", "test_spec_engine", "test_swap_engine")} | {
+    # `SIZES` at `BIG_POOL` blocks, with and without a logit bias of 2
+    # (test_spec_engine's fall-back test); after tests/examples in the unit.
+    "tests/paged_jax/serving/test_logprobs_and_bias.py"})
 
 
 def work_unit(nodeid: str) -> str:
   """The unit of work (run whole by one worker) that test `nodeid` is in."""
-  m = _EXAMPLE.match(nodeid)
-  if m is None:
-    return nodeid
-  return ("tests/examples:shared-sizes" if m.group(1) in SHARED_ENGINE_SIZES
-          else m.group(0))
+  module = nodeid.split("::", 1)[0]
+  return "shared-sizes" if module in SHARED_ENGINE_SIZES else module
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -152,14 +152,11 @@ class Runner(MultiStepPrograms):
       self.prefix_host_blocks = prefix_tier.num_host_blocks(
           config.kv_offloading_size, self.cache.bytes_per_block)
       self.host_cache = kv_offload.NumpyHostPool(self.cache, self.prefix_host_blocks)
-    self._remember_shardings()
+    self._remember_shardings(_HELD)
     # What fixes the executables besides the bucket (`compiler.signature`;
     # `max_logit_bias` is the width of two step inputs).
     self._key = (self._model_def, self.mesh, num_logprobs, config.max_logit_bias,
-                 config.check_traces
-                 and id(self), compiler.signature(self._params, self.cache,
-                                                  self.state, self.last_tokens,
-                                                  self.tier))
+                 config.check_traces and id(self), self._signature())
     self._steps: dict[Bucket, jax.stages.Compiled] = {}
     # K-step decode programs (`multistep.py`, one device only), by (bucket, K).
     self._multi: dict[tuple[Bucket, int], jax.stages.Compiled] = {}
@@ -224,13 +221,16 @@ class Runner(MultiStepPrograms):
     is in their shapes)."""
     self.config, self.state = config, self._per_shard(state)
     self.cache = sharding.shard_cache(cache, self.mesh)
-    self._remember_shardings()
+    # Only the pool's arrays are new: the others keep the shardings they
+    # were made with (a step returns `last_tokens` spelled otherwise), so a
+    # pool resized back to an earlier size has that size's key again and
+    # reuses its programs.
+    self._remember_shardings(("cache", "state"))
     self._steps.clear()
     self._multi.clear()
     self._bookkeepers.clear()
     self.__dict__.pop("_spec_steps", None)  # `spec_step.compile_spec`'s
-    self._key = self._key[:-1] + (compiler.signature(
-        self._params, self.cache, self.state, self.last_tokens, self.tier),)
+    self._key = self._key[:-1] + (self._signature(),)
 
   def _pooled(self) -> bool:
     """A hybrid model's pool per window (`pooled_step.PooledState`)."""
@@ -246,12 +246,21 @@ class Runner(MultiStepPrograms):
   def _donated(self) -> tuple:
     return tuple(getattr(self, n) for n in self._donated_names())
 
-  def _remember_shardings(self):
-    """Keeps the shardings the runner's arrays were made with (see
-    `arg_spec`)."""
-    self._made_with = {n: [getattr(a, "sharding", None)
-                           for a in jax.tree.leaves(getattr(self, n))]
-                       for n in _HELD}
+  def _remember_shardings(self, names: tuple[str, ...]):
+    """Keeps the shardings the runner's arrays `names` (of `_HELD`) were
+    made with (see `arg_spec`)."""
+    made_with = getattr(self, "_made_with", {})
+    self._made_with = {**made_with, **{
+        n: [getattr(a, "sharding", None) for a in jax.tree.leaves(getattr(self, n))]
+        for n in names}}
+
+  def _signature(self) -> tuple:
+    """The part of `_key` that the held arrays fix: their shapes, dtypes
+    and the shardings they were made with (`arg_spec`), not those a step
+    returned them with."""
+    return compiler.signature(self._params, self.arg_spec("cache"),
+                              self.arg_spec("state"), self.arg_spec("last_tokens"),
+                              self.arg_spec("tier"))
 
   def arg_spec(self, name: str):
     """The runner's array `name` (one of `_HELD`) as the abstract value a

@@ -111,10 +111,11 @@ def test_greedy_generation_matches_transformers_generate(tmp_path, family):
   from paged_jax.serving.sampling import SamplingParams  # pylint: disable=import-outside-toplevel
   hf = _hf_model(tmp_path, family)
   model = models.load_hf(tmp_path)
-  # 3 step shapes (decode 4; mixed 16, 32): each family compiles its own.
+  # 2 step shapes (decode 4, mixed 32): each family compiles its own. (The
+  # buckets only pad; the engine tests of tests/examples cover several.)
   engine = Engine(model, EngineConfig(num_blocks=32, block_size=8, max_batch=4,
                                       max_tokens_per_step=32, max_model_len=64,
-                                      min_bucket=16, bucket_midpoints=False))
+                                      min_bucket=32, bucket_midpoints=False))
   rng = np.random.default_rng(1)
   # Prompts shorter and longer than the windows (4-8 tokens) and blocks.
   prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 23, 40)]

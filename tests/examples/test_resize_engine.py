@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from paged_jax import block_manager as bm
+from paged_jax.serving import compiler
 from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
 from tests.examples.conftest import (assert_mirror_is_the_device_state,
@@ -30,9 +31,10 @@ def _checked(engine):
   _poison_unowned_blocks(engine)
 
 
-def _serve(engine, requests, resizes=()) -> dict:
+def _serve(engine, requests, resizes=(), compiled=None) -> dict:
   """Serves `requests`; before step `k` of each `(k, num_blocks, expected)`
-  in `resizes`, resizes the pool and checks what `resize_kv_cache` says."""
+  in `resizes`, resizes the pool and checks what `resize_kv_cache` says
+  (and appends `compiler.compiled_count()` to the list `compiled`)."""
   for r in requests:
     assert engine.add_request(r) is None, r
   resizes = dict((k, (n, ok)) for k, n, ok in resizes)
@@ -46,6 +48,8 @@ def _serve(engine, requests, resizes=()) -> dict:
       assert engine.cache.k_pages.shape[2] == engine.config.num_blocks
       assert engine.block_state.num_blocks == engine.config.num_blocks
       _checked(engine)
+      if compiled is not None:
+        compiled.append(compiler.compiled_count())
     for o in engine.step():
       outs[o.request_id] = [c.token_ids for c in o.completions]
     k += 1
@@ -65,9 +69,14 @@ def test_grow_then_shrink_mid_run_gives_the_same_tokens(model, caching):
   want = _serve(make_engine(model, POOL, enable_prefix_caching=caching, **SHAPES),
                 _requests(0))
   engine = make_engine(model, POOL, enable_prefix_caching=caching, **SHAPES)
+  compiled = []  # after each resize
   got = _serve(engine, _requests(0),
-               resizes=[(3, 2 * POOL, True), (8, POOL // 2, True), (12, POOL, True)])
+               resizes=[(3, 2 * POOL, True), (8, POOL // 2, True), (12, POOL, True)],
+               compiled=compiled)
   assert got == want
+  # Back at POOL blocks the steps are the first run's programs (both step
+  # shapes ran there): nothing compiles after the last resize.
+  assert compiler.compiled_count() == compiled[-1]
 
 
 def test_a_shrink_below_the_live_blocks_is_refused_and_changes_nothing(model):
@@ -166,7 +175,9 @@ def _fragmenting_run(model, resize_to):
 
 def test_cached_blocks_moved_by_compaction_still_hit(model):
   want, _, _ = _fragmenting_run(model, None)
-  got, moved, stats = _fragmenting_run(model, POOL - 8)
+  # POOL // 2: the size test_grow_then_shrink_mid_run_gives_the_same_tokens
+  # [True] shrinks to (its programs, when it ran first in this process).
+  got, moved, stats = _fragmenting_run(model, POOL // 2)
   assert moved  # the long sequence's blocks were relabelled
   assert got == want
   assert stats.prefix_cache_hit_rate > 0

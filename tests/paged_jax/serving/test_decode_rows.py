@@ -133,9 +133,11 @@ def test_steady_decode_steps_send_the_same_inputs():
   again, across block boundaries too, and the tokens are those of an engine
   that waits for every step (its inputs carry the tokens)."""
   def serve(async_scheduling):
+    # `_engine`'s sizes without caching (3 x 25 tokens fit in 24 blocks):
+    # the steps test_decode_rows_give_the_same_engine compiled.
     engine = Engine(_MODEL, EngineConfig(
-        num_blocks=64, block_size=4, max_batch=8, max_tokens_per_step=32,
-        max_model_len=96, min_bucket=8, bucket_midpoints=False,
+        num_blocks=24, block_size=4, max_batch=8, max_tokens_per_step=32,
+        max_model_len=96, min_bucket=32, bucket_midpoints=False,
         async_scheduling=async_scheduling))
     sent = []
     runner = engine._runner  # pylint: disable=protected-access
