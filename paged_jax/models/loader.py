@@ -144,8 +144,8 @@ def default_scan_layers(num_layers: int, backend: str | None = None) -> bool:
   scanned step copies each layer's weights out of the stack on every call
   (425 MB per step for SmolLM2-135M's 30 layers, RESULTS 12). Separate layers
   have none of those copies: the decode step of vllm_compare's 8-layer model
-  took 0.85x the time (RESULTS 7f), SmolLM2-135M's 0.72x at batch 1 and 0.77x
-  at batch 16 (RESULTS 7k). The price is compile time that grows with depth
+  took 0.87x the time at batch 32 and 0.59x at batch 1, SmolLM2-135M's 0.77x
+  at batch 16 and 0.72x at batch 1 (RESULTS 7k). The price is compile time that grows with depth
   (one unrolled program): at 8 layers the engine's warm-up took about 1.3x,
   at 30 layers SmolLM2's engine compiled with 1.9x the CPU time and the
   quick start's first run took 1.5x (RESULTS 7k). So deep models keep the
