@@ -142,17 +142,18 @@ def default_scan_layers(num_layers: int, backend: str | None = None) -> bool:
 
   XLA CPU cannot hand a dot a slice of a buffer at a dynamic offset, so a
   scanned step copies each layer's weights out of the stack on every call
-  (425 MB per step for SmolLM2-135M's 30 layers, RESULTS 12). Separate layers
-  have none of those copies: the decode step of vllm_compare's 8-layer model
-  took 0.87x the time at batch 32 and 0.59x at batch 1, SmolLM2-135M's 0.77x
-  at batch 16 and 0.72x at batch 1 (RESULTS 7k). The price is compile time that grows with depth
-  (one unrolled program): at 8 layers the engine's warm-up took about 1.3x,
-  at 30 layers SmolLM2's engine compiled with 1.9x the CPU time and the
-  quick start's first run took 1.5x (RESULTS 7k). So deep models keep the
-  scan by default on CPU too; `scan_layers=False` (`--no-scan-layers`)
-  trades that compile, which the persistent compilation cache pays once per
-  machine, for faster steps. On TPU XLA fuses the slice into the dot, and the
-  scan keeps one small program at any depth.
+  (425 MB per step for SmolLM2-135M's 30 layers, RESULTS 12). Separate
+  layers have none of those copies: the decode step of vllm_compare's
+  8-layer model took 0.87x the time at batch 32 and 0.59x at batch 1,
+  SmolLM2-135M's 0.77x at batch 16 and 0.72x at batch 1 (RESULTS 7k). The
+  price is compile time that grows with depth (one unrolled program): at 8
+  layers the engine's warm-up took 1.17x (35 -> 41 s), at 30 layers
+  SmolLM2's engine compiled with 1.9x the CPU time and the quick start's
+  first run took 1.5x (RESULTS 7k). So deep models keep the scan by default
+  on CPU too; `scan_layers=False` (`--no-scan-layers`) trades that compile,
+  which the persistent compilation cache pays once per machine, for faster
+  steps. On TPU XLA fuses the slice into the dot, and the scan keeps one
+  small program at any depth.
 
   Args:
     num_layers: the model's decoder layers.
