@@ -386,6 +386,16 @@ def summarise(name, a_runs, b_runs) -> dict:
                                     "peak_running", "preemptions", "steps")
            if k in a_runs[0]}
   out["paged_jax"].update(extra)
+  # vLLM's own step counters (its first run's), so that the two schedules can
+  # be compared: steps, token rows computed, preemptions; and each engine's
+  # wall time per step (median run / steps).
+  out["vllm"].update({k: b_runs[0][k] for k in ("steps", "computed_tokens", "preemptions")
+                      if k in b_runs[0]})
+  for side, runs in (("paged_jax", a_runs), ("vllm", b_runs)):
+    steps = out[side].get("steps")
+    if steps:
+      out[side]["wall_ms_per_step"] = 1e3 * statistics.median(
+          r["wall_seconds"] for r in runs) / steps
   out["workload"] = name
   return out
 
@@ -406,6 +416,11 @@ def summary_lines(results: dict) -> list[str]:
         line += f"; vLLM median {m.upper()} {1e3 * b[f'{m}_p50_s_median']:.1f} ms (paged-jax: n/a)"
     line += f"; greedy identical {g['identical_requests']}/{g['requests']}"
     lines.append(line)
+    if a.get("steps") and b.get("steps"):
+      lines.append(f"{'':>9}  steps {a['steps']} vs {b['steps']}, token rows computed "
+                   f"{a.get('computed_tokens')} vs {b.get('computed_tokens')}, preemptions "
+                   f"{a.get('preemptions')} vs {b.get('preemptions')}, wall per step "
+                   f"{a['wall_ms_per_step']:.1f} vs {b['wall_ms_per_step']:.1f} ms")
   for name, r in results.get("single_request", {}).items():
     lines.append(f"{name:>9}: paged-jax {r['paged_jax_ms_per_token']:.2f} vs vLLM "
                  f"{r['vllm_ms_per_token']:.2f} ms/token = {r['ratio']:.2f}x; greedy "

@@ -61,6 +61,28 @@ def _latencies(outputs) -> dict:
   return out
 
 
+# vLLM's own counters (`LLM.get_metrics()`, Prometheus names), read before and
+# after a timed run: its engine steps (the count of the per-step token
+# histogram), the token rows those steps computed (its sum), and preemptions.
+_COUNTERS = {"steps": ("vllm:iteration_tokens_total", "count"),
+             "computed_tokens": ("vllm:iteration_tokens_total", "sum"),
+             "preemptions": ("vllm:num_preemptions", "value")}
+
+
+def _counters(llm) -> dict:
+  """`_COUNTERS` now, {} where this vLLM does not report them."""
+  try:
+    metrics = {m.name: m for m in llm.get_metrics()}
+  except Exception:  # pylint: disable=broad-except  # an older vLLM
+    return {}
+  out = {}
+  for key, (name, field) in _COUNTERS.items():
+    value = getattr(metrics.get(name), field, None)
+    if isinstance(value, (int, float)):
+      out[key] = value
+  return out
+
+
 class _Server:
   """One `vllm.LLM` at a time, rebuilt when `max_num_seqs` changes."""
 
@@ -98,16 +120,19 @@ class _Server:
     k = min(self.args.warmup_requests, len(prompts))
     if k:
       llm.generate(prompts[:k], sampling[:k], use_tqdm=False)
+    before = _counters(llm)
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, sampling, use_tqdm=False)
     wall = time.perf_counter() - t0
+    after = _counters(llm)
+    counted = {k: int(after[k] - before[k]) for k in after if k in before}
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     generated = sum(len(t) for t in tokens)
     return {"engine": "vllm", "vllm_version": self.vllm.__version__,
             "max_num_seqs": self.max_num_seqs, "startup_seconds": self.startup,
             "wall_seconds": wall, "generated_tokens": generated,
             "tokens_per_second": generated / wall, "requests": len(outputs),
-            "token_ids": tokens, **_latencies(outputs)}
+            "token_ids": tokens, **counted, **_latencies(outputs)}
 
 
 def main(argv=None) -> int:

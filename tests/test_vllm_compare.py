@@ -4,6 +4,8 @@ workloads and summaries are what it says (the benchmark itself is not a test).""
 from __future__ import annotations
 
 
+import types
+
 import pytest
 
 from benchmarks import vllm_compare
@@ -55,3 +57,32 @@ def test_latencies_are_read_from_generate_json_when_present():
   assert vllm_compare._latency_fields(stats) == pytest.approx(
       {"ttft_p50_s": 0.012, "tpot_p50_s": 0.003})
   assert vllm_compare._latency_fields({"tokens_per_second": 1.0}) == {}
+
+
+def test_both_schedules_are_summarised_side_by_side():
+  a = [{"tokens_per_second": 60.0, "generated_tokens": 10, "wall_seconds": w,
+        "token_ids": [[1]], "steps": 40, "computed_tokens": 500, "preemptions": 0}
+       for w in (2.0, 4.0)]
+  b = [{"tokens_per_second": 120.0, "generated_tokens": 10, "wall_seconds": 1.0,
+        "token_ids": [[1]], "steps": 50, "computed_tokens": 480, "preemptions": 3}
+       for _ in range(2)]
+  r = vllm_compare.summarise("sharegpt", a, b)
+  assert r["paged_jax"]["wall_ms_per_step"] == 1e3 * 3.0 / 40
+  assert r["vllm"]["wall_ms_per_step"] == 1e3 * 1.0 / 50
+  assert (r["vllm"]["steps"], r["vllm"]["computed_tokens"], r["vllm"]["preemptions"]) == (50, 480, 3)
+  _, line = vllm_compare.summary_lines({"workloads": {"sharegpt": r}})
+  assert line == ("           steps 40 vs 50, token rows computed 500 vs 480, preemptions "
+                  "0 vs 3, wall per step 75.0 vs 20.0 ms")
+
+
+def test_the_vllm_worker_reads_its_step_counters():
+  from benchmarks import vllm_worker  # standard library only at import
+  # `LLM.get_metrics()` objects: a histogram has count and sum, a counter value.
+  hist = types.SimpleNamespace(name="vllm:iteration_tokens_total", count=347, sum=10409.0)
+  pre = types.SimpleNamespace(name="vllm:num_preemptions", value=2)
+  llm = types.SimpleNamespace(get_metrics=lambda: [hist, pre])
+  assert vllm_worker._counters(llm) == {"steps": 347, "computed_tokens": 10409.0,
+                                        "preemptions": 2}
+  def broken():
+    raise AttributeError("an older vLLM")
+  assert vllm_worker._counters(types.SimpleNamespace(get_metrics=broken)) == {}
