@@ -180,6 +180,24 @@ def test_reclamation_under_preemption(request, kind, num_blocks):
   assert _all_free(tight)
 
 
+def test_block_aware_admission_counts_each_pool_by_its_window(gemma3):
+  """Block-aware admission (the default `admission_headroom_steps`) charges
+  a windowed pool what its sequences hold there, which stops growing at
+  their window (`window_pool.local_admission_room`), not a global pool's
+  growth: the hybrid's pools of the test above admit max_batch at once with
+  no preemption (the global rule, applied to the 26-block local pool, held
+  the batch at 3), and the outputs are those of keeping every block."""
+  requests = _requests()
+  want = _run(_engine(gemma3, 256, sliding_window_reclamation=False), requests,
+              checked=False)
+  on = _engine(gemma3, 40)
+  assert on.config.admission_headroom_steps == 16  # the default
+  assert _run(on, requests, checked=True) == want
+  assert on.stats.running.peak == 4  # max_batch
+  assert on.stats.preemptions == 0
+  assert _all_free(on)
+
+
 # test_reclamation_gives_the_outputs_of_keeping_every_block makes the same
 # comparison for both models in their reclaiming pools (4 step programs fewer).
 @pytest.mark.slow
