@@ -132,8 +132,8 @@ def main():
   reqs = runs[0]
   base = dict(num_blocks=NUM_BLOCKS, block_size=BS, max_batch=args.max_num_seqs,
               max_tokens_per_step=args.max_tokens_per_step or max(256, args.max_num_seqs),
-              max_model_len=704, admission_headroom_steps=args.admission_headroom_steps, min_bucket=16, bucket_midpoints=False,
-              enable_prefix_caching=bool(args.prefix))
+              max_model_len=704, admission_headroom_steps=args.admission_headroom_steps,
+              min_bucket=16, bucket_midpoints=False, enable_prefix_caching=bool(args.prefix))
   engines = {"on": Engine(model, EngineConfig(**base)),
              "off": Engine(model, EngineConfig(**base, sliding_window_reclamation=False))}
   if args.layers == "gemma3":

@@ -338,14 +338,11 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     growth = sum(1 for seq, _ in plan[:d] if not seq.num_cached % bs) + sum(
         -(-(seq.num_cached + n) // bs) - -(-seq.num_cached // bs)
         for seq, n in (plan[d:] if d else plan))
-    # Block-aware admission: a prompt is admitted only if its blocks leave
-    # the running sequences room to grow, in every pool, so an admission is
-    # not soon paid for by a preemption and its recomputation. (An estimate:
-    # `_fit` stays exact.) In a pool that keeps every block: room for
-    # `admission_headroom_steps` decode steps beyond this one (each crosses a
-    # block boundary once per `bs` steps). In a windowed pool, where a
-    # sequence's blocks stop growing once they cover its window:
-    # `window_pool.local_admission_room`.
+    # Block-aware admission: a prompt is admitted only if its blocks leave the
+    # running sequences room to grow in every pool (an estimate: `_fit` is
+    # exact), so that it is not soon paid for by a preemption. A pool keeping
+    # every block: `admission_headroom_steps` decode steps beyond this one (a
+    # block per `bs` steps each); a windowed one: `local_admission_room`.
     check = bool(c.admission_headroom_steps and running and not c.static_batching)
     pools = window_pool.host_pools(self._pool) if check else []
     windowed = [p for p in pools if p.window is not None]

@@ -339,7 +339,16 @@ def local_admission_room(pools, running, *, rows: int, block_size: int,
   global pool's rows keep their growth, so it keeps the growth rule
   (`Scheduler._schedule`); charging a windowed pool that rule refused
   admissions that its blocks had room for. A waiting prompt of `P` tokens
-  then costs `held(w_g, P)` blocks of `room[g]` (`Scheduler._schedule`)."""
+  then costs `held(w_g, P)` blocks of `room[g]` (`Scheduler._schedule`).
+
+  Args:
+    pools: the windowed `HostPool`s.
+    running: the running `Seq`s (`tokens`, `num_cached`).
+    rows: this step's planned entries.
+    block_size, max_tokens_per_step: the engine's.
+
+  Returns:
+    One int per pool (may be negative: no room)."""
   bs = block_size
   reserve = -(-rows // bs) + -(-max_tokens_per_step // bs) + 1
   return [p.num_available - reserve - sum(
