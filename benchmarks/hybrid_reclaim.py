@@ -20,6 +20,17 @@ token rows computed; the greedy outputs are checked equal. The ideal is
 `hybrid_capacity.plan_hybrid`'s ratio at the requests' mean length. Results
 in benchmarks/results/hybrid_reclaim.json.
 
+Concurrency is reported three ways: the whole run's mean and peak running
+sequences, and the mean over the *saturated phase*: the steps in which a
+request waits, from the first step in which memory held one back (a
+deferred admission, a refused reservation or a preemption) on. There the
+number running is what the KV memory admits (unless `max_num_seqs` caps
+it: `capped_steps` counts saturated steps at the cap). A closed workload's
+ramp-up (admission limited by the token budget) and drain (nothing left to
+admit) are outside it; `--num-requests` large makes it dominate.
+`--admission-headroom-steps` (default 0, sections 15b-15e) and
+`--max-tokens-per-step` (default max(256, max_num_seqs)) set both engines'.
+
 `--layers mistral`: every layer local (window 64), one pool (Mistral's
 shape) instead of the Gemma-3 pattern. Results get `_mistral` in the name.
 
@@ -59,6 +70,32 @@ def _prefix_requests(rng, count, prefix_len):
            int(rng.integers(32, 65))) for _ in range(count)]
 
 
+class StepTrace:
+  """Per step of one engine: `(running, waiting, held)`, `held` the memory
+  refusals so far (deferred admissions, refused reservations, preemptions).
+  Wraps `stats.add_step` on the instance (the benchmark's instrument)."""
+
+  def __init__(self, stats):
+    self.rows: list[tuple[int, int, int]] = []
+    add = stats.add_step
+
+    def add_step(bucket, num_pools, used, cached, running, waiting):
+      add(bucket, num_pools, used, cached, running, waiting)
+      self.rows.append((running, waiting, stats.deferred_admissions
+                        + stats.refused_reservations + stats.preemptions))
+    stats.add_step = add_step
+
+  def saturated(self, max_num_seqs: int) -> dict:
+    """The saturated phase (module docstring): its steps, mean running
+    sequences, and steps where `max_num_seqs` capped it."""
+    rows = self.rows
+    start = next((i for i, r in enumerate(rows) if r[2] > rows[0][2]), len(rows))
+    sat = [r for r, w, _ in rows[start:] if w > 0]
+    return {"saturated_steps": len(sat), "run_steps": len(rows),
+            "saturated_mean_running": round(statistics.mean(sat), 2) if sat else 0.0,
+            "capped_steps": sum(r >= max_num_seqs for r in sat)}
+
+
 def main():
   p = common.parser(__doc__.splitlines()[0])
   p.add_argument("--repeats", type=int, default=2)
@@ -74,6 +111,10 @@ def main():
   p.add_argument("--layers", choices=sorted(LAYERS), default="gemma3",
                  help="the layer pattern: gemma3 (5 local : 1 global, a pool per "
                  "window) or mistral (every layer local, one pool)")
+  p.add_argument("--admission-headroom-steps", type=int, default=0,
+                 help="both engines' (0: sections 15b-15e, no block check at admission)")
+  p.add_argument("--max-tokens-per-step", type=int, default=0,
+                 help="both engines' token budget (0: max(256, max_num_seqs))")
   args = p.parse_args()
   quick = args.quick
   cfg = model_lib.LlamaConfig.tiny(num_layers=6, sliding_window=WINDOW,
@@ -90,9 +131,9 @@ def main():
     warm, runs = reqs[:4], [reqs] * (1 if quick else args.repeats)
   reqs = runs[0]
   base = dict(num_blocks=NUM_BLOCKS, block_size=BS, max_batch=args.max_num_seqs,
-              max_tokens_per_step=max(256, args.max_num_seqs), max_model_len=704,
-              admission_headroom_steps=0, min_bucket=16, bucket_midpoints=False,
-              enable_prefix_caching=bool(args.prefix))
+              max_tokens_per_step=args.max_tokens_per_step or max(256, args.max_num_seqs),
+              max_model_len=704, admission_headroom_steps=args.admission_headroom_steps,
+              min_bucket=16, bucket_midpoints=False, enable_prefix_caching=bool(args.prefix))
   engines = {"on": Engine(model, EngineConfig(**base)),
              "off": Engine(model, EngineConfig(**base, sliding_window_reclamation=False))}
   if args.layers == "gemma3":
@@ -116,11 +157,14 @@ def main():
     for k, e in engines.items():
       before = {f: getattr(e.stats, f) for f in fields}
       e.stats.running = Gauge()  # this run's gauge
+      trace = StepTrace(e.stats)
       wall, outs = common.serve_timed(e, reqs, f"{r}")
+      del e.stats.add_step  # (the class's again)
       walls[k].append(wall)
       counts[k] = {f: getattr(e.stats, f) - v for f, v in before.items()}
       counts[k].update(peak_running=e.stats.running.peak,
                        mean_running=round(e.stats.running.mean, 2),
+                       **trace.saturated(args.max_num_seqs),
                        tokens_per_s=counts[k]["generated_tokens"] / wall,
                        hit_rate=round(counts[k]["prefix_hit_tokens"]
                                       / max(counts[k]["prefix_queried_tokens"], 1), 3))
@@ -149,14 +193,21 @@ def main():
               "median_tokens_per_s": counts[k]["generated_tokens"] / med, **counts[k]}
   out["tokens_per_s_ratio"] = out["on"]["median_tokens_per_s"] / out["off"]["median_tokens_per_s"]
   out["mean_running_ratio"] = out["on"]["mean_running"] / out["off"]["mean_running"]
+  out["saturated_mean_running_ratio"] = (out["on"]["saturated_mean_running"]
+                                         / max(out["off"]["saturated_mean_running"], 1e-9))
+  for k in ("mean_running_ratio", "saturated_mean_running_ratio"):
+    out[k.replace("_ratio", "_pct_of_ideal")] = round(100 * out[k] / plan.ratio, 1)
   out["prefix_tokens"] = args.prefix
   print({k: (round(out[k]["median_wall_s"], 2), counts[k]) for k in engines})
   print("on / off tokens/s:", round(out["tokens_per_s_ratio"], 3),
         "mean running ratio:", round(out["mean_running_ratio"], 3),
+        "saturated:", round(out["saturated_mean_running_ratio"], 3),
         "ideal:", round(plan.ratio, 3), "load:", os.getloadavg())
   name = "hybrid_reclaim" + ("" if args.layers == "gemma3" else f"_{args.layers}") + ("" if args.max_num_seqs == 16 else f"_b{args.max_num_seqs}") + (
       "" if args.num_requests == 24 else f"_n{args.num_requests}") + (
-      f"_prefix{args.prefix}" if args.prefix else "")
+      f"_prefix{args.prefix}" if args.prefix else "") + (
+      f"_h{args.admission_headroom_steps}" if args.admission_headroom_steps else "") + (
+      f"_t{args.max_tokens_per_step}" if args.max_tokens_per_step else "")
   print("wrote", common.write_json(args.out, name, out, quick=quick))
 
 

@@ -91,7 +91,10 @@ class EngineConfig:
     admission_headroom_steps: block-aware admission. A waiting request is
       admitted only if the blocks of its prompt chunk leave the running
       sequences room to grow for this many more decode steps (about
-      `running * steps / block_size` blocks); 0 checks no blocks at
+      `running * steps / block_size` blocks; in a pool with a sliding
+      window, where a sequence's blocks stop growing at its window, the
+      blocks its sequences will hold and one step's growth before
+      reclamation: `window_pool.local_admission_room`); 0 checks no blocks at
       admission (rows and token budget only, the policy before #21: a
       refused reservation then takes the admission back or preempts). Fewer
       preemptions and recomputed tokens for slightly fewer sequences at once. Default 16, chosen by measurement (issue #21 note:

@@ -338,12 +338,19 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     growth = sum(1 for seq, _ in plan[:d] if not seq.num_cached % bs) + sum(
         -(-(seq.num_cached + n) // bs) - -(-seq.num_cached // bs)
         for seq, n in (plan[d:] if d else plan))
-    # Block-aware admission: a prompt is admitted only if its blocks leave
-    # the running sequences room to grow for `admission_headroom_steps`
-    # decode steps beyond this one (each crosses a block boundary once per
-    # `bs` steps), so an admission is not soon paid for by a preemption and
-    # its recomputation. (An estimate: `_fit` stays exact.)
-    free = self._pool.num_available - growth
+    # Block-aware admission: a prompt is admitted only if its blocks leave the
+    # running sequences room to grow in every pool (an estimate: `_fit` is
+    # exact), so that it is not soon paid for by a preemption. A pool keeping
+    # every block: `admission_headroom_steps` decode steps beyond this one (a
+    # block per `bs` steps each); a windowed one: `local_admission_room`.
+    check = bool(c.admission_headroom_steps and running and not c.static_batching)
+    pools = window_pool.host_pools(self._pool) if check else []
+    windowed = [p for p in pools if p.window is not None]
+    rooms = window_pool.local_admission_room(
+        windowed, running, rows=len(plan), block_size=bs,
+        max_tokens_per_step=c.max_tokens_per_step) if windowed else []
+    full = [p for p in pools if p.window is None]
+    free = min(p.num_available for p in full) - growth if full else 0
     headroom = -(-len(plan) * c.admission_headroom_steps // bs)
     rows = len(self._running)
     if self._irregular.any():  # (a prompt whose samples are still to fork is)
@@ -361,11 +368,13 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
       if n <= 0 and not c.static_batching:
         break
       need = -(-n // bs)  # before a prefix-cache hit (a heuristic: `_fit` is exact)
-      if (c.admission_headroom_steps and self._running and not c.static_batching
-          and need > free - headroom):
+      costs = [window_pool.held_blocks(p.window, len(seq.tokens), bs) for p in windowed]
+      if check and ((full and need > free - headroom)
+                    or any(k > r for k, r in zip(costs, rooms))):
         self.stats.deferred_admissions += 1
         break
       free -= need
+      rooms = [r - k for r, k in zip(rooms, costs)]
       self._waiting.pop(0)
       self._bind(seq, self._free_slots.pop())
       self._insert(self._running, seq)

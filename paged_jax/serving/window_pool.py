@@ -303,11 +303,57 @@ def pool_needs(pool, total: int, beam_width: int, config) -> list[tuple[int, int
   blocks; retired beams are released before the next forks and
   reservations); with a window, what reclamation lets a sequence hold
   (`window_reclaim.blocks_needed`)."""
-  pools = pool.pools if isinstance(pool, PooledHost) else [pool]
   return [(beam_width * window_reclaim.blocks_needed(
       total, config.block_size, p.window, config.max_tokens_per_step,
       deferred=p.caching), p.num_blocks)
-          for p in pools]
+          for p in host_pools(pool)]
+
+
+def held_blocks(window: int | None, length: int, block_size: int) -> int:
+  """Blocks a sequence of `length` tokens holds in a pool of `window` (None:
+  every block) between steps, after its reclamation (prefix caching's
+  deferred columns not counted): `ceil(length / bs) -
+  block_manager.reclaimable_columns(window, length, bs)`."""
+  return -(-length // block_size) - bm.reclaimable_columns(window, length, block_size)
+
+
+def host_pools(pool) -> list:
+  """The `HostPool`s of the scheduler's model `pool` (a `PooledHost`'s, or
+  `pool` itself)."""
+  return list(getattr(pool, "pools", [pool]))
+
+
+def local_admission_room(pools, running, *, rows: int, block_size: int,
+                         max_tokens_per_step: int) -> list[int]:
+  """Block-aware admission's room in each of `pools`, `HostPool`s with a
+  window (`host_pools`):
+  what is left once every running sequence holds its whole prompt (its
+  blocks between steps, `held_blocks`) and the pool keeps room for a step:
+
+    room[g] = available[g] - sum_s (held(w_g, len(s.tokens)) - held(w_g, s.num_cached))
+              - ceil(rows / bs) - (ceil(max_tokens_per_step / bs) + 1)
+
+  A sequence of a windowed pool grows only inside a step: one block when a
+  decode row crosses a block boundary (`ceil(rows / bs)` of them a step, on
+  average), and a prompt chunk's blocks, both reclaimed after the step. A
+  global pool's rows keep their growth, so it keeps the growth rule
+  (`Scheduler._schedule`); charging a windowed pool that rule refused
+  admissions that its blocks had room for. A waiting prompt of `P` tokens
+  then costs `held(w_g, P)` blocks of `room[g]` (`Scheduler._schedule`).
+
+  Args:
+    pools: the windowed `HostPool`s.
+    running: the running `Seq`s (`tokens`, `num_cached`).
+    rows: this step's planned entries.
+    block_size, max_tokens_per_step: the engine's.
+
+  Returns:
+    One int per pool (may be negative: no room)."""
+  bs = block_size
+  reserve = -(-rows // bs) + -(-max_tokens_per_step // bs) + 1
+  return [p.num_available - reserve - sum(
+      held_blocks(p.window, len(s.tokens), bs) - held_blocks(p.window, s.num_cached, bs)
+      for s in running) for p in pools]
 
 
 def block_rejection(pool, total: int, beam_width: int, config) -> str | None:
