@@ -389,3 +389,8 @@ def dispatch_loop(runner, bucket, num_steps: int, spec, width: int,
       runner.slots, x, m, may)
   runner._spec_history = h  # pylint: disable=protected-access
   return out
+
+
+def fetch(out: SpecLoopOutputs) -> SpecLoopOutputs:
+  """Waits for a loop's outputs; returns them on the host."""
+  return jax.device_get(out)
