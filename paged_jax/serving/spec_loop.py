@@ -16,8 +16,8 @@ jitted program (`spec_loop_device_step`):
      the row's emitted tokens stay within its budget;
   3. `block_manager.reserve` of the drafts; a refused row verifies none
      this iteration (it still decodes its one token);
-  4. the target on the ragged layout of `S * (1 + k)` token rows (row `i`:
-     its last token, then its drafts), `spec_step.verify` (the ordinary
+  4. the target on `S * (1 + k)` token rows (row `i`: its last token, then
+     its drafts), laid out as decode entries (`_grid`), `spec_step.verify` (the ordinary
      sampler after every query row, greedy or sampled, with the plain
      step's `(seed, position)` keys: the tokens of plain decoding), and
      `block_manager.truncate` back to the kept tokens (rejected slots
@@ -46,7 +46,7 @@ from paged_jax import speculative
 from paged_jax import step_metadata as step_metadata_lib
 from paged_jax.serving import compiler
 from paged_jax.serving import slot_state as slot_state_lib
-from paged_jax.serving.multistep import MultiStepInputs, _stops
+from paged_jax.serving.multistep import MultiStepInputs, is_stop
 from paged_jax.serving.spec_step import verify
 from paged_jax.serving.step import (ModelDef, StepInputs, bookkeeping,
                                     bookkeeping_args, input_tokens, on_one_pool,
@@ -129,27 +129,42 @@ class SpecLoopOutputs:
   fingerprint: jax.Array  # u32[5]  `state_fingerprint` after the last iteration
 
 
-def _layout(seq_ids, last, drafts, num_draft, live, num_tokens: int):
-  """The ragged verification layout of one iteration: entry `i` runs `1 +
-  num_draft[i]` rows (its last token, then its drafts) when `live`, one
-  inert row otherwise. Returns `(q_lens, tokens i32[T], query_rows
-  i32[S, 1 + k], row_entry i32[T], row_offset i32[T])` as `SpecInputs`'."""
+def _grid(state: bm.BlockState, seq_ids, last, drafts, num_draft, live):
+  """The verification of one iteration as a DECODE layout: entry `i * (1 +
+  k) + j` is row `i`'s query `j` (its last token, then its drafts), a
+  one-row entry that sees its sequence's first `L + 1 + j` tokens (`L`: the
+  row's cached tokens before the iteration; the block state already holds
+  its `1 + d` new slots). Every query writes its K/V before any attends, so
+  query `j` sees queries `< j`, exactly as the ragged layout's causal mask.
+  On CPU XLA's decode path costs a fraction of the ragged path's per row
+  (RESULTS, the specloop note), so the loop lays out its `S * (1 + k)`
+  rows this way.
+
+  Returns:
+    `(StepMetadata, tokens i32[T], query_rows i32[S, 1 + k], row_entry
+    i32[T], row_offset i32[T])`, `T = S * (1 + k)`, the last four as
+    `spec_step.SpecInputs`' (entries past a row's drafts: inert).
+  """
   S, k = drafts.shape
-  real = seq_ids >= 0
-  q_lens = jnp.where(real, 1 + num_draft, 0)
-  starts = jnp.cumsum(q_lens) - q_lens
+  T = S * (1 + k)
   cols = jnp.arange(1 + k, dtype=jnp.int32)[None, :]
-  at = starts[:, None] + cols  # [S, 1 + k]
-  used = cols < q_lens[:, None]
-  idx = jnp.where(used, at, num_tokens)  # past the end: dropped
-  vals = jnp.concatenate([last[:, None], drafts], axis=1)
-  tokens = jnp.zeros((num_tokens,), jnp.int32).at[idx].set(vals, mode="drop")
-  entry = jnp.where(live[:, None], jnp.arange(S, dtype=jnp.int32)[:, None], -1)
-  row_entry = jnp.full((num_tokens,), -1, jnp.int32).at[idx].set(
-      jnp.broadcast_to(entry, at.shape), mode="drop")
-  row_offset = jnp.zeros((num_tokens,), jnp.int32).at[idx].set(
-      jnp.broadcast_to(cols, at.shape), mode="drop")
-  return q_lens, tokens, jnp.where(used, at, 0), row_entry, row_offset
+  use = (live[:, None] & (cols <= num_draft[:, None])).reshape(T)
+  sid = jnp.repeat(jnp.clip(seq_ids, 0, state.max_seqs - 1), 1 + k)
+  tables, lens = bm.gather_tables(state, sid)  # lens: L + 1 + d
+  kv_lens = jnp.where(use, lens - jnp.repeat(num_draft, 1 + k)
+                      + jnp.tile(cols[0], S), 0)
+  positions = jnp.where(use, kv_lens - 1, 0)
+  slots = jnp.where(use, bm.slot_mapping(state, sid, positions), -1)
+  meta = step_metadata_lib.StepMetadata(
+      positions=positions, slots=slots,
+      block_tables=jnp.where(use[:, None], tables, step_metadata_lib.NULL_BLOCK),
+      kv_lens=kv_lens, cu_q_lens=jnp.arange(T + 1, dtype=jnp.int32),
+      num_seqs=jnp.full((1,), T, jnp.int32), block_size=state.block_size,
+      total_blocks=state.total_blocks, decode_only=True)
+  tokens = jnp.where(use, jnp.concatenate([last[:, None], drafts], 1).reshape(T), 0)
+  entry = jnp.repeat(jnp.arange(S, dtype=jnp.int32), 1 + k)
+  return (meta, tokens, jnp.arange(T, dtype=jnp.int32).reshape(S, 1 + k),
+          jnp.where(use, entry, -1), jnp.tile(cols[0], S))
 
 
 def spec_loop_device_step(model_def: ModelDef, params,
@@ -182,13 +197,13 @@ def spec_loop_device_step(model_def: ModelDef, params,
   model = model_def.merge(params)
   k = spec.num_speculative_tokens
   S = x.seq_ids.shape[0]
-  K, E, T = num_steps, num_steps * (1 + k), S * (1 + k)
+  K, E = num_steps, num_steps * (1 + k)
   state, fork_ok, res, _ = bookkeeping(state, *bookkeeping_args(x))
   cache = kv_cache_lib.copy_blocks(cache, res.copy_src, res.copy_dst)
   seq_ids = x.seq_ids
   real = seq_ids >= 0
   sid = jnp.clip(seq_ids, 0, state.max_seqs - 1)
-  ms, width = history.shape
+  ms = history.shape[0]
   rows_s = jnp.arange(S)
   # Iteration 0's input tokens (known to the host, or sampled last step).
   last_tokens = store_tokens(last_tokens, seq_ids, input_tokens(last_tokens, x))
@@ -222,10 +237,8 @@ def spec_loop_device_step(model_def: ModelDef, params,
     cache = copy(cache, r2)
     d = jnp.where(want & r2.ok, d, 0)
     last = c["last_tokens"][sid]
-    q_lens, tokens, query_rows, row_entry, row_offset = _layout(
-        seq_ids, last, drafts, d, live, T)
-    meta = step_metadata_lib.step_metadata(state, seq_ids, q_lens, num_tokens=T,
-                                           active=live)
+    meta, tokens, query_rows, row_entry, row_offset = _grid(
+        state, seq_ids, last, jnp.maximum(drafts, 0), d, live)
     hidden, cache = model.paged_forward(tokens, meta, cache)
     rows = slot_state_lib.gather(slots, state.seq_lens, x.sample_seqs,
                                  x.seed_offsets)
@@ -251,7 +264,7 @@ def spec_loop_device_step(model_def: ModelDef, params,
     count = c["count"] + jnp.where(live, a + 1, 0)
     stopped = jnp.zeros((S,), bool)
     for i in range(1 + k):  # static: a stop id among the emitted tokens
-      stopped |= valid[:, i] & _stops(emitted[:, i], m.stop_ids)
+      stopped |= valid[:, i] & is_stop(emitted[:, i], m.stop_ids)
     return dict(
         j=j + 1, state=state, cache=cache, last_tokens=last_tokens,
         history=history, active=live & ~stopped & (count < m.budget),
@@ -328,7 +341,7 @@ def compile_loops(runner, inputs: list, num_steps: int, spec, width: int
     raise ValueError("speculative decoding runs on one device, not on a mesh")
   progs = runner.__dict__.setdefault("_spec_loops", {})
   h = compiler.spec(history(runner, width))
-  jobs = {}
+  jobs, rows = {}, {}
   for b, x, m in inputs:
     key = (b, num_steps)
     if key in progs:
@@ -336,6 +349,9 @@ def compile_loops(runner, inputs: list, num_steps: int, spec, width: int
     specs = jax.tree.map(compiler.spec, (x, m))
     may = jax.ShapeDtypeStruct(x.seq_ids.shape, jnp.bool_)
     held = [runner.arg_spec(n) for n in ("cache", "state", "last_tokens")]
+    # The CPU compile options of a step of its token rows (`compiler`).
+    rows[(runner._key, "spec_loop", spec) + key] = x.seq_ids.shape[0] * (
+        1 + spec.num_speculative_tokens)  # pylint: disable=protected-access
     jobs[(runner._key, "spec_loop", spec) + key] = (  # pylint: disable=protected-access
         lambda b=b, held=held, specs=specs, may=may: _jit_for(
             runner, b, num_steps, spec).lower(
@@ -345,7 +361,7 @@ def compile_loops(runner, inputs: list, num_steps: int, spec, width: int
     n = jax.ShapeDtypeStruct((HISTORY_WRITE_ROWS,), jnp.int32)
     jobs[(runner._key, "spec_history", h)] = lambda: _write_jit(runner).lower(  # pylint: disable=protected-access
         h, n, n, n)
-  done, seconds = compiler.compile_all(jobs)
+  done, seconds = compiler.compile_all(jobs, rows=rows)
   for key, exe in done.items():
     if key[1] == "spec_history":
       runner._spec_history_write = exe  # pylint: disable=protected-access
