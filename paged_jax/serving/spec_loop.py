@@ -136,9 +136,9 @@ def _grid(state: bm.BlockState, seq_ids, last, drafts, num_draft, live):
   row's cached tokens before the iteration; the block state already holds
   its `1 + d` new slots). Every query writes its K/V before any attends, so
   query `j` sees queries `< j`, exactly as the ragged layout's causal mask.
-  On CPU XLA's decode path costs a fraction of the ragged path's per row
-  (RESULTS, the specloop note), so the loop lays out its `S * (1 + k)`
-  rows this way.
+  One layout serves both widths of an iteration (`S * (1 + k)` rows when
+  some row verifies drafts, `S` when none does); on SmolLM2 (CPU, 5 rows)
+  it cost about what the ragged layout did (the specloop note).
 
   Returns:
     `(StepMetadata, tokens i32[T], query_rows i32[S, 1 + k], row_entry
@@ -237,14 +237,26 @@ def spec_loop_device_step(model_def: ModelDef, params,
     cache = copy(cache, r2)
     d = jnp.where(want & r2.ok, d, 0)
     last = c["last_tokens"][sid]
-    meta, tokens, query_rows, row_entry, row_offset = _grid(
-        state, seq_ids, last, jnp.maximum(drafts, 0), d, live)
-    hidden, cache = model.paged_forward(tokens, meta, cache)
     rows = slot_state_lib.gather(slots, state.seq_lens, x.sample_seqs,
                                  x.seed_offsets)
     drafts = jnp.where(jnp.arange(k)[None, :] < d[:, None], drafts, -1)
-    emitted, accepted, lps = verify(model.logits(hidden), rows, drafts, d,
-                                    query_rows, row_entry, row_offset)
+
+    def verify_with(width):  # static: queries per row laid out
+      def run(cache):
+        dr = drafts[:, :width]
+        meta, tokens, query_rows, row_entry, row_offset = _grid(
+            state, seq_ids, last, jnp.maximum(dr, 0), d, live)
+        hidden, cache = model.paged_forward(tokens, meta, cache)
+        emitted, accepted, lps = verify(model.logits(hidden), rows, dr, d,
+                                        query_rows, row_entry, row_offset)
+        pad = ((0, 0), (0, k - width))
+        return (cache, jnp.pad(emitted, pad, constant_values=-1), accepted,
+                jnp.pad(lps, pad))
+      return run
+
+    # An iteration where no row verifies a draft runs S rows, not S * (1 + k).
+    cache, emitted, accepted, lps = jax.lax.cond(
+        jnp.any(d > 0), verify_with(k), verify_with(0), cache)
     a = jnp.where(live, jnp.maximum(accepted, 0), 0)
     roll = live & (d > 0)
     state, _ = bm.truncate(state, jnp.where(roll, seq_ids, -1),
@@ -341,7 +353,7 @@ def compile_loops(runner, inputs: list, num_steps: int, spec, width: int
     raise ValueError("speculative decoding runs on one device, not on a mesh")
   progs = runner.__dict__.setdefault("_spec_loops", {})
   h = compiler.spec(history(runner, width))
-  jobs, rows = {}, {}
+  jobs = {}
   for b, x, m in inputs:
     key = (b, num_steps)
     if key in progs:
@@ -349,9 +361,6 @@ def compile_loops(runner, inputs: list, num_steps: int, spec, width: int
     specs = jax.tree.map(compiler.spec, (x, m))
     may = jax.ShapeDtypeStruct(x.seq_ids.shape, jnp.bool_)
     held = [runner.arg_spec(n) for n in ("cache", "state", "last_tokens")]
-    # The CPU compile options of a step of its token rows (`compiler`).
-    rows[(runner._key, "spec_loop", spec) + key] = x.seq_ids.shape[0] * (
-        1 + spec.num_speculative_tokens)  # pylint: disable=protected-access
     jobs[(runner._key, "spec_loop", spec) + key] = (  # pylint: disable=protected-access
         lambda b=b, held=held, specs=specs, may=may: _jit_for(
             runner, b, num_steps, spec).lower(
@@ -361,7 +370,10 @@ def compile_loops(runner, inputs: list, num_steps: int, spec, width: int
     n = jax.ShapeDtypeStruct((HISTORY_WRITE_ROWS,), jnp.int32)
     jobs[(runner._key, "spec_history", h)] = lambda: _write_jit(runner).lower(  # pylint: disable=protected-access
         h, n, n, n)
-  done, seconds = compiler.compile_all(jobs, rows=rows)
+  # XLA's default CPU options (YNNPACK dots), not the decode steps'
+  # (`compiler.CPU_COMPILER_OPTIONS`): on SmolLM2 the loop's 5-row
+  # iterations took 2.6x the CPU time with those (the specloop note).
+  done, seconds = compiler.compile_all(jobs)
   for key, exe in done.items():
     if key[1] == "spec_history":
       runner._spec_history_write = exe  # pylint: disable=protected-access
