@@ -16,6 +16,14 @@ is recorded per case.
   PYTHONPATH=. python benchmarks/engine_speculative.py [--rounds 2] [--new 48]
       [--batches 1,4,16] [--temperatures 0,0.8] [--workloads copying,chat]
       [--method ngram|draft_model] [--draft-layers 2] [--prefix-caching]
+      [--steps 1,4] [--off-steps 1]
+
+`--steps`: the spec-on engines' `num_scheduler_steps` (K), one engine per
+value, each in every round after the spec-off one (K > 1 with n-gram: up to
+K verification iterations per dispatch, the drafts proposed on the device,
+`serving.spec_loop`); `--off-steps`: the spec-off engines' K, the first the
+baseline of every ratio. "steps" are dispatches; "verifying" the
+verification iterations.
 
 `--method draft_model`: the draft is SmolLM2 itself cut to its first
 `--draft-layers` layers (`{"method": "draft_model", "draft_num_layers": n}`,
@@ -83,7 +91,7 @@ def follow_up_ids(tokenizer) -> list[int]:
 
 def run_case(model, prompt_ids, batch: int, new: int, spec,
              temperature: float = 0.0, caching: bool = False,
-             follow_up: list[int] | None = None) -> dict:
+             follow_up: list[int] | None = None, num_steps: int = 1) -> dict:
   """One engine serving `batch` requests; `spec`: a `SpeculativeConfig`, or
   None (off). With `follow_up` (tokens), a second wave of `batch` requests,
   each the first wave's prompt, its answer and `follow_up`, once the first
@@ -96,7 +104,8 @@ def run_case(model, prompt_ids, batch: int, new: int, spec,
       num_blocks=waves * batch * -(-longest // BLOCK_SIZE) + 8, block_size=BLOCK_SIZE,
       max_batch=batch, max_tokens_per_step=TOKENS, max_model_len=longest,
       min_bucket=TOKENS, bucket_midpoints=False,  # one decode, one mixed shape
-      enable_prefix_caching=caching, speculative_config=spec or None))
+      enable_prefix_caching=caching, speculative_config=spec or None,
+      num_scheduler_steps=num_steps))
   engine.warmup()
 
   def params(i):
@@ -129,6 +138,7 @@ def run_case(model, prompt_ids, batch: int, new: int, spec,
           "acceptance_rate": st.acceptance_rate,
           "mean_accepted_length": st.mean_accepted_length,
           "steps": st.steps, "compile_s": st.compile_seconds,
+          "multisteps": st.multisteps, "cpu_s": cpu,
           "prefix_hit_rate": st.prefix_hit_tokens / max(st.prefix_queried_tokens, 1),
           # the second wave's alone: hits into the first wave's answers
           "follow_up_hit_rate": (sum(o.num_cached_tokens for o in outs[batch:])
@@ -148,6 +158,10 @@ def main(argv=None):
                   help="draft_model: the target's first layers kept")
   ap.add_argument("--prefix-caching", action="store_true",
                   help="prefix caching in both engines; report the hit rates")
+  ap.add_argument("--steps", default="1",
+                  help="spec-on engines' num_scheduler_steps, one engine each")
+  ap.add_argument("--off-steps", default="1",
+                  help="spec-off engines' num_scheduler_steps (the first: baseline)")
   ap.add_argument("--json", default=None, help="append the medians to this file")
   args = ap.parse_args(argv)
   spec = SPEC if args.method == "ngram" else SpeculativeConfig(
@@ -161,6 +175,9 @@ def main(argv=None):
   work = {w: work[w] for w in args.workloads.split(",")}
   batches = [int(b) for b in args.batches.split(",")]
   temps = [float(t) for t in args.temperatures.split(",")]
+  configs = ([(None, int(k)) for k in args.off_steps.split(",")]
+             + [(spec, int(k)) for k in args.steps.split(",")])
+  names = [f"{'on' if c else 'off'} K={k}" for c, k in configs]
   runs: dict = {}
   for rnd in range(args.rounds):
     for name, ids in work.items():
@@ -168,54 +185,58 @@ def main(argv=None):
         for temp in temps:
           case = (loaded.model, ids, batch, args.new)
           kw = dict(caching=args.prefix_caching, follow_up=follow.get(name))
-          off = run_case(*case, None, temp, **kw)
-          on = run_case(*case, spec, temp, **kw)
-          assert on["outputs"] == off["outputs"], (name, batch, temp, "outputs differ")
-          runs.setdefault((name, batch, temp), []).append((off, on))
-          print(f"round {rnd} {name:8s} batch {batch:2d} T={temp}: off "
-                f"{off['tokens_per_s']:6.1f} tok/s {off['tokens_per_cpu_s']:6.1f} "
-                f"tok/cpu-s ({off['steps']} steps), on {on['tokens_per_s']:6.1f} "
-                f"tok/s {on['tokens_per_cpu_s']:6.1f} tok/cpu-s ({on['steps']} "
-                f"steps, {on['spec_steps']} verifying), acceptance "
-                f"{on['acceptance_rate']:.2f}, mean accepted "
-                f"{on['mean_accepted_length']:.2f}, prefix hits off "
-                f"{off['prefix_hit_rate']:.3f} on {on['prefix_hit_rate']:.3f} "
-                f"(follow-ups {off['follow_up_hit_rate']:.3f} / "
-                f"{on['follow_up_hit_rate']:.3f}), load {on['load_average']:.1f}",
-                flush=True)
+          res = [run_case(*case, c, temp, num_steps=k, **kw) for c, k in configs]
+          for r in res[1:]:
+            assert r["outputs"] == res[0]["outputs"], (name, batch, temp, "outputs differ")
+          runs.setdefault((name, batch, temp), []).append(res)
+          for cname, r in zip(names, res):
+            print(f"round {rnd} {name:8s} batch {batch:2d} T={temp} {cname:8s}: "
+                  f"{r['tokens_per_s']:6.1f} tok/s {r['tokens_per_cpu_s']:6.1f} "
+                  f"tok/cpu-s, TPOT {r['tpot_ms']:.1f} ms, {r['steps']} steps "
+                  f"({r['multisteps']} multi, {r['spec_steps']} verifying), "
+                  f"acceptance {r['acceptance_rate']:.2f}, mean accepted "
+                  f"{r['mean_accepted_length']:.2f}, prefix hits "
+                  f"{r['prefix_hit_rate']:.3f} (follow-ups "
+                  f"{r['follow_up_hit_rate']:.3f}), load {r['load_average']:.1f}",
+                  flush=True)
   rows = []
   for (name, batch, temp), rs in runs.items():
-    med = lambda f, i: statistics.median(r[i][f] for r in rs)  # noqa: E731
-    ratio = lambda f: statistics.median(r[1][f] / r[0][f] for r in rs)  # noqa: E731
-    row = {"workload": name, "batch": batch, "temperature": temp,
-           "method": args.method, "prefix_caching": args.prefix_caching,
-           "prefix_hit_rate_off": med("prefix_hit_rate", 0),
-           "prefix_hit_rate_on": med("prefix_hit_rate", 1),
-           "follow_up_hit_rate_off": med("follow_up_hit_rate", 0),
-           "follow_up_hit_rate_on": med("follow_up_hit_rate", 1),
-           "tokens_per_s_off": med("tokens_per_s", 0),
-           "tokens_per_s_on": med("tokens_per_s", 1),
-           "tokens_per_cpu_s_off": med("tokens_per_cpu_s", 0),
-           "tokens_per_cpu_s_on": med("tokens_per_cpu_s", 1),
-           "tpot_ms_off": med("tpot_ms", 0), "tpot_ms_on": med("tpot_ms", 1),
-           "speedup": ratio("tokens_per_s"),
-           "speedup_per_cpu_s": ratio("tokens_per_cpu_s"),
-           "acceptance_rate": med("acceptance_rate", 1),
-           "mean_accepted_length": med("mean_accepted_length", 1),
-           "steps_off": med("steps", 0), "steps_on": med("steps", 1),
-           "spec_steps": med("spec_steps", 1),
-           "load_average": med("load_average", 1)}
-    rows.append(row)
-    print(f"median {name:8s} batch {batch:2d} T={temp}: "
-          f"{row['tokens_per_s_off']:.1f} -> {row['tokens_per_s_on']:.1f} tok/s "
-          f"({row['speedup']:.2f}x; per CPU-s {row['speedup_per_cpu_s']:.2f}x), TPOT "
-          f"{row['tpot_ms_off']:.1f} -> {row['tpot_ms_on']:.1f} ms, acceptance "
-          f"{row['acceptance_rate']:.2f}, mean accepted "
-          f"{row['mean_accepted_length']:.2f}, prefix hits "
-          f"{row['prefix_hit_rate_off']:.3f} -> {row['prefix_hit_rate_on']:.3f} "
-          f"(follow-ups {row['follow_up_hit_rate_off']:.3f} -> "
-          f"{row['follow_up_hit_rate_on']:.3f}), load {row['load_average']:.1f}",
-          flush=True)
+    for i in range(1, len(configs)):
+      med = lambda f, j: statistics.median(r[j][f] for r in rs)  # noqa: E731
+      ratio = lambda f, i=i: statistics.median(r[i][f] / r[0][f] for r in rs)  # noqa: E731
+      row = {"workload": name, "batch": batch, "temperature": temp,
+             "method": args.method, "prefix_caching": args.prefix_caching,
+             "config": names[i], "baseline": names[0],
+             "num_scheduler_steps": configs[i][1],
+             "prefix_hit_rate_off": med("prefix_hit_rate", 0),
+             "prefix_hit_rate_on": med("prefix_hit_rate", i),
+             "follow_up_hit_rate_off": med("follow_up_hit_rate", 0),
+             "follow_up_hit_rate_on": med("follow_up_hit_rate", i),
+             "tokens_per_s_off": med("tokens_per_s", 0),
+             "tokens_per_s_on": med("tokens_per_s", i),
+             "tokens_per_cpu_s_off": med("tokens_per_cpu_s", 0),
+             "tokens_per_cpu_s_on": med("tokens_per_cpu_s", i),
+             "tpot_ms_off": med("tpot_ms", 0), "tpot_ms_on": med("tpot_ms", i),
+             "speedup": ratio("tokens_per_s"),
+             "speedup_per_cpu_s": ratio("tokens_per_cpu_s"),
+             "acceptance_rate": med("acceptance_rate", i),
+             "mean_accepted_length": med("mean_accepted_length", i),
+             "steps_off": med("steps", 0), "steps_on": med("steps", i),
+             "multisteps": med("multisteps", i), "spec_steps": med("spec_steps", i),
+             "load_average": med("load_average", i)}
+      rows.append(row)
+      print(f"median {name:8s} batch {batch:2d} T={temp} {names[i]} vs {names[0]}: "
+            f"{row['tokens_per_s_off']:.1f} -> {row['tokens_per_s_on']:.1f} tok/s "
+            f"({row['speedup']:.2f}x; per CPU-s {row['speedup_per_cpu_s']:.2f}x), TPOT "
+            f"{row['tpot_ms_off']:.1f} -> {row['tpot_ms_on']:.1f} ms, acceptance "
+            f"{row['acceptance_rate']:.2f}, mean accepted "
+            f"{row['mean_accepted_length']:.2f}, steps {row['steps_off']} -> "
+            f"{row['steps_on']} ({row['multisteps']} multi, {row['spec_steps']} "
+            f"verifying), prefix hits "
+            f"{row['prefix_hit_rate_off']:.3f} -> {row['prefix_hit_rate_on']:.3f} "
+            f"(follow-ups {row['follow_up_hit_rate_off']:.3f} -> "
+            f"{row['follow_up_hit_rate_on']:.3f}), load {row['load_average']:.1f}",
+            flush=True)
   if args.json:
     with open(args.json, "a", encoding="utf-8") as f:
       for r in rows:

@@ -114,8 +114,10 @@ class EngineConfig:
       K > 1 makes the next step's planning wait and streams in bursts).
     speculative_config: a `speculative.SpeculativeConfig` (vLLM's
       `--speculative-config`; method "ngram" or "draft_model", greedy or sampled):
-      decode steps verify drafts (`spec_host.py`, `spec_step.py`, `spec_draft.py`).
-      None: off.
+      decode steps verify drafts (`spec_host.py`, `spec_step.py`, `spec_draft.py`);
+      with `num_scheduler_steps > 1` ("ngram" only) up to K verification
+      iterations per dispatch, the drafts proposed on the device
+      (`spec_loop.py`). None: off.
     preemption_mode: what a preempted sequence loses (vLLM v0's
       `--preemption-mode`): "recompute" drops its KV and computes it again
       when readmitted; "swap" copies its blocks to a host-memory tier and

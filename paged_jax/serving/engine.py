@@ -86,7 +86,7 @@ from paged_jax.serving import out_pack, prefix_offload, slot_state
 from paged_jax.serving import resize as resize_lib
 from paged_jax.serving import reclamation
 from paged_jax.serving import window_pool
-from paged_jax.serving import spec_draft, spec_host
+from paged_jax.serving import spec_draft, spec_host, spec_loop_host
 from paged_jax.serving.buckets import Bucket
 from paged_jax.serving.config import EngineConfig  # re-exported: its home before
 from paged_jax.serving.protocol import ServingModel
@@ -311,7 +311,10 @@ class Engine:
     bucket = self._bucket(plans)
     # Decode steps in this dispatch (`multistep_host.py`; one device only).
     k = 1 if self.mesh is not None else self._pools[0].num_steps(plans[0], bucket)
-    drafts = spec_host.propose(self, plans, bucket)  # (None: no speculation)
+    # With K > 1 the device proposes, inside the loop (`spec_loop_host.py`):
+    # `drafts` is then each row's "may propose".
+    loop = spec_loop_host.applies(self, plans, bucket, k)
+    drafts = spec_host.propose(self, plans, bucket, on_device=loop)  # (None: none)
     built = [p.build_step(plan, bucket) for p, plan in zip(self._pools, plans)]
     # Did the device finish everything dispatched while the host worked?
     exposed = self._pending is None or out_pack.is_ready(self._pending.out)
@@ -325,6 +328,8 @@ class Engine:
       out = self._runner.dispatch_bookkeeping([x for x, _ in built])
       self.stats.bookkeeping_steps += 1
       bucket = None
+    elif loop and drafts is not None:
+      out, multi = spec_loop_host.dispatch(self, built, bucket, k, drafts)
     elif k > 1:
       ((x, pending),) = built
       m, ms = self._pools[0].multistep_inputs(pending, x)
@@ -381,12 +386,15 @@ class Engine:
     seconds spent waiting."""
     if spec_host.is_spec(flight):
       return spec_host.resolve(self, flight)
+    if spec_loop_host.is_loop(flight):
+      return spec_loop_host.resolve(self, flight)
     t = time.perf_counter()
     outs = self._runner.fetch(flight.out, len(self._pools), top=flight.wants_top)
     now = time.perf_counter()
     if flight.multi is not None:
       (p,), (rec,), (o,), (ms,) = self._pools, flight.pending, outs, flight.multi
       p.resolve_multistep(rec, ms, o, now)
+      spec_host.count_emitted(self, int(o.counts.sum()))
       return now - t
     for p, rec, o in zip(self._pools, flight.pending, outs):
       p.resolve(rec, o, now)
@@ -420,6 +428,7 @@ class Engine:
     if k > 1 and self.mesh is None:  # the K-step decode programs too
       self._runner.compile_multistep(self._pools[0].multistep_padding(buckets), k)
     spec_host.warmup(self, buckets)  # the verification steps too
+    spec_loop_host.warmup(self, buckets)  # and their loops
     # Warm-up is not "compiling on first use": keep it out of the stats.
     seconds = self._runner.compile_seconds - before
     self._runner.compile_seconds = before

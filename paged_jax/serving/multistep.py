@@ -81,7 +81,7 @@ class MultiStepOutputs:
   refused: jax.Array  # bool[S]  the row stopped on a refused reservation
 
 
-def _stops(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
+def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
   """bool[S]: `tokens[i]` is one of row `i`'s stop ids (-1 matches none)."""
   return jnp.any((tokens[:, None] == stop_ids) & (stop_ids >= 0), axis=1)
 
@@ -122,7 +122,7 @@ def multistep_device_step(model_def: ModelDef, params,
   model = model_def.merge(params)
   real = (x.seq_ids >= 0) & out0.ok
   count = real.astype(jnp.int32)
-  active = (real & ~_stops(prev, m.stop_ids) & ~_stops(out0.tokens, m.stop_ids)
+  active = (real & ~is_stop(prev, m.stop_ids) & ~is_stop(out0.tokens, m.stop_ids)
             & (count < m.budget))
   K = num_steps
   toks = jnp.full((K, rows), -1, jnp.int32).at[0].set(out0.tokens)
@@ -168,7 +168,7 @@ def multistep_device_step(model_def: ModelDef, params,
     top_ids = top_ids.at[j].set(tid)
     refused = refused | (active & ~res.ok)
     count = count + ok.astype(jnp.int32)
-    active = ok & ~_stops(tok, m.stop_ids) & (count < m.budget)
+    active = ok & ~is_stop(tok, m.stop_ids) & (count < m.budget)
     return (j + 1, cache, state, last_tokens, active, count, refused, toks, lps,
             top_lp, top_ids)
 

@@ -142,10 +142,21 @@ class MultiStep:
     st.padded_rows += ms.seq_ids.shape[0] * (int((counts + refused).max(initial=1)) - 1)
     if not extra:
       return
-    tokens, logprobs = out.tokens.tolist(), out.token_logprobs.tolist()
     top_lp = top_ids = None
     if top:
       top_lp, top_ids = out.top_logprobs.tolist(), out.top_ids.tolist()
+    self.apply_later_tokens(pending, out.tokens.tolist(),
+                            out.token_logprobs.tolist(), counts, now, top_lp,
+                            top_ids)
+
+  def apply_later_tokens(self, pending: Pending, tokens: list, logprobs: list,
+                         counts: np.ndarray, now: float, top_lp=None,
+                         top_ids=None):
+    """Appends each row's tokens after its first (`tokens[j][r]` for `1 <=
+    j < counts[r]`, `[E][S]` lists, and their log-probs) to its sequence,
+    in order, as the step that samples each would: a K-step dispatch's
+    (`resolve_multistep`) or a speculative loop's (`spec_loop_host`). A
+    row stops at its stop id or budget; its later tokens are void."""
     deltas = self._deltas if self.collect_deltas else None
     itls = []
     for r, t, _ in pending.records:
@@ -161,4 +172,4 @@ class MultiStep:
         self._take_token(t, len(t.tokens) - 1, tok, logprobs[j][r],
                          None if top_lp is None else (top_ids[j][r], top_lp[j][r]),
                          now, deltas, itls)
-    st.itl.add_many(itls)
+    self.stats.itl.add_many(itls)

@@ -229,7 +229,8 @@ class Runner(MultiStepPrograms):
     self._steps.clear()
     self._multi.clear()
     self._bookkeepers.clear()
-    self.__dict__.pop("_spec_steps", None)  # `spec_step.compile_spec`'s
+    for name in ("_spec_steps", "_spec_loops"):  # `spec_step`'s, `spec_loop`'s
+      self.__dict__.pop(name, None)
     self._key = self._key[:-1] + (self._signature(),)
 
   def _pooled(self) -> bool:

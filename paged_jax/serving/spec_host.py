@@ -43,9 +43,13 @@ rollback runs in the same program, so no later step can register a block
 holding a rejected draft; `truncate` models the cached-block ring and
 would refuse (as the device does) a new end inside a registered block.
 
+With `num_scheduler_steps > 1` (method "ngram" only) a step that may
+speculate runs up to K verification iterations in one dispatch, the drafts
+proposed on the device (`spec_loop.py`, `spec_loop_host.py`).
+
 Refused with speculation, by name: beam search (`max_beam_width > 1`,
-`beam_width > 1`), `n > 1`, multi-step decode, the prefix cache's host
-level (`kv_offloading_size`) and a device mesh.
+`beam_width > 1`), `n > 1`, multi-step decode with a draft model, the
+prefix cache's host level (`kv_offloading_size`) and a device mesh.
 """
 
 from __future__ import annotations
@@ -78,12 +82,15 @@ def check_config(config):
                      f"SpeculativeConfig.from_json(...)), got {spec!r}")
   for bad, name in ((config.max_beam_width > 1, f"max_beam_width={config.max_beam_width} "
                      "(beam search)"),
-                    (config.num_scheduler_steps > 1,
-                     f"num_scheduler_steps={config.num_scheduler_steps}")):
+                    (config.num_scheduler_steps > 1 and spec.method != "ngram",
+                     f"num_scheduler_steps={config.num_scheduler_steps} for "
+                     f"method={spec.method!r}")):
     if bad:
       raise ValueError(f"speculative_config cannot be combined with {name}; "
                        "speculative decoding supports single-sample "
-                       "requests on one device, one step per dispatch")
+                       "requests on one device, and several steps per "
+                       "dispatch (the loop of spec_loop.py) with method "
+                       "'ngram' only")
 
 
 def check_mesh(config, mesh):
@@ -190,11 +197,13 @@ def wants_results(engine) -> bool:
   return not spec.adaptive or engine.__dict__.get("_spec_want", True)
 
 
-def propose(engine, plans, bucket) -> list | None:
+def propose(engine, plans, bucket, *, on_device: bool = False) -> list | None:
   """Each row's drafts for this step (`[np.ndarray]` in plan order), or None
   when the step is an ordinary one (see the module docstring). Times the
   previous decode step for the policy, and this one, and decides whether
-  the next step waits for this one's results (`wants_results`)."""
+  the next step waits for this one's results (`wants_results`). With
+  `on_device` (the speculative loop, `spec_loop_host`: the device
+  proposes) each row's `bool`, whether it may propose, instead of drafts."""
   spec = engine.config.speculative_config
   if spec is None:
     return None
@@ -213,13 +222,23 @@ def propose(engine, plans, bucket) -> list | None:
   may = [pol.may_propose(s.slot, s) or not adaptive for s, _ in plans[0]]
   go = any(may) and (pol.speculate(key) or not adaptive)
   pol.tick()
-  drafts = _drafts(engine, plans[0], may) if go and spec_ok(sched, plans[0]) else None
+  drafts = None
+  if go and spec_ok(sched, plans[0]):
+    drafts = may if on_device else _drafts(engine, plans[0], may)
   engine._spec_want = (not adaptive or pol.would_speculate(key) and any(  # pylint: disable=protected-access
       pol.may_propose(s.slot, s) for s, _ in plans[0]))
   if drafts is None:
     return None
   engine._spec_timing = _Timing(key, spec_policy.SPEC, 0, now, compile0)  # pylint: disable=protected-access
   return drafts
+
+
+def count_emitted(engine, tokens: int) -> None:
+  """The tokens a plain dispatch that ran several decode steps emitted (the
+  timing rule's cost per token; a single step's are its rows)."""
+  timing = engine.__dict__.get("_spec_timing")
+  if timing is not None and timing.kind == spec_policy.PLAIN:
+    timing.tokens = tokens
 
 
 def _drafts(engine, plan, may) -> list | None:

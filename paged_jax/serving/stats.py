@@ -110,16 +110,19 @@ class EngineStats:
       cache missed them, and those found there (vLLM's
       `external_prefix_cache_queries` / `_hits`); 0 without the level.
     multisteps: dispatches that ran several decode steps on the device
-      (`EngineConfig.num_scheduler_steps`; each counts once in `steps`).
-    multistep_tokens: tokens those dispatches sampled after their first
-      iteration (decode tokens with no host work of their own).
+      (`EngineConfig.num_scheduler_steps`; each counts once in `steps`),
+      speculative loops (`spec_loop.py`) included.
+    multistep_tokens: tokens those dispatches emitted after each row's
+      first (decode tokens with no host work of their own).
     multistep_refused: rows those dispatches stopped on a refused
       reservation (the pool full inside the loop).
-    spec_steps, spec_rows: verification steps (`spec_step.py`), and rows
-      of them that verified at least one draft.
+    spec_steps, spec_rows: verification steps (`spec_step.py`) and
+      iterations of speculative loops (`spec_loop.py`), and rows of them
+      that verified at least one draft.
     spec_proposed, spec_accepted: draft tokens verified, and accepted
       (`acceptance_rate`, `mean_accepted_length`).
-    spec_draft_seconds: the host's time proposing drafts.
+    spec_draft_seconds: the host's time proposing drafts (with the loop:
+      writing the device's token history).
     deferred_admissions: steps in which block-aware admission left a
       waiting request queued because its prompt's blocks would not leave
       the running sequences room to grow (`Scheduler._schedule`).

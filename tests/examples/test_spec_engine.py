@@ -132,13 +132,18 @@ def test_a_request_that_stops_on_an_accepted_draft_stops_there(model):
   assert_pool_empty(engine)
 
 
+DRAFT = SpeculativeConfig(method="draft_model", num_speculative_tokens=2)
+
+
 @pytest.mark.parametrize("kw,name", [
     (dict(max_beam_width=2), "max_beam_width=2 (beam search)"),
-    (dict(num_scheduler_steps=4), "num_scheduler_steps=4"),
+    # n-gram with K > 1: the loop of `spec_loop.py` (test_spec_loop_engine)
+    (dict(num_scheduler_steps=4, speculative_config=DRAFT),
+     "num_scheduler_steps=4 for method='draft_model'"),
 ])
 def test_unsupported_configs_are_refused_by_name(kw, name):
   with pytest.raises(ValueError) as e:
-    EngineConfig(num_blocks=8, speculative_config=SPEC, **kw)
+    EngineConfig(num_blocks=8, **{"speculative_config": SPEC, **kw})
   assert str(e.value).startswith(
       f"speculative_config cannot be combined with {name}; ")
 
@@ -163,11 +168,12 @@ def test_speculative_config_flag(capsys):
   assert args.speculative_config == SpeculativeConfig(
       num_speculative_tokens=2, prompt_lookup_min=4, prompt_lookup_max=4)
   assert generate.parse_args([]).speculative_config is None
-  code = generate.main(["--speculative-config", flag, "--num-scheduler-steps", "4",
+  draft = '{"method": "draft_model", "num_speculative_tokens": 2}'
+  code = generate.main(["--speculative-config", draft, "--num-scheduler-steps", "4",
                         "--num-requests", "1", "--no-progress"])
   assert code == 2
-  assert ("--speculative-config cannot be combined with --num-scheduler-steps"
-          in capsys.readouterr().err)
+  assert ("--speculative-config cannot be combined with --num-scheduler-steps 4 "
+          "for method='draft_model'" in capsys.readouterr().err)
   with pytest.raises(SystemExit):
     generate.parse_args(["--speculative-config", '{"method": "eagle"}'])
   assert "num_speculative_tokens" in capsys.readouterr().err
