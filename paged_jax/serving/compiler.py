@@ -27,7 +27,9 @@ and more YNNPACK was faster, so wider steps keep it (`benchmarks/RESULTS.md`
 7f). Mixed (prefill) steps keep XLA's defaults at every size: a batch-1
 engine's 32-token prefill step took 0.84-0.87x the CPU time with them than
 without (12 tokens: 0.93x; the devstep3 note). The runners pass rows for
-their decode steps only. A setting of that flag in your own `XLA_FLAGS` wins.
+their decode steps only, and only for a model whose LM head is not its tied
+embedding table (`xla_dots_suit`). A setting of that flag in your own
+`XLA_FLAGS` wins.
 """
 
 from __future__ import annotations
@@ -101,6 +103,21 @@ def clear(keep: Callable[[Hashable], bool] | None = None) -> int:
       del _TABLE[k]
       _USES.pop(k, None)
   return len(drop)
+
+
+def xla_dots_suit(model) -> bool:
+  """Whether `model`'s decode steps may take `CPU_COMPILER_OPTIONS` (XLA's
+  own dots): not when its LM head is its tied embedding table
+  (`config.tie_word_embeddings`, e.g. SmolLM2, Gemma).
+
+  That head contracts the `[vocab, hidden]` table on its minor dimension,
+  which XLA's own dot kernel ran 12-14x slower than YNNPACK's at 2-5 rows
+  and 1.2-1.4x at 8-32 rows (SmolLM2's `[rows, 576] x [49152, 576]^T`, the
+  2-core AMD EPYC, loaded; as fast at 1 row). SmolLM2's decode step took 2.4x
+  the time at batch 5 with XLA's dots and 1.07x at batch 16 (RESULTS 7m).
+  """
+  config = getattr(model, "config", None)
+  return not getattr(config, "tie_word_embeddings", False)
 
 
 def compile_all(jobs: dict[Hashable, Callable[[], jax.stages.Lowered]],

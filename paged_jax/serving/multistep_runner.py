@@ -25,8 +25,14 @@ _multistep = step_lib.on_one_pool(multistep_device_step, args=(3, 4, 5),
 class MultiStepPrograms:
   """`Runner`'s K-step decode programs (a mixin: it uses the runner's
   `config`, `mesh`, `_key`, `_model_def`, `_params`, `cache`, `state`,
-  `last_tokens`, `slots`, `num_logprobs`, `compile_seconds` and its
-  `_multi` table `{(bucket, K): Compiled}`)."""
+  `last_tokens`, `slots`, `num_logprobs`, `compile_seconds`, `_xla_dots`
+  and its `_multi` table `{(bucket, K): Compiled}`)."""
+
+  def _decode_rows(self, buckets: dict) -> dict | None:
+    """`compiler.compile_all`'s `rows` for decode programs (`{key: bucket}`):
+    their token rows, or None (XLA's defaults) for a model whose dots do not
+    suit XLA's own kernels (`compiler.xla_dots_suit`)."""
+    return {k: b.num_tokens for k, b in buckets.items()} if self._xla_dots else None
 
   def _multistep_jit_for(self, bucket: Bucket, num_steps: int):
     """The jitted `num_steps`-step decode program of `bucket`, named after
@@ -60,7 +66,7 @@ class MultiStepPrograms:
           num_logprobs=self.num_logprobs)
     jobs = {(self._key, "multistep", num_steps, b): lowerer(b, x, m)
             for b, (x, m) in inputs.items() if (b, num_steps) not in self._multi}
-    done, seconds = compiler.compile_all(jobs, rows={k: k[3].num_tokens for k in jobs})
+    done, seconds = compiler.compile_all(jobs, rows=self._decode_rows({k: k[3] for k in jobs}))
     for (_, _, k, b), exe in done.items():
       self._multi[b, k] = exe
     self.compile_seconds += seconds

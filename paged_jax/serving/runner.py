@@ -109,6 +109,7 @@ class Runner(MultiStepPrograms):
     graphdef, params = nnx.split(model)
     self._model_def = ModelDef(graphdef, params)
     self._params = jax.tree.leaves(params)  # flat: cheap to pass every step
+    self._xla_dots = compiler.xla_dots_suit(model)  # for its decode steps on CPU
     if mesh is not None:
       for what, on in (("preemption_mode='swap'", config.preemption_mode == "swap"),
                        ("kv_offloading_size > 0", config.kv_offloading_size)):
@@ -340,7 +341,7 @@ class Runner(MultiStepPrograms):
     # Only decode steps take the CPU dots option (`compiler.compiler_options`);
     # a mixed step of as few rows ran faster with XLA's defaults.
     done, seconds = compiler.compile_all(
-        jobs, rows={k: k[1].num_tokens for k in jobs if k[1].decode_only})
+        jobs, rows=self._decode_rows({k: k[1] for k in jobs if k[1].decode_only}))
     for (_, b), exe in done.items():
       self._steps[b] = exe
     self.compile_seconds += seconds

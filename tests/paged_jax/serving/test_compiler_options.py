@@ -61,3 +61,28 @@ def test_engine_gives_the_option_to_decode_steps_only(monkeypatch):
   assert YNN not in steps[decode].as_text()
   assert YNN in steps[mixed].as_text()
   compiler.clear()
+
+
+@cpu_only
+def test_a_tied_lm_head_keeps_xla_defaults_in_decode_steps(monkeypatch):
+  # The tied head contracts the [vocab, hidden] table on its minor dimension,
+  # which XLA's own dot ran 12x slower than YNNPACK's at a few rows (SmolLM2):
+  # such a model's decode steps keep XLA's defaults.
+  from paged_jax.models.llama import model as model_lib  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving.buckets import Bucket  # pylint: disable=import-outside-toplevel
+  from paged_jax.serving.engine import Engine, EngineConfig  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv("XLA_FLAGS", "")
+  compiler.clear()
+  texts = {}
+  for tied in (False, True):
+    config = model_lib.LlamaConfig.tiny(hidden_size=128, tie_word_embeddings=tied)
+    model = model_lib.init_model(config)
+    assert compiler.xla_dots_suit(model) is not tied
+    engine = Engine(model, EngineConfig(num_blocks=16, block_size=8, max_batch=4,
+                                        max_tokens_per_step=8, max_model_len=64,
+                                        min_bucket=8, bucket_midpoints=False))
+    engine.warmup()
+    texts[tied] = engine._runner._steps[Bucket(4, 4, True)].as_text()  # pylint: disable=protected-access
+  assert YNN not in texts[False]
+  assert YNN in texts[True]
+  compiler.clear()
