@@ -208,6 +208,11 @@ def test_contiguous_static_batching_gives_the_same_outputs(model):
   from paged_jax.entrypoints import workload  # pylint: disable=import-outside-toplevel
   requests = random_requests(4, 6)
   kw = dict(kv_tokens=128, progress=False, **{**SIZES, "min_bucket": 16})
+  # Separate layers, as `paged-jax generate` loads the tiny model on CPU
+  # (`loader.default_scan_layers`): both engines' sizes are then
+  # test_generate.py's `SMALL` run's, whose 4 step programs (2 per engine)
+  # this compiles once for both modules (one xdist unit, tests/conftest.py).
+  model = model.with_scan_layers(False)
   paged, paged_out = workload.run_workload("paged", model, requests, **kw)
   contig, contig_out = workload.run_workload("contiguous", model, requests, **kw)
   assert [o.completions for o in paged_out] == [o.completions for o in contig_out]

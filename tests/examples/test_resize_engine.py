@@ -15,7 +15,7 @@ from paged_jax import block_manager as bm
 from paged_jax.serving import compiler
 from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
-from tests.examples.conftest import (assert_mirror_is_the_device_state,
+from tests.examples.conftest import (BIG_POOL, SMALL_POOL, assert_mirror_is_the_device_state,
                                      make_engine, random_requests)
 from tests.examples.test_prefix_engine import _poison_unowned_blocks
 
@@ -82,8 +82,10 @@ def test_grow_then_shrink_mid_run_gives_the_same_tokens(model, caching):
 def test_a_shrink_below_the_live_blocks_is_refused_and_changes_nothing(model):
   reqs = [Request(i, list(range(3 + i, 23 + i)), SamplingParams(max_new_tokens=12))
           for i in range(4)]
-  want = _serve(make_engine(model, POOL, **SHAPES), reqs)
-  engine = make_engine(model, POOL, **SHAPES)
+  # BIG_POOL: before the resize the steps are make_engine's own (compiled by
+  # the modules before this one in its xdist unit, tests/conftest.py).
+  want = _serve(make_engine(model, BIG_POOL, **SHAPES), reqs)
+  engine = make_engine(model, BIG_POOL, **SHAPES)
   # Four running sequences of >= 20 tokens hold >= 20 blocks of 4: 16 is too
   # few (refused); 16 is also the largest request's need (32 tokens / 4 = 8,
   # fine), so only the live blocks refuse it.
@@ -93,12 +95,13 @@ def test_a_shrink_below_the_live_blocks_is_refused_and_changes_nothing(model):
 
 def test_a_shrink_below_a_waiting_requests_need_is_refused(model):
   engine = make_engine(model, POOL, **SHAPES)
-  assert engine.add_request(Request(0, list(range(3, 40)),
+  assert engine.add_request(Request(0, list(range(3, 31)),
                                     SamplingParams(max_new_tokens=20))) is None
-  # 57 tokens need 15 blocks at their longest: 14 could never finish it.
-  assert engine.resize_kv_cache(14) is False
+  # 48 tokens need 12 blocks at their longest: 11 could never finish it.
+  # (12 is SMALL_POOL, whose steps the modules before this one compiled.)
+  assert engine.resize_kv_cache(SMALL_POOL - 1) is False
   assert engine.config.num_blocks == POOL
-  assert engine.resize_kv_cache(15) is True
+  assert engine.resize_kv_cache(SMALL_POOL) is True
   outs = engine.run_until_done()
   assert len(outs[0].completions[0].token_ids) == 20
 
