@@ -22,16 +22,18 @@ from paged_jax import capacity
 from paged_jax.models import loader
 
 MAX_SIMULATED_DEVICES = 512
-# (--min-bucket, --bucket-midpoints) when not given. A real model's step
-# shape takes seconds to compile on CPU, the tiny one's a fraction of that:
-# no shapes under 4 rows for it. Both keep the 1.5x midpoints: without them
+# (--min-bucket, --bucket-midpoints) when not given. Both start at 1 row: a
+# real model's step shape takes seconds to compile on CPU, but a minimum of 4
+# rows padded one request's decode steps to 4 rows, and SmolLM2's 4-row step
+# costs 1.9x its 1-row step (TPOT 54.2 -> 28.2 ms for one request on an
+# 8-sequence engine, 3 more shapes; RESULTS 7o). Both keep the 1.5x midpoints: without them
 # a mixed step of a full batch's decodes plus one admitted prompt (`B` +
 # a few dozen rows) pads to `2B`, and vLLM's ShareGPT-like comparison
 # (batch 32, 256-token budget) computed 1.29x its real token rows (8 shapes)
 # against 1.12x with them (14 shapes; benchmarks/RESULTS.md 7h, the
 # devstep3 note). JAX's persistent compilation cache pays the extra shapes'
 # compile once per machine.
-STEP_SHAPE_DEFAULTS = {"tiny": (1, True), "real": (4, True)}
+STEP_SHAPE_DEFAULTS = {"tiny": (1, True), "real": (1, True)}
 
 # Ranges of the flags that set no `EngineConfig` / `SamplingParams` field,
 # checked while parsing (one line, exit 2). A flag that sets a field parses

@@ -155,7 +155,8 @@ def test_real_model_default_pads_a_full_batch_plus_a_prompt_below_2x(monkeypatch
   step = buckets.choose(config.buckets, num_tokens=32 - 1 + 14, num_seqs=32,
                         decode_only=False)
   assert step.num_tokens == 48
-  assert len(config.buckets) <= 14  # decode 4..32, mixed 32..256
+  assert len(config.buckets) <= 17  # decode 1..32, mixed 32..256
+  assert buckets.choose(config.buckets, num_tokens=1, num_seqs=1, decode_only=True).num_tokens == 1
 
 
 def test_no_fetch_env_never_runs_pip(no_smollm2, monkeypatch):
