@@ -75,14 +75,17 @@ def test_greedy_outputs_are_identical_with_spec_on_and_off(model):
     assert_pool_empty(alone)
 
 
-def test_a_small_pool_that_preempts_gives_the_same_outputs(model):
+@pytest.mark.parametrize("k", [1, 8])  # 8: the loop (`spec_loop.py`) fills the pool
+def test_a_small_pool_that_preempts_gives_the_same_outputs(model, k):
   requests = [_copying(i) for i in range(4)] + random_requests(
       1, 4, prompt=(8, 24), new=(8, 16))
   want = _run(make_engine(model), requests, checked=False)
   engine = make_engine(model, num_blocks=SMALL_POOL + 4, admission_headroom_steps=0,
-                       speculative_config=SPEC)
+                       speculative_config=SPEC, num_scheduler_steps=k)
   assert _run(engine, requests) == want
   assert engine.stats.preemptions > 0 and engine.stats.spec_accepted > 0
+  if k > 1:
+    assert engine.stats.multistep_refused > 0  # a row stopped on a full pool in the loop
   assert_pool_empty(engine)
 
 

@@ -1,8 +1,8 @@
 """Speculation inside the multi-step loop (`spec_loop.py`: n-gram drafts
 proposed on the device, up to K verification iterations per dispatch):
 the outputs of plain decoding, greedy for every K and sampled, alone,
-batched, under preemption and a pool that fills inside the loop, with
-prefix caching; after every dispatch the host's pool model equals the
+batched, with prefix caching (a pool that fills inside the loop and
+preempts: `test_spec_engine.py`); after every dispatch the host's pool model equals the
 device's state and every block nobody owns is NaN-poisoned; every block
 returns; each loop traces once and compiles at warm-up."""
 
@@ -15,7 +15,7 @@ from paged_jax.serving import compiler, spec_loop_host
 from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
-from tests.examples.conftest import (BIG_POOL, SIZES, SMALL_POOL, assert_pool_empty,
+from tests.examples.conftest import (BIG_POOL, SIZES, assert_pool_empty,
                                      count_lowerings, make_engine, random_requests)
 from tests.examples.test_spec_prefix_engine import _assert_every_block_returns
 from tests.examples.test_spec_engine import (ADAPTIVE, SAMPLED, SPEC, _copying, _run,
@@ -46,19 +46,6 @@ def test_greedy_outputs_are_identical_with_the_loop_for_every_k(model, k):
   assert _run(alone, [r]) == {r.request_id: want[r.request_id]}
   assert alone.stats.spec_accepted > 0
   assert_pool_empty(alone)
-
-
-def test_a_pool_that_fills_inside_the_loop_gives_the_same_outputs(model):
-  requests = [_copying(i) for i in range(4)] + random_requests(
-      1, 4, prompt=(8, 24), new=(8, 16))
-  want = _run(make_engine(model), requests, checked=False)
-  engine = make_engine(model, num_blocks=SMALL_POOL + 4, admission_headroom_steps=0,
-                       speculative_config=SPEC, num_scheduler_steps=8)
-  assert _run(engine, requests) == want
-  st = engine.stats
-  assert st.preemptions > 0 and st.spec_accepted > 0
-  assert st.multistep_refused > 0  # a row stopped on a full pool in the loop
-  assert_pool_empty(engine)
 
 
 def test_sampled_outputs_are_identical_with_the_loop(model):
