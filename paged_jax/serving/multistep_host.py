@@ -151,14 +151,16 @@ class MultiStep:
 
   def apply_later_tokens(self, pending: Pending, tokens: list, logprobs: list,
                          counts: np.ndarray, now: float, top_lp=None,
-                         top_ids=None):
+                         top_ids=None) -> int:
     """Appends each row's tokens after its first (`tokens[j][r]` for `1 <=
     j < counts[r]`, `[E][S]` lists, and their log-probs) to its sequence,
     in order, as the step that samples each would: a K-step dispatch's
-    (`resolve_multistep`) or a speculative loop's (`spec_loop_host`). A
-    row stops at its stop id or budget; its later tokens are void."""
+    (`resolve_multistep`), a verification step's accepted drafts
+    (`spec_host.resolve`) or a speculative loop's (`spec_loop_host`). A
+    row stops at its stop id or budget; its later tokens are void. Returns
+    the tokens appended."""
     deltas = self._deltas if self.collect_deltas else None
-    itls = []
+    itls, appended = [], 0
     for r, t, _ in pending.records:
       g = t.group
       for j in range(1, int(counts[r])):
@@ -167,9 +169,11 @@ class MultiStep:
         tok = tokens[j][r]
         t.num_cached += 1  # the token before it was computed in iteration j
         t.tokens.append(tok)
+        appended += 1
         if len(t.tokens) - g.prompt_len >= g.params.max_new_tokens:
           t.final = True
         self._take_token(t, len(t.tokens) - 1, tok, logprobs[j][r],
                          None if top_lp is None else (top_ids[j][r], top_lp[j][r]),
                          now, deltas, itls)
     self.stats.itl.add_many(itls)
+    return appended

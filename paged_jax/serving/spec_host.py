@@ -475,23 +475,8 @@ def resolve(engine, flight) -> float:
   for r, t, _ in pending.records:
     if sp.num_draft[r]:
       pol.record(t.slot, t, int(sp.num_draft[r]), int(accepted[r]))
-  extra = 0
-  tokens, logprobs = out.tokens.tolist(), out.token_logprobs.tolist()
-  deltas = sched._deltas if sched.collect_deltas else None  # pylint: disable=protected-access
-  itls = []
-  for r, t, _ in pending.records:
-    g = t.group
-    for j in range(1, int(accepted[r]) + 1):
-      if t.done:  # stopped (EOS, the budget, an abort): later tokens are void
-        break
-      tok = tokens[r][j]
-      t.num_cached += 1  # the draft before it was computed and kept
-      t.tokens.append(tok)
-      extra += 1
-      if len(t.tokens) - g.prompt_len >= g.params.max_new_tokens:
-        t.final = True
-      sched._take_token(t, len(t.tokens) - 1, tok, logprobs[r][j], None, now,  # pylint: disable=protected-access
-                        deltas, itls)
-  st.itl.add_many(itls)
+  # Accepted drafts: row r's tokens 1..accepted[r] (`out.tokens` is [S, 1 + k]).
+  extra = sched.apply_later_tokens(pending, out.tokens.T.tolist(),
+                                   out.token_logprobs.T.tolist(), accepted + 1, now)
   st.computed_tokens += extra
   return now - t0
