@@ -79,19 +79,37 @@ def _torch(ws, rows, onednn: bool):
   return run
 
 
+def positive(text: str) -> int:
+  """An int >= 1 (argparse's `type`: one clear error otherwise)."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+  return value
+
+
+def row_counts(text: str) -> list[int]:
+  """A comma-separated list of ints >= 1."""
+  return [positive(t) for t in text.split(",")]
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
   p.add_argument("--engine", default="xla", help="xla, or onednn and/or torch")
-  p.add_argument("--rows", default="1,32,256")
-  p.add_argument("--threads", type=int, default=2, help="torch's threads")
-  p.add_argument("--calls", type=int, default=30)
+  p.add_argument("--rows", type=row_counts, default="1,32,256")
+  p.add_argument("--threads", type=positive, default=2, help="torch's threads")
+  p.add_argument("--calls", type=positive, default=30)
   args = p.parse_args(argv)
   engines = args.engine.split(",")
+  if not engines or set(engines) - {"xla", "onednn", "torch"}:
+    p.error(f"--engine: expected xla, onednn and/or torch, got {args.engine!r}")
   if set(engines) - {"xla"}:
     import torch  # pylint: disable=import-outside-toplevel
     torch.set_num_threads(args.threads)
   ws, out = weights(), {}
-  for rows in (int(r) for r in args.rows.split(",")):
+  for rows in args.rows:
     forms = {e: (_xla(ws, rows) if e == "xla" else _torch(ws, rows, e == "onednn"))
              for e in engines}
     times = {e: [] for e in forms}

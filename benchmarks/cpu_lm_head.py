@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.cpu_linear_chain import positive, row_counts
 from paged_jax.serving import compiler
 
 
@@ -32,16 +33,16 @@ def _time(fn, *args) -> float:
 
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
-  p.add_argument("--rows", default="1,2,5,8,16,32")
-  p.add_argument("--vocab", type=int, default=49152)
-  p.add_argument("--hidden", type=int, default=576)
-  p.add_argument("--calls", type=int, default=9)
+  p.add_argument("--rows", type=row_counts, default="1,2,5,8,16,32")
+  p.add_argument("--vocab", type=positive, default=49152)
+  p.add_argument("--hidden", type=positive, default=576)
+  p.add_argument("--calls", type=positive, default=9)
   args = p.parse_args(argv)
   rng = np.random.default_rng(0)
   table = jnp.asarray(rng.standard_normal((args.vocab, args.hidden), np.float32))
   head = jax.jit(lambda x, e: jax.lax.dot_general(x, e, (((1,), (1,)), ((), ()))))
   out = {}
-  for rows in (int(r) for r in args.rows.split(",")):
+  for rows in args.rows:
     x = jnp.asarray(rng.standard_normal((rows, args.hidden), np.float32))
     lowered = head.trace(x, table).lower()
     forms = {"ynnpack": lowered.compile(),
