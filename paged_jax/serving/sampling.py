@@ -267,6 +267,24 @@ def _filtered_logits(logits, temperature, top_k, top_p):
   return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
+def argmax(logits: jax.Array) -> jax.Array:
+  """`i32[rows]`: `jnp.argmax(logits, axis=-1)` of `logits` (f32[rows, vocab]),
+  exactly (the first maximum; the first NaN of a row that has one), as two
+  plain reductions: the row's maximum, then the least index that holds it.
+
+  XLA:CPU lowers `jnp.argmax` to one variadic (value, index) reduction that
+  it does not vectorise: over SmolLM2's 49,152 logits it took 11.1 ms at 32
+  rows against 1.3 ms for this form (RESULTS 7p), 3% of a decode step.
+  """
+  nan = jnp.isnan(logits)
+  # XLA:CPU's max does not always propagate a NaN, so NaN rows are told apart.
+  nan_row = jnp.any(nan, axis=-1, keepdims=True)
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  hit = jnp.where(nan_row, nan, logits == top)
+  return jnp.min(jnp.where(hit, ids, logits.shape[-1]), axis=-1)
+
+
 def sample_tokens(
     logits: jax.Array,  # f32[rows, vocab]
     temperature: jax.Array,  # f32[rows]
@@ -286,7 +304,7 @@ def sample_tokens(
   Returns:
     `i32[rows]` token ids.
   """
-  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  greedy = argmax(logits)
 
   def stochastic(_):
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]

@@ -60,6 +60,7 @@ from flax import nnx
 from paged_jax import block_manager as bm
 from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import step_metadata as step_metadata_lib
+from paged_jax.serving import sampling
 
 
 class DraftPair(nnx.Module):
@@ -222,7 +223,7 @@ def propose(draft, cache: kv_cache_lib.KVCache, state: bm.BlockState,
         state.replace(seq_lens=lens), seq_ids, jnp.ones((S,), jnp.int32),
         num_tokens=S, active=on, decode_only=True)
     hidden, c = draft.paged_forward(tok, meta, c)
-    nxt = jnp.argmax(draft.logits(hidden), axis=-1).astype(jnp.int32)
+    nxt = sampling.argmax(draft.logits(hidden))
     drafts = jnp.where((cols == j) & (j < num_draft)[:, None] & on[:, None],
                        nxt[:, None], drafts)
     return jnp.where(on, nxt, tok), drafts, c

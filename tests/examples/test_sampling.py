@@ -33,6 +33,26 @@ def test_greedy_and_degenerate_filters_take_the_argmax():
   np.testing.assert_array_equal(sample(logits, *args(64, 1.5, top_p=1e-6)), best)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_argmax_is_jnp_argmax_with_ties_infinities_and_nans(seed):
+  """`sampling.argmax` is `jnp.argmax` exactly: the first maximum of a row
+  with ties, -inf and +inf entries, an all -inf row, and the first NaN of a
+  row that has one (NaN-poisoned rows)."""
+  rng = np.random.default_rng(seed)
+  vocab = int(rng.integers(1, 300))
+  x = rng.integers(-3, 4, size=(40, vocab)).astype(np.float32)  # many ties
+  x[rng.random(x.shape) < 0.05] = -np.inf
+  x[rng.random(x.shape) < 0.01] = np.inf
+  x[0] = -np.inf
+  nan_rows = rng.random(40) < 0.3
+  for r in np.flatnonzero(nan_rows):
+    x[r, rng.integers(0, vocab, size=int(rng.integers(1, 3)))] = np.nan
+  got = np.asarray(jax.jit(sampling.argmax)(jnp.asarray(x)))
+  assert got.dtype == np.int32
+  np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), -1)))
+  np.testing.assert_array_equal(got[~nan_rows], np.argmax(x[~nan_rows], -1))
+
+
 def test_samples_follow_the_filtered_distribution():
   n, vocab = 4000, 8
   logits = jnp.tile(jnp.linspace(0.0, 2.0, vocab)[None], (n, 1))
