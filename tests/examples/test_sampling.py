@@ -53,6 +53,69 @@ def test_argmax_is_jnp_argmax_with_ties_infinities_and_nans(seed):
   np.testing.assert_array_equal(got[~nan_rows], np.argmax(x[~nan_rows], -1))
 
 
+def _sorted_rule(scaled, top_k, top_p):
+  """The top-k then top-p threshold by a full sort, in float64 (the rule
+  `sampling.filter_threshold` keeps without sorting), and how close each row's
+  stopping mass came to `top_p` (rows within rounding of it are not compared)."""
+  vocab = scaled.shape[-1]
+  out, margin = [], []
+  for row, k, p in zip(scaled.astype(np.float64), top_k, top_p):
+    vals = -np.sort(-row)
+    k = min(k, vocab) if k > 0 else vocab
+    probs = np.exp(vals[:k] - vals[0])
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    keep = (before < p) | (p >= 1.0)
+    out.append(vals[:k][keep].min() if (k < vocab or p < 1.0) else -np.inf)
+    margin.append(np.abs(before - p).min() if p < 1.0 else 1.0)
+  return np.array(out), np.array(margin)
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 5.0])
+def test_filter_threshold_is_the_sorted_rule(temperature):
+  """`filter_threshold` keeps what a full sort keeps, on rows resolved by each
+  stage: `lax.top_k` prefixes of 64 and 1,024, the bisection of rows without
+  top-k, the sort of a row whose top-k is larger than the prefixes; peaked and
+  flat rows, ties (integer-valued rows) and banned (-inf) tokens."""
+  rng = np.random.default_rng(int(temperature * 10))
+  vocab, n = 3000, 48
+  x = rng.standard_normal((n, vocab)) * rng.choice([0.5, 3.0, 8.0], (n, 1))
+  x[::5] = np.round(x[::5])  # ties
+  x[rng.random(x.shape) < 0.02] = -np.inf
+  scaled = (x / temperature).astype(np.float32)
+  top_k = rng.choice([0, 0, 1, 7, 64, 65, 1024, 1025, 2999, 3000, 4000], n)
+  top_p = rng.choice([1.0, 1.0, 0.9, 0.5, 0.99, 1e-3], n).astype(np.float32)
+  got = np.asarray(jax.jit(sampling.filter_threshold)(
+      jnp.asarray(scaled), jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p)))
+  want, margin = _sorted_rule(scaled, top_k, top_p)
+  clear = margin > 1e-5
+  assert clear.sum() >= n - 4
+  kept_got = scaled >= got[:, None]
+  kept_want = scaled >= want[:, None].astype(np.float32)
+  np.testing.assert_array_equal(kept_got[clear], kept_want[clear])
+
+
+def test_inverse_cdf_draws_the_softmax_and_never_a_banned_token():
+  """Evenly spaced quantiles land on each token in proportion to its
+  probability (two levels: 1,100 tokens, blocks of 512 and a padded last
+  block); a -inf token is never drawn; an all -inf row gives 0."""
+  vocab, n = 1100, 40000
+  rng = np.random.default_rng(0)
+  row = rng.standard_normal(vocab).astype(np.float32)
+  row[rng.random(vocab) < 0.3] = -np.inf
+  u = (np.arange(n) + 0.5) / n
+  drawn = np.asarray(jax.jit(sampling.inverse_cdf)(
+      jnp.tile(jnp.asarray(row)[None], (n, 1)), jnp.asarray(u, jnp.float32)))
+  probs = np.exp(row - row[np.isfinite(row)].max())
+  probs /= probs.sum()
+  counts = np.bincount(drawn, minlength=vocab) / n
+  assert counts[~np.isfinite(row)].sum() == 0
+  np.testing.assert_allclose(counts, probs, atol=2 / n)
+  assert np.all(np.diff(drawn) >= 0)  # quantiles in order, tokens in order
+  dead = jnp.full((2, vocab), -jnp.inf)
+  assert np.asarray(sampling.inverse_cdf(dead, jnp.array([0.0, 0.99]))).tolist() == [0, 0]
+
+
 def test_samples_follow_the_filtered_distribution():
   n, vocab = 4000, 8
   logits = jnp.tile(jnp.linspace(0.0, 2.0, vocab)[None], (n, 1))
