@@ -19,8 +19,10 @@ What is compared, the same on both sides:
   vocab 49,152; its GGUF dequantised to float32), written once as a Hugging
   Face checkpoint (config.json + model.safetensors) that both load
   (`examples/generate.py --checkpoint`, `vllm.LLM(model=...)`);
-- the requests: every one submitted at once, greedy, EOS ignored, fixed
-  output lengths, token-id prompts. Workloads: `sharegpt` (the ShareGPT-like
+- the requests: every one submitted at once, EOS ignored, fixed output
+  lengths, token-id prompts; greedy, or sampled on both sides with
+  `--temperature` / `--top-k` / `--top-p` (then the tokens differ and are
+  not compared: each side's sampler has its own random stream). Workloads: `sharegpt` (the ShareGPT-like
   lengths of `paged_jax.traces`, scaled down 6x) and `azure` (the first
   requests of the real Azure LLM inference trace 2023, conversation service,
   in benchmarks/data/, lengths scaled down 8x) and `longprompt` (prompts of
@@ -95,6 +97,10 @@ def parse_args(argv=None):
                  "SmolLM2-135M-Instruct (from its GGUF, written once as a float32 HF "
                  "checkpoint that both engines load)")
   p.add_argument("--num-requests", type=n(1, 256), default=128)
+  p.add_argument("--temperature", type=_cli.number_in(0, 10), default=0.0,
+                 help="0: greedy, and the tokens are compared; > 0: both sample")
+  p.add_argument("--top-k", type=n(0, 2**20), default=0, help="0: off (vLLM's -1)")
+  p.add_argument("--top-p", type=_cli.number_in(0, 1, lo_open=True), default=1.0)
   p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                  help="automatic prefix caching on both engines (vLLM's default is on; "
                  "the workloads' prompts share no prefix, so this measures its cost)")
@@ -220,6 +226,12 @@ def write_smollm2_checkpoint(path: pathlib.Path) -> tuple[int, dict]:
 # ---------------------------------------------------------------------------
 # The two engines.
 
+def sampling_flags(args) -> list[str]:
+  """The sampling flags, the same for generate.py and vllm_worker.py."""
+  return ["--temperature", repr(args.temperature), "--top-k", str(args.top_k),
+          "--top-p", repr(args.top_p)]
+
+
 def run_paged_jax(args, ckpt, prompts, out, kv_bytes, max_num_seqs) -> dict:
   """examples/generate.py in a subprocess; its stats and generated ids."""
   cmd = [sys.executable, str(ROOT / "examples" / "generate.py"),
@@ -231,7 +243,7 @@ def run_paged_jax(args, ckpt, prompts, out, kv_bytes, max_num_seqs) -> dict:
          "--max-model-len", str(args.max_model_len),
          "--no-baseline", "--no-progress", "--output", str(out),
          "--enable-prefix-caching" if args.prefix_caching else "--no-enable-prefix-caching",
-         *args.paged_jax_args.split()]
+         *sampling_flags(args), *args.paged_jax_args.split()]
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
   r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                      env=env, check=False)
@@ -285,7 +297,7 @@ class VllmWorker:
          "--kv-bytes", str(kv_bytes),
          "--max-num-batched-tokens", str(args.max_num_batched_tokens),
          "--max-model-len", str(args.max_model_len),
-         "--max-num-seqs", str(args.max_num_seqs),
+         "--max-num-seqs", str(args.max_num_seqs), *sampling_flags(args),
          *(["--enable-prefix-caching"] if args.prefix_caching else [])],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
         env=env, cwd=str(ROOT))
@@ -364,7 +376,7 @@ def _same_tokens(a, b) -> dict:
           "first_divergence_positions": first[:10]}
 
 
-def summarise(name, a_runs, b_runs) -> dict:
+def summarise(name, a_runs, b_runs, greedy=True) -> dict:
   out = {"paged_jax": {}, "vllm": {}}
   for side, runs in (("paged_jax", a_runs), ("vllm", b_runs)):
     out[side] = {
@@ -381,7 +393,8 @@ def summarise(name, a_runs, b_runs) -> dict:
   for m in ("ttft", "tpot"):
     if a[f"{m}_p50_s_median"] is not None and b[f"{m}_p50_s_median"] is not None:
       out[f"{m}_ratio_paged_jax_over_vllm"] = a[f"{m}_p50_s_median"] / b[f"{m}_p50_s_median"]
-  out["greedy"] = _same_tokens(a_runs[0]["token_ids"], b_runs[0]["token_ids"])
+  out["greedy"] = (_same_tokens(a_runs[0]["token_ids"], b_runs[0]["token_ids"])
+                   if greedy else None)
   extra = {k: a_runs[0][k] for k in ("computed_tokens", "padded_rows", "padding_ratio",
                                     "peak_running", "preemptions", "steps")
            if k in a_runs[0]}
@@ -414,7 +427,8 @@ def summary_lines(results: dict) -> list[str]:
                  f"{1e3 * b[f'{m}_p50_s_median']:.1f} ms")
       elif b[f"{m}_p50_s_median"] is not None:
         line += f"; vLLM median {m.upper()} {1e3 * b[f'{m}_p50_s_median']:.1f} ms (paged-jax: n/a)"
-    line += f"; greedy identical {g['identical_requests']}/{g['requests']}"
+    line += (f"; greedy identical {g['identical_requests']}/{g['requests']}" if g
+             else "; sampled (tokens not compared)")
     lines.append(line)
     if a.get("steps") and b.get("steps"):
       lines.append(f"{'':>9}  steps {a['steps']} vs {b['steps']}, token rows computed "
@@ -423,8 +437,9 @@ def summary_lines(results: dict) -> list[str]:
                    f"{a['wall_ms_per_step']:.1f} vs {b['wall_ms_per_step']:.1f} ms")
   for name, r in results.get("single_request", {}).items():
     lines.append(f"{name:>9}: paged-jax {r['paged_jax_ms_per_token']:.2f} vs vLLM "
-                 f"{r['vllm_ms_per_token']:.2f} ms/token = {r['ratio']:.2f}x; greedy "
-                 f"identical {r['greedy_identical']}")
+                 f"{r['vllm_ms_per_token']:.2f} ms/token = {r['ratio']:.2f}x"
+                 + ("" if r["greedy_identical"] is None
+                    else f"; greedy identical {r['greedy_identical']}"))
   return lines
 
 
@@ -479,12 +494,14 @@ def main(argv=None) -> int:
       mb = 1e3 * b["wall_seconds"] / b["generated_tokens"]
       single[f"batch-{batch}"] = {
           "paged_jax_ms_per_token": ma, "vllm_ms_per_token": mb, "ratio": ma / mb,
-          "greedy_identical": a["token_ids"] == b["token_ids"],
+          "greedy_identical": (a["token_ids"] == b["token_ids"]
+                               if args.temperature == 0 else None),
           "output_tokens": a["generated_tokens"]}
     results = {
         "what": ("one request alone: ms per output token = wall / tokens of a "
                  "32-token prompt and a fixed output, on an engine of max_num_seqs "
-                 "batch-N; workloads: every request at once, greedy, EOS ignored"),
+                 "batch-N; workloads: every request at once, EOS ignored; greedy "
+                 "unless sampling says otherwise"),
         "model": model_sizes,
         "prefix_caching": args.prefix_caching,
         "paged_jax_args": args.paged_jax_args,
@@ -499,7 +516,10 @@ def main(argv=None) -> int:
             "vllm": "RequestOutput.metrics: first_token_latency; (last_token_ts - "
                     "first_token_ts) / (tokens - 1)",
             "paged_jax": "generate.py --output stats (if it reports TTFT/TPOT)"},
-        "workloads": {w: summarise(w, *runs[w]) for w in args.workloads},
+        "sampling": {"temperature": args.temperature, "top_k": args.top_k,
+                     "top_p": args.top_p},
+        "workloads": {w: summarise(w, *runs[w], greedy=args.temperature == 0)
+                      for w in args.workloads},
         "single_request": single,
         "vllm_idle_cpu_seconds_during_paged_jax_runs": [round(c, 2) for c, _ in idle],
         "paged_jax_run_wall_seconds_incl_compile": [round(t, 1) for _, t in idle],

@@ -38,6 +38,9 @@ def _args(argv):
   p.add_argument("--max-model-len", type=int, default=256)
   p.add_argument("--max-num-seqs", type=int, default=32,
                  help="the engine built at start (then `@@ready` on stdout)")
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--top-k", type=int, default=0, help="0: off")
+  p.add_argument("--top-p", type=float, default=1.0)
   p.add_argument("--warmup-requests", type=int, default=2,
                  help="requests served (and not timed) before each timed run")
   return p.parse_args(argv)
@@ -114,9 +117,11 @@ class _Server:
     with open(command["prompts"], encoding="utf-8") as f:
       entries = json.load(f)
     prompts = [{"prompt_token_ids": e["prompt_ids"]} for e in entries]
+    a = self.args
     sampling = [self.vllm.SamplingParams(
-        temperature=0.0, max_tokens=e["max_new_tokens"], ignore_eos=True,
-        detokenize=False) for e in entries]
+        temperature=a.temperature, top_k=a.top_k or -1, top_p=a.top_p,
+        max_tokens=e["max_new_tokens"], ignore_eos=True,
+        detokenize=False) for e in entries]  # no per-request seed: its slower path
     k = min(self.args.warmup_requests, len(prompts))
     if k:
       llm.generate(prompts[:k], sampling[:k], use_tqdm=False)

@@ -52,6 +52,25 @@ def test_summary_and_greedy_comparison():
                   "(paged-jax: n/a); greedy identical 1/2")
 
 
+def test_sampled_runs_pass_the_same_sampling_to_both_and_compare_no_tokens():
+  args = vllm_compare.parse_args(["--temperature", "0.7", "--top-p", "0.9",
+                                  "--top-k", "50"])
+  assert vllm_compare.sampling_flags(args) == ["--temperature", "0.7", "--top-k",
+                                               "50", "--top-p", "0.9"]
+  from benchmarks import vllm_worker  # the worker takes the same flags
+  w = vllm_worker._args(["--checkpoint", "c", "--kv-bytes", "1",
+                              *vllm_compare.sampling_flags(args)])
+  assert (w.temperature, w.top_k, w.top_p) == (0.7, 50, 0.9)
+  run = {"tokens_per_second": 1.0, "generated_tokens": 10, "wall_seconds": 1.0,
+         "token_ids": [[1]], "engine": "x"}
+  r = vllm_compare.summarise("sharegpt", [run], [run], greedy=False)
+  assert r["greedy"] is None
+  (line,) = vllm_compare.summary_lines({"workloads": {"sharegpt": r}})
+  assert line.endswith("; sampled (tokens not compared)")
+  with pytest.raises(SystemExit):
+    vllm_compare.parse_args(["--top-p", "0"])
+
+
 def test_latencies_are_read_from_generate_json_when_present():
   stats = {"latency": {"ttft_ms": {"p50": 12.0}, "tpot_ms": {"p50": 3.0}}}
   assert vllm_compare._latency_fields(stats) == pytest.approx(
