@@ -504,9 +504,14 @@ def copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
   def copy(pages):  # pages or scales: the block axis is axis 2 of both
     return pages.at[:, :, dst].set(pages[:, :, src], mode="drop")
 
-  return cache.replace(**{name: copy(getattr(cache, name)) for name in
-                          ("k_pages", "v_pages", "k_scales", "v_scales")
-                          if getattr(cache, name) is not None})
+  def run(cache):
+    return cache.replace(**{name: copy(getattr(cache, name)) for name in
+                            ("k_pages", "v_pages", "k_scales", "v_scales")
+                            if getattr(cache, name) is not None})
+
+  # Nothing to copy (nearly every step): no gather and scatter of `n` blocks
+  # in every layer (RESULTS 7p: 2 x 8.5 ms a SmolLM2 step at 32 pairs, loaded).
+  return jax.lax.cond(jnp.any(valid), run, lambda cache: cache, cache)
 
 
 def gather_kv(pages: jax.Array, block_tables: jax.Array, kv_lens: jax.Array,

@@ -142,10 +142,7 @@ def multistep_device_step(model_def: ModelDef, params,
     seq = jnp.where(active, x.seq_ids, -1)
     state, res = bm.reserve(state, seq, active.astype(jnp.int32))
     ok = res.ok & active
-    cache = jax.lax.cond(jnp.any(res.copy_src >= 0),
-                         lambda c: kv_cache_lib.copy_blocks(c, res.copy_src,
-                                                            res.copy_dst),
-                         lambda c: c, cache)
+    cache = kv_cache_lib.copy_blocks(cache, res.copy_src, res.copy_dst)
     # Every real row keeps its row in the layout (entries in use first);
     # a stopped one writes and attends to nothing (`active`).
     meta = step_metadata_lib.step_metadata(

@@ -209,11 +209,6 @@ def spec_loop_device_step(model_def: ModelDef, params,
   last_tokens = store_tokens(last_tokens, seq_ids, input_tokens(last_tokens, x))
   cols = jnp.arange(1 + k, dtype=jnp.int32)[None, :]
 
-  def copy(cache, r):
-    return jax.lax.cond(jnp.any(r.copy_src >= 0),
-                        lambda c: kv_cache_lib.copy_blocks(c, r.copy_src, r.copy_dst),
-                        lambda c: c, cache)
-
   def cond(c):
     return (c["j"] < K) & jnp.any(c["active"])
 
@@ -222,7 +217,7 @@ def spec_loop_device_step(model_def: ModelDef, params,
     grow = active & (j > 0)
     state, r1 = bm.reserve(state, jnp.where(grow, seq_ids, -1),
                            grow.astype(jnp.int32))
-    cache = copy(cache, r1)
+    cache = kv_cache_lib.copy_blocks(cache, r1.copy_src, r1.copy_dst)
     one_ok = active & (r1.ok | ~grow)
     live = one_ok
     n = state.seq_lens[sid]  # the row's tokens, its last (uncached) one included
@@ -234,7 +229,7 @@ def spec_loop_device_step(model_def: ModelDef, params,
     want = live & (d > 0)
     asked = jnp.where(want, d, 0)
     state, r2 = bm.reserve(state, jnp.where(want, seq_ids, -1), asked)
-    cache = copy(cache, r2)
+    cache = kv_cache_lib.copy_blocks(cache, r2.copy_src, r2.copy_dst)
     d = jnp.where(want & r2.ok, d, 0)
     last = c["last_tokens"][sid]
     rows = slot_state_lib.gather(slots, state.seq_lens, x.sample_seqs,

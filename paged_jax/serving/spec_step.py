@@ -202,10 +202,7 @@ def spec_device_step(model_def: ModelDef, params, cache: kv_cache_lib.KVCache,
   cache = kv_cache_lib.copy_blocks(cache, res.copy_src, res.copy_dst)
   real = x.seq_ids >= 0
   state, dres = bm.reserve(state, x.seq_ids, s.num_draft)
-  cache = jax.lax.cond(jnp.any(dres.copy_src >= 0),
-                       lambda c: kv_cache_lib.copy_blocks(c, dres.copy_src,
-                                                          dres.copy_dst),
-                       lambda c: c, cache)
+  cache = kv_cache_lib.copy_blocks(cache, dres.copy_src, dres.copy_dst)
   active = res.ok & dres.ok
   num_draft = jnp.where(active, s.num_draft, 0)
   q_lens = jnp.where(real, 1 + s.num_draft, 0)
