@@ -248,11 +248,13 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   return jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
 
 
-# Prefix sizes (`lax.top_k`) tried in turn for a row's top-k / top-p
-# threshold before the row is sorted whole (RESULTS 7p: over 32 rows of
-# 49,152 logits on CPU, `top_k` of 64 took 3.2 ms, of 1,024 20 ms, the sort
-# 440 ms).
-THRESHOLD_TIERS = (64, 1024)
+# The sorted prefix (`lax.top_k`) that resolves most rows' top-k / top-p
+# threshold; the rest are bisected (RESULTS 7p: over 32 rows of 49,152
+# logits on CPU, `top_k` of 64 took 3.2 ms, a full sort 440 ms).
+THRESHOLD_PREFIX = 64
+# Up to this many logits a row is simply sorted: as fast at that size, and
+# its program is a third of the staged search's to compile.
+SORT_VOCAB = 2048
 _CDF_BLOCK = 512  # the inverse CDF's first level: sums of this many probabilities
 
 
@@ -297,29 +299,50 @@ def _unordered(key: jax.Array) -> jax.Array:
       jnp.where(key < 0, key ^ 0x7FFFFFFF, key), jnp.float32)
 
 
-def _top_p_bisect(scaled, top, z_all, top_p):
-  """f32[rows]: the top-p threshold of rows without top-k, without a sort:
-  the least value `v` of the row whose mass strictly above it is below
-  `top_p`, found by bisection over the float32 order (32 passes over the
-  row). The mass above `v` is where the sorted rule's cumulative sum stops,
-  so the kept set is the sorted rule's (up to the sums' rounding)."""
-  probs = jnp.exp(scaled - top) / z_all[:, None]
-  p = top_p[:, None]
-
-  def below(v):  # [rows]: mass strictly above v is below top_p
-    return jnp.sum(jnp.where(scaled > v[:, None], probs, 0.0), axis=-1) < p[:, 0]
-
-  lo = jnp.full(top_p.shape, _ordered(jnp.float32(-jnp.inf)), jnp.int32)
-  hi = _ordered(top[:, 0])
-
+def _least_value(holds, lo: jax.Array, hi: jax.Array) -> jax.Array:
+  """f32[rows]: the least float32 `v` in `(lo, hi]` (`_ordered` keys,
+  i32[rows]) for which `holds(v)` (f32[rows] -> bool[rows], monotone: false
+  up to a point, then true; true at `hi`), by bisection over the float32
+  order: 32 evaluations, exact."""
   def step(_, bounds):
     lo, hi = bounds
-    mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)
-    ok = below(_unordered(mid))
-    return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+    # hi - lo can pass int32's range: halve it as uint32, wrap back.
+    gap = jax.lax.bitcast_convert_type(hi - lo, jnp.uint32)
+    mid = lo + jax.lax.bitcast_convert_type(gap >> 1, jnp.int32)
+    ok = holds(_unordered(mid))
+    done = gap <= 1
+    return (jnp.where(done | ok, lo, mid), jnp.where(~done & ok, mid, hi))
 
-  _, hi = jax.lax.fori_loop(0, 32, step, (lo, hi))
-  return _unordered(hi)
+  return _unordered(jax.lax.fori_loop(0, 32, step, (lo, hi))[1])
+
+
+def _bisect_threshold(scaled, top, top_k, top_p):
+  """f32[rows]: the sorted rule's threshold without a sort. The top-k
+  boundary `t_k` is the least value with fewer than `k` tokens above it; the
+  top-k set's mass is the tokens above it plus `k - count(> t_k)` at it;
+  then the threshold is the least value `>= t_k` whose mass strictly above
+  it is below `top_p` of that (the mass before its first rank in the sorted
+  rule). Each bisection is 32 masked reductions over the row."""
+  rows, vocab = scaled.shape
+  e = jnp.exp(scaled - top)
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+  floor = _ordered(jnp.full((rows,), -jnp.inf, jnp.float32)) - 1
+  peak = _ordered(top[:, 0])
+
+  def count_above(v):
+    return jnp.sum(scaled > v[:, None], axis=-1, dtype=jnp.int32)
+
+  def mass_above(v):
+    return jnp.sum(jnp.where(scaled > v[:, None], e, 0.0), axis=-1)
+
+  t_k = jnp.where(k < vocab,
+                  _least_value(lambda v: count_above(v) < k, floor, peak),
+                  -jnp.inf)
+  t_k_e = jnp.where(k < vocab, jnp.exp(t_k - top[:, 0]), 0.0)
+  z_k = mass_above(t_k) + (k - count_above(t_k)).astype(e.dtype) * t_k_e
+  t_p = _least_value(lambda v: mass_above(v) < top_p * z_k,
+                     _ordered(t_k) - 1, peak)
+  return jnp.where(top_p < 1.0, t_p, t_k)
 
 
 def filter_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array
@@ -330,41 +353,38 @@ def filter_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array
   nothing. A row keeps every token whose scaled logit is `>=` it (so a tie at
   the boundary keeps all the tied tokens).
 
-  No row is sorted whole unless it must be. The sorted prefix the rule needs
-  comes from `lax.top_k` of `THRESHOLD_TIERS` sizes in turn; a row whose
-  top-p set is larger and that has no top-k is bisected (`_top_p_bisect`);
-  only a row with a top-k larger than the tiers is sorted. Each stage runs
-  only when some row is left for it (`lax.cond`), and a row's threshold is
-  that of the first stage that resolves it, so it never depends on the
-  other rows.
+  A vocabulary of at most `SORT_VOCAB` is sorted. Over a larger one no row
+  is: the sorted prefix the rule needs comes from `lax.top_k` of
+  `THRESHOLD_PREFIX`; a row whose rule reaches past it is bisected
+  (`_bisect_threshold`), only when there is one (`lax.cond`). A row's
+  threshold is that of the first stage that resolves it, so it never
+  depends on the other rows.
   """
   rows, vocab = scaled.shape
   top = jnp.max(scaled, axis=-1, keepdims=True)
   top = jnp.where(jnp.isfinite(top), top, 0.0)
-  z_all = jnp.sum(jnp.exp(scaled - top), axis=-1)
   filters = ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
-  no_k = (top_k <= 0) | (top_k >= vocab)
+  if vocab <= SORT_VOCAB:
+    z_all = jnp.sum(jnp.exp(scaled - top), axis=-1)
+    t, _ = _prefix_threshold(-jnp.sort(-scaled, axis=-1), top, z_all, top_k,
+                             top_p, vocab)
+    return jnp.where(filters, t, -jnp.inf)
 
-  def prefix(c):
-    def stage(carry):
-      vals = (jax.lax.top_k(scaled, c)[0] if c < vocab
-              else -jnp.sort(-scaled, axis=-1))
-      return _prefix_threshold(vals, top, z_all, top_k, top_p, vocab)
-    return stage
+  def prefix(carry):
+    threshold, done = carry
+    z_all = jnp.sum(jnp.exp(scaled - top), axis=-1)
+    vals = jax.lax.top_k(scaled, min(THRESHOLD_PREFIX, vocab))[0]
+    t, ok = _prefix_threshold(vals, top, z_all, top_k, top_p, vocab)
+    return jnp.where(done, threshold, t), done | ok
 
   def bisect(carry):
-    return _top_p_bisect(scaled, top, z_all, top_p), no_k
+    threshold, done = carry
+    t = _bisect_threshold(scaled, top, top_k, top_p)
+    return jnp.where(done, threshold, t), jnp.ones_like(done)
 
-  stages = [prefix(c) for c in THRESHOLD_TIERS if c < vocab]
-  stages += [bisect, prefix(vocab)]
   carry = (jnp.full((rows,), -jnp.inf, scaled.dtype), ~filters)
-  for stage in stages:
-    def run(carry, stage=stage):
-      threshold, done = carry
-      t, ok = stage(carry)
-      take = ~done & ok
-      return jnp.where(take, t, threshold), done | take
-    carry = jax.lax.cond(jnp.all(carry[1]), lambda carry: carry, run, carry)
+  for stage in (prefix, bisect):
+    carry = jax.lax.cond(jnp.all(carry[1]), lambda carry: carry, stage, carry)
   return carry[0]
 
 
@@ -383,6 +403,12 @@ def inverse_cdf(logits: jax.Array, u: jax.Array) -> jax.Array:
   top = jnp.max(logits, axis=-1, keepdims=True)
   top = jnp.where(jnp.isfinite(top), top, 0.0)
   p = jnp.exp(logits - top)
+  if nb == 1:  # one block: the cumulative sum picks the token
+    cum = jnp.cumsum(p, axis=-1)
+    cols = jnp.arange(vocab, dtype=jnp.int32)[None, :]
+    last = jnp.max(jnp.where(p > 0, cols, 0), axis=-1)
+    return jnp.minimum(jnp.sum(cum <= (u * cum[:, -1])[:, None], axis=-1,
+                               dtype=jnp.int32), last)
   p = jnp.pad(p, ((0, 0), (0, nb * b - vocab))).reshape(rows, nb, b)
   block_sum = jnp.sum(p, axis=-1)  # [rows, nb]
   block_cum = jnp.cumsum(block_sum, axis=-1)
@@ -409,8 +435,11 @@ def argmax(logits: jax.Array) -> jax.Array:
 
   XLA:CPU lowers `jnp.argmax` to one variadic (value, index) reduction that
   it does not vectorise: over SmolLM2's 49,152 logits it took 11.1 ms at 32
-  rows against 1.3 ms for this form (RESULTS 7p), 3% of a decode step.
+  rows against 1.8 ms for this form (RESULTS 7p), 3% of a decode step. Up to
+  `SORT_VOCAB` logits it is `jnp.argmax` itself (less to compile).
   """
+  if logits.shape[-1] <= SORT_VOCAB:  # fast enough there, and less to compile
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   nan = jnp.isnan(logits)
   # XLA:CPU's max does not always propagate a NaN, so NaN rows are told apart.
   nan_row = jnp.any(nan, axis=-1, keepdims=True)
@@ -435,8 +464,7 @@ def sample_tokens(
   (`filter_threshold`) by its inverse CDF at one uniform draw with the key
   `fold_in(fold_in(key(0), seed), position)` (`inverse_cdf`). The filter and
   the draw run only when some row samples (`lax.cond`), so an all-greedy
-  batch costs one argmax; no row is sorted whole unless its top-k / top-p
-  set is larger than `THRESHOLD_TIERS` allows.
+  batch costs one argmax; no row of a large vocabulary is sorted.
 
   Returns:
     `i32[rows]` token ids.

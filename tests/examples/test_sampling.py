@@ -39,7 +39,7 @@ def test_argmax_is_jnp_argmax_with_ties_infinities_and_nans(seed):
   with ties, -inf and +inf entries, an all -inf row, and the first NaN of a
   row that has one (NaN-poisoned rows)."""
   rng = np.random.default_rng(seed)
-  vocab = int(rng.integers(1, 300))
+  vocab = int(rng.integers(1, 300)) + (seed % 2) * sampling.SORT_VOCAB
   x = rng.integers(-3, 4, size=(40, vocab)).astype(np.float32)  # many ties
   x[rng.random(x.shape) < 0.05] = -np.inf
   x[rng.random(x.shape) < 0.01] = np.inf
@@ -71,19 +71,22 @@ def _sorted_rule(scaled, top_k, top_p):
   return np.array(out), np.array(margin)
 
 
+@pytest.mark.parametrize("vocab", [300, 3000])
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 5.0])
-def test_filter_threshold_is_the_sorted_rule(temperature):
-  """`filter_threshold` keeps what a full sort keeps, on rows resolved by each
-  stage: `lax.top_k` prefixes of 64 and 1,024, the bisection of rows without
-  top-k, the sort of a row whose top-k is larger than the prefixes; peaked and
-  flat rows, ties (integer-valued rows) and banned (-inf) tokens."""
+def test_filter_threshold_is_the_sorted_rule(temperature, vocab):
+  """`filter_threshold` keeps what a full sort keeps: over a small vocabulary
+  (sorted), and over a large one on rows resolved by each stage (the
+  `lax.top_k` prefix of 64, the bisection of top-k and top-p); peaked and
+  flat rows, ties (integer-valued rows), banned (-inf) tokens, a top-k
+  between the finite tokens' count and the vocabulary."""
+  assert 300 <= sampling.SORT_VOCAB < 3000
   rng = np.random.default_rng(int(temperature * 10))
-  vocab, n = 3000, 48
+  n = 48
   x = rng.standard_normal((n, vocab)) * rng.choice([0.5, 3.0, 8.0], (n, 1))
   x[::5] = np.round(x[::5])  # ties
   x[rng.random(x.shape) < 0.02] = -np.inf
   scaled = (x / temperature).astype(np.float32)
-  top_k = rng.choice([0, 0, 1, 7, 64, 65, 1024, 1025, 2999, 3000, 4000], n)
+  top_k = rng.choice([0, 0, 1, 7, 64, 65, vocab // 3, vocab - 1, vocab, 4000], n)
   top_p = rng.choice([1.0, 1.0, 0.9, 0.5, 0.99, 1e-3], n).astype(np.float32)
   got = np.asarray(jax.jit(sampling.filter_threshold)(
       jnp.asarray(scaled), jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p)))
@@ -98,8 +101,14 @@ def test_filter_threshold_is_the_sorted_rule(temperature):
 def test_inverse_cdf_draws_the_softmax_and_never_a_banned_token():
   """Evenly spaced quantiles land on each token in proportion to its
   probability (two levels: 1,100 tokens, blocks of 512 and a padded last
-  block); a -inf token is never drawn; an all -inf row gives 0."""
-  vocab, n = 1100, 40000
+  block; one level: 300 tokens); a -inf token is never drawn; an all -inf
+  row gives 0."""
+  for vocab in (1100, 300):
+    _quantiles_follow_the_softmax(vocab)
+
+
+def _quantiles_follow_the_softmax(vocab):
+  n = 40000
   rng = np.random.default_rng(0)
   row = rng.standard_normal(vocab).astype(np.float32)
   row[rng.random(vocab) < 0.3] = -np.inf
