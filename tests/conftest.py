@@ -107,7 +107,7 @@ SHARED_ENGINE_SIZES = frozenset({
         "test_async", "test_engine", "test_engine_model", "test_engine_text_support",
         "test_generate", "test_generate_text", "test_multihost", "test_multistep",
         "test_prefix_engine", "test_prefix_offload_engine", "test_resize_engine",
-        "test_serving_api", "test_spec_engine", "test_swap_engine")} | {
+        "test_serving_api", "test_spec_engine", "test_spec_loop_engine", "test_swap_engine")} | {
     # `SIZES` at `BIG_POOL` blocks, with and without a logit bias of 2
     # (test_spec_engine's fall-back test); after tests/examples in the unit.
     "tests/paged_jax/serving/test_logprobs_and_bias.py"})

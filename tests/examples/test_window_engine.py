@@ -218,9 +218,11 @@ def test_beams_and_samples_fork_reclaimed_tables(mistral):
   kw = dict(max_beam_width=2)
   want = _run(_engine(mistral, 256, sliding_window_reclamation=False, **kw),
               reqs, checked=False)
-  on = _engine(mistral, 48, **kw)
+  # The reclamation test's pool (its step programs: the beam width changes
+  # none of them).
+  on = _engine(mistral, 24, **kw)
   assert _run(on, reqs, checked=True) == want
-  assert int(on.block_state.num_free) == 48
+  assert int(on.block_state.num_free) == 24
 
 
 # ------------------------------------------------------------ the switch
@@ -399,7 +401,8 @@ def test_multistep_reclaims_in_its_loop_on_one_pool(gemma3, mistral, caplog):
   # use (its steps compiled once); its size changes no token.
   want = _run(_engine(mistral, 256, sliding_window_reclamation=False), requests,
               checked=False)
-  engine = _engine(mistral, 64, num_scheduler_steps=4)
+  # The reclamation test's pool: only the K-step program is this test's own.
+  engine = _engine(mistral, 24, num_scheduler_steps=4)
   assert engine.block_state.window == WINDOW
   assert _run(engine, requests, checked=True) == want
   assert engine.stats.multistep_tokens > 0, engine.stats
@@ -431,7 +434,7 @@ def test_the_field_must_be_none_or_a_bool(bad):
 
 
 def test_resizing_the_pool_is_refused_by_name_with_reclamation(mistral):
-  engine = _engine(mistral, 64)
+  engine = _engine(mistral, 24)
   assert engine.reclamation.on
   with pytest.raises(ValueError, match="sliding-window block reclamation"):
     engine.resize_kv_cache(128)

@@ -37,12 +37,23 @@ op = st.one_of(
     st.tuples(st.just("register"), seq, st.integers(0, WIDTH - 1)))
 
 
+def _slots(ids, values=None):
+  """`ids` (and their `values`) padded to `MAX_SEQS` entries with id -1 (an
+  entry that fails and changes nothing), so that each op compiles one batch
+  shape, not one per example's batch size."""
+  pad = MAX_SEQS - len(ids)
+  out = (_ids(np.pad(np.asarray(ids, np.int32), (0, pad), constant_values=-1)),)
+  if values is not None:
+    out += (_ids(np.pad(np.asarray(values, np.int32), (0, pad))),)
+  return out
+
+
 def _fragment(lengths, ops, dropped, prefix_caching):
   """A pool filled by `lengths`, then `ops`, then the slots in `dropped`
   released: holes wherever they fall."""
   state = bm.init(num_blocks=NUM_BLOCKS, block_size=BS, max_seqs=MAX_SEQS,
                   max_blocks_per_seq=WIDTH, prefix_caching=prefix_caching)
-  state, _ = _ops["reserve"](state, _ids(range(len(lengths))), _ids(lengths))
+  state, _ = _ops["reserve"](state, *_slots(range(len(lengths)), lengths))
   if prefix_caching:  # some full blocks registered before the releases
     for col in range(2):
       state, _ = _ops["register"](state, _ids(range(MAX_SEQS)),
@@ -52,7 +63,7 @@ def _fragment(lengths, ops, dropped, prefix_caching):
       continue
     args = (_ids([a]),) if name == "release" else (_ids([a]), _ids([b]))
     state, _ = _ops[name](state, *args)
-  state, _ = _ops["release"](state, _ids(np.nonzero(dropped)[0]))
+  state, _ = _ops["release"](state, *_slots(np.nonzero(dropped)[0]))
   return state
 
 

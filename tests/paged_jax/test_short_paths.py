@@ -159,6 +159,11 @@ def test_padding_past_the_first_rows_costs_only_the_first_rows():
 
 
 
+# The batch sizes `reserve` is compiled for below: fewer rows than slots, and
+# more (every slot, out-of-range ids and repeats).
+_RESERVE_BATCHES = (8, MAX_SEQS + 3)
+
+
 @pytest.mark.parametrize("caching", [False, True])
 def test_reserve_without_the_scan_gives_the_scans_result(caching):
   """Random requests on pools with forked siblings (their shared partial last
@@ -172,8 +177,14 @@ def test_reserve_without_the_scan_gives_the_scans_result(caching):
     ids = rng.choice(np.arange(-1, MAX_SEQS + 1), size=n).astype(np.int32)
     big = rng.random() < 0.3
     counts = rng.integers(0, 40 if big else 6, n).astype(np.int32)
-    got = _JIT[bm.reserve](state, jnp.asarray(ids), jnp.asarray(counts))
-    want = _RESERVE_IN_ORDER(state, jnp.asarray(ids), jnp.asarray(counts))
+    # Padded with empty requests (id -1, 0 tokens: they fail and take
+    # nothing) to one of `_RESERVE_BATCHES`, so that the 12 batches compile
+    # 2 shapes instead of one per `n`.
+    pad = min(b for b in _RESERVE_BATCHES if b >= n) - n
+    args = (jnp.asarray(np.pad(ids, (0, pad), constant_values=-1)),
+            jnp.asarray(np.pad(counts, (0, pad))))
+    got = _JIT[bm.reserve](state, *args)
+    want = _RESERVE_IN_ORDER(state, *args)
     _assert_same(got, want, f"ids={ids} counts={counts}")
     # Which path ran: the scan's condition, in NumPy.
     lens = np.asarray(state.seq_lens)
