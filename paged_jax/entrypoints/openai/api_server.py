@@ -49,6 +49,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import (JSONResponse, PlainTextResponse, Response,
                                StreamingResponse)
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from paged_jax.entrypoints import engine_args
 from paged_jax.entrypoints import generate as gen
 from paged_jax.entrypoints import workload
@@ -109,18 +110,41 @@ class _CatchAll:
 MAX_BODY_BYTES = 32 * 2**20
 
 
+# Of a body refused as too large, up to this much more is read and dropped
+# (for at most _DRAIN_SECONDS), so that a client still sending it finishes
+# and reads the 413: closing on unread data makes the peer's TCP reset the
+# connection, and the client may see the reset instead of the answer.
+_DRAIN_BYTES = 1 << 20
+_DRAIN_SECONDS = 2.0
+
+
+async def _drain(chunks, budget: int) -> None:
+  """Reads and drops `chunks` (an async iterator of bytes) until it ends or
+  `budget` bytes have gone."""
+  async for chunk in chunks:
+    budget -= len(chunk)
+    if budget < 0:
+      return
+
+
 async def _read_body(http: HTTPRequest, limit: int) -> bytes | None:
-  """The whole body, or None past `limit` bytes (then the rest is unread and
-  the connection must close)."""
+  """The whole body, or None past `limit` bytes (then the connection must
+  close; a bounded rest of the body is read first, `_DRAIN_BYTES`)."""
   length = http.headers.get("content-length", "")
-  if length.isdigit() and int(length) > limit:
-    return None
+  chunks = http.stream().__aiter__()
   body = bytearray()
-  async for chunk in http.stream():
-    body += chunk
-    if len(body) > limit:
-      return None
-  return bytes(body)
+  if not (length.isdigit() and int(length) > limit):
+    async for chunk in chunks:
+      body += chunk
+      if len(body) > limit:
+        break
+    else:
+      return bytes(body)
+  try:
+    await asyncio.wait_for(_drain(chunks, _DRAIN_BYTES), _DRAIN_SECONDS)
+  except (asyncio.TimeoutError, ClientDisconnect, OSError):
+    pass  # the connection closes anyway
+  return None
 
 
 def make_app(loop: EngineLoop, tokenizer: Tokenizer, *, model_name: str,
@@ -137,8 +161,8 @@ def make_app(loop: EngineLoop, tokenizer: Tokenizer, *, model_name: str,
     default_max_tokens: `max_tokens` when a request gives none (cut to what
       the context leaves).
     retry_after: seconds in the 503's `Retry-After`.
-    max_body_bytes: a larger body gets 413 and `Connection: close` (it is
-      not read).
+    max_body_bytes: a larger body gets 413 and `Connection: close` (at most
+      `_DRAIN_BYTES` more of it is read, and dropped).
   """
   import prometheus_client as prom  # pylint: disable=import-outside-toplevel
 

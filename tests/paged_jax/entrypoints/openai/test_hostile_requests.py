@@ -497,3 +497,28 @@ def test_the_pool_is_whole_after_all_that(server):
   state = server.loop.engine.block_state
   bm.check_invariants(state)
   assert int(state.num_free) == NUM_BLOCKS
+
+
+def test_a_refused_body_is_drained_only_up_to_its_bound():
+  """Past the limit the server reads on (so that the client's send completes
+  and it reads the 413, not a reset), but at most `_DRAIN_BYTES` more."""
+  import asyncio  # pylint: disable=import-outside-toplevel
+  from paged_jax.entrypoints.openai import api_server  # pylint: disable=import-outside-toplevel
+  taken = []
+
+  async def chunks():
+    for i in range(100):
+      taken.append(i)
+      yield b"x" * (api_server._DRAIN_BYTES // 4)  # pylint: disable=protected-access
+
+  asyncio.run(api_server._drain(chunks().__aiter__(), api_server._DRAIN_BYTES))  # pylint: disable=protected-access
+  assert len(taken) == 5  # 4 chunks make the budget, the 5th passes it
+  taken.clear()
+
+  async def short():
+    for i in range(3):
+      taken.append(i)
+      yield b"x"
+
+  asyncio.run(api_server._drain(short().__aiter__(), api_server._DRAIN_BYTES))  # pylint: disable=protected-access
+  assert taken == [0, 1, 2]  # a body under the bound is read to its end
