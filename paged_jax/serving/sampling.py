@@ -287,6 +287,13 @@ def _prefix_threshold(vals, top, z_all, top_k, top_p, vocab):
   return threshold, resolved
 
 
+def _row_max(x: jax.Array) -> jax.Array:
+  """f32[rows, 1]: each row's largest value, 0 for a row with none finite (so
+  that `exp(x - _row_max(x))` is 0, not NaN, where all of `x` is -inf)."""
+  top = jnp.max(x, axis=-1, keepdims=True)
+  return jnp.where(jnp.isfinite(top), top, 0.0)
+
+
 def _ordered(x: jax.Array) -> jax.Array:
   """i32 keys in the order of the float32 values `x` (NaN aside)."""
   b = jax.lax.bitcast_convert_type(x, jnp.int32)
@@ -361,8 +368,7 @@ def filter_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array
   depends on the other rows.
   """
   rows, vocab = scaled.shape
-  top = jnp.max(scaled, axis=-1, keepdims=True)
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  top = _row_max(scaled)
   filters = ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
   if vocab <= SORT_VOCAB:
     z_all = jnp.sum(jnp.exp(scaled - top), axis=-1)
@@ -400,32 +406,32 @@ def inverse_cdf(logits: jax.Array, u: jax.Array) -> jax.Array:
   rows, vocab = logits.shape
   b = min(_CDF_BLOCK, vocab)
   nb = -(-vocab // b)
-  top = jnp.max(logits, axis=-1, keepdims=True)
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
-  p = jnp.exp(logits - top)
+  p = jnp.exp(logits - _row_max(logits))
   if nb == 1:  # one block: the cumulative sum picks the token
     cum = jnp.cumsum(p, axis=-1)
-    cols = jnp.arange(vocab, dtype=jnp.int32)[None, :]
-    last = jnp.max(jnp.where(p > 0, cols, 0), axis=-1)
-    return jnp.minimum(jnp.sum(cum <= (u * cum[:, -1])[:, None], axis=-1,
-                               dtype=jnp.int32), last)
+    return _first_past(p, cum, u * cum[:, -1])
   p = jnp.pad(p, ((0, 0), (0, nb * b - vocab))).reshape(rows, nb, b)
   block_sum = jnp.sum(p, axis=-1)  # [rows, nb]
   block_cum = jnp.cumsum(block_sum, axis=-1)
   target = u * block_cum[:, -1]
-  ids = jnp.arange(nb, dtype=jnp.int32)[None, :]
-  last_block = jnp.max(jnp.where(block_sum > 0, ids, 0), axis=-1)
-  blk = jnp.minimum(jnp.sum(block_cum <= target[:, None], axis=-1,
-                            dtype=jnp.int32), last_block)
-  chosen = jnp.take_along_axis(block_sum, blk[:, None], axis=-1)[:, 0]
-  before = jnp.take_along_axis(block_cum, blk[:, None], axis=-1)[:, 0] - chosen
+  blk = _first_past(block_sum, block_cum, target)
+  before = jnp.take_along_axis(block_cum - block_sum, blk[:, None], axis=-1)[:, 0]
   within = jnp.take_along_axis(p, blk[:, None, None], axis=1)[:, 0]  # [rows, b]
-  left = jnp.maximum(target - before, 0.0)
-  cols = jnp.arange(b, dtype=jnp.int32)[None, :]
-  last = jnp.max(jnp.where(within > 0, cols, 0), axis=-1)
-  col = jnp.minimum(jnp.sum(jnp.cumsum(within, axis=-1) <= left[:, None],
-                            axis=-1, dtype=jnp.int32), last)
+  col = _first_past(within, jnp.cumsum(within, axis=-1),
+                    jnp.maximum(target - before, 0.0))
   return blk * b + col
+
+
+def _first_past(weights: jax.Array, cum: jax.Array, target: jax.Array
+                ) -> jax.Array:
+  """`i32[rows]`: per row the first index at which `cum` (f32[rows, n], the
+  cumulative sum of `weights` >= 0) exceeds `target` (f32[rows], >= 0): an
+  index of weight > 0; past the end (rounding) the last index of weight > 0,
+  or 0 where there is none."""
+  ids = jnp.arange(weights.shape[-1], dtype=jnp.int32)[None, :]
+  last = jnp.max(jnp.where(weights > 0, ids, 0), axis=-1)
+  first = jnp.sum(cum <= target[:, None], axis=-1, dtype=jnp.int32)
+  return jnp.minimum(first, last)
 
 
 def argmax(logits: jax.Array) -> jax.Array:
