@@ -174,6 +174,24 @@ def policy(engine) -> spec_policy.SpecPolicy:
   return pol
 
 
+@dataclasses.dataclass
+class _Timing:
+  """The decode step being timed for the cost rule: from its `propose` to
+  the next step's (`SpecPolicy.observe`)."""
+
+  key: int  # the decode bucket's rows
+  budget: int  # its draft budget (0: a plain step)
+  t0: float
+  compile0: float  # the runner's compile seconds at t0 (left out)
+
+
+def _observe_previous(engine, now: float):
+  t = engine.__dict__.pop("_spec_timing", None)
+  if t is not None:
+    compiled = engine._runner.compile_seconds - t.compile0  # pylint: disable=protected-access
+    policy(engine).observe(t.key, t.budget, now - t.t0 - compiled)
+
+
 def wants_results(engine) -> bool:
   """Whether the next step should wait for the step in flight: only then
   are its rows' last tokens known, so that it can propose (with
@@ -190,7 +208,8 @@ def propose(engine, plans, bucket, *, on_device: bool = False) -> list | None:
   """Each row's drafts for this step (`[np.ndarray]` in plan order), or None
   when the step is an ordinary one (see the module docstring); with
   `adaptive`, the drafts the policy's cost rule keeps (`SpecPolicy.choose`:
-  the tail drafts trimmed). Decides whether the next step waits for this
+  the tail drafts trimmed). Times the previous decode step for the cost
+  rule, and this one, and decides whether the next step waits for this
   one's results (`wants_results`). With `on_device` (the speculative loop,
   `spec_loop_host`: the device proposes) each row's `bool`, whether it may
   propose, instead of drafts; the loop runs when the cost rule would
@@ -199,11 +218,15 @@ def propose(engine, plans, bucket, *, on_device: bool = False) -> list | None:
   spec = engine.config.speculative_config
   if spec is None:
     return None
+  now = time.perf_counter()
+  _observe_previous(engine, now)
   engine._spec_want = True  # pylint: disable=protected-access
   if len(plans) != 1 or not bucket.decode_only or not plans[0]:
     return None
   pol = policy(engine)
   key = bucket.num_seqs
+  if engine.config.num_scheduler_steps == 1:  # one step per dispatch: timed
+    engine._spec_timing = _Timing(key, 0, now, engine._runner.compile_seconds)  # pylint: disable=protected-access
   sched = engine._pools[0]  # pylint: disable=protected-access
   adaptive, k = spec.adaptive, spec.num_speculative_tokens
   slots = [s.slot for s, _ in plans[0]]
@@ -441,6 +464,9 @@ def dispatch(engine, built, bucket, drafts):
   if index is not None and res.evicted is not None:  # cached blocks the drafts took
     engine.stats.prefix_blocks_evicted += index.evict(res.evicted[res.evicted >= 0])
   budget = choose_budget(draft_budgets(S, k), int(d.sum()))
+  timing = engine.__dict__.get("_spec_timing")
+  if timing is not None:
+    timing.budget = budget
   si = _inputs(x, drafts, d, k, budget)
   out = dispatch_spec(engine._runner, bucket, x, si)  # pylint: disable=protected-access
   st = engine.stats

@@ -18,7 +18,12 @@ Two rules, each one function:
 * **Cost** (`choose`): which of the proposed drafts a step of decode bucket
   `key` verifies, from each program's measured seconds per step
   (`set_costs`: the plain step and the verification step of every draft
-  budget `D`, timed once at warm-up, `spec_host.measure_costs`) and each
+  budget `D`, timed once at warm-up, `spec_host.measure_costs`; plus, per
+  kind, the median excess of the engine's last `window` such steps over
+  their program, `observe`: the host's work, and the overlap a
+  verification step loses, since the next step waits for its results;
+  RESULTS 16h: a 4-draft verification at batch 16 costs 1.07x the plain
+  program alone, 1.5x in the engine) and each
   row's estimated acceptance `alpha` (`acceptance`: the chance that a
   draft is accepted once the drafts before it were; accepted drafts over
   drafts examined, the row's own record weighted against the batch's,
@@ -45,10 +50,10 @@ Example:
   >>> policy.tick()
   >>> policy.may_propose(0, owner="a"), policy.may_propose(1, owner="b")
   (False, True)
-  >>> policy = SpecPolicy(max_seqs=16)  # acceptance 0.5 (the prior)
+  >>> policy = SpecPolicy(max_seqs=16)  # acceptance 0.7 (the prior)
   >>> policy.set_costs(16, {0: 0.124, 4: 0.132, 8: 0.144, 16: 0.181})
   >>> policy.choose(16, slots=range(16), drafts=[4] * 4 + [0] * 12).tolist()[:5]
-  [1, 1, 1, 1, 0]
+  [2, 2, 2, 2, 0]
 """
 
 from __future__ import annotations
@@ -69,8 +74,14 @@ class SpecPolicyConfig:
       (>= base_sit_out, <= max_sit_out).
     probe_every: while the cost rule chooses no drafts, one step in this
       many verifies its best budget anyway (>= 1).
+    window: the engine's measured steps per bucket and kind (plain or
+      verification) whose median overhead is added to the programs' costs
+      (>= 1).
     prior_acceptance: the acceptance estimate before anything is measured
-      (in (0, 1)).
+      (in (0, 1)). SmolLM2's n-gram drafts measured 0.6 on plain chat
+      (mostly first drafts) and ~0.8 copying (RESULTS 16h); below ~0.6 a
+      fresh copying row at batch 1 may not pass the rule on noisy warm-up
+      costs, and then learns its acceptance only from the probes.
     prior_weight: drafts examined that the prior (for the batch's estimate)
       and the batch's estimate (for a row's) count as (> 0).
 
@@ -82,7 +93,8 @@ class SpecPolicyConfig:
   max_sit_out: int = 64
   max_idle_sit_out: int = 4
   probe_every: int = 16
-  prior_acceptance: float = 0.5
+  window: int = 8
+  prior_acceptance: float = 0.7
   prior_weight: float = 2.0
 
   def __post_init__(self):
@@ -90,7 +102,8 @@ class SpecPolicyConfig:
       raise ValueError(f"prior_acceptance must be in (0, 1), got {self.prior_acceptance!r}")
     if not self.prior_weight > 0:
       raise ValueError(f"prior_weight must be > 0, got {self.prior_weight!r}")
-    for name in ("base_sit_out", "max_sit_out", "max_idle_sit_out", "probe_every"):
+    for name in ("base_sit_out", "max_sit_out", "max_idle_sit_out", "probe_every",
+                 "window"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -137,6 +150,9 @@ def best_drafts(costs: dict, drafts: np.ndarray, alpha: np.ndarray) -> np.ndarra
   return np.bincount(rows[order[:take]], minlength=n).astype(np.int64)
 
 
+PLAIN, SPEC = "plain", "spec"  # the two kinds of decode step `observe` tells apart
+
+
 class SpecPolicy:
   """The engine's speculation decisions (see the module docstring).
 
@@ -155,7 +171,8 @@ class SpecPolicy:
     self._accepted = np.zeros(max_seqs, np.int64)  # the row's drafts accepted
     self._examined = np.zeros(max_seqs, np.int64)  # and examined
     self._batch = np.zeros(2, np.int64)  # every row's: accepted, examined
-    self._costs: dict = {}  # bucket key -> {draft budget (0: plain): seconds}
+    self._programs: dict = {}  # bucket key -> {draft budget (0: plain): seconds}
+    self._excess: dict = {}  # (bucket key, PLAIN or SPEC) -> recent seconds
     self._skipped: dict = {}  # bucket key -> steps without drafts since a probe
 
   # ------------------------------------------------------------- sit-out
@@ -210,9 +227,10 @@ class SpecPolicy:
   # ---------------------------------------------------------------- cost
 
   def set_costs(self, key, costs: dict):
-    """The measured seconds of one step of decode bucket `key`: `costs[0]`
-    the plain step, `costs[D]` the verification step with a draft budget of
-    `D` rows, for every budget the engine may choose (each > 0).
+    """The measured seconds of one call of each step program of decode
+    bucket `key` (alone, at warm-up): `costs[0]` the plain step, `costs[D]`
+    the verification step with a draft budget of `D` rows, for every budget
+    the engine may choose (each > 0).
 
     Raises:
       ValueError: if the plain step's cost is missing or a cost is not > 0.
@@ -220,11 +238,36 @@ class SpecPolicy:
     if 0 not in costs or not all(v > 0 for v in costs.values()):
       raise ValueError(f"costs must hold the plain step's (key 0) and be > 0, "
                        f"got {costs!r}")
-    self._costs[key] = {int(d): float(v) for d, v in costs.items()}
+    self._programs[key] = {int(d): float(v) for d, v in costs.items()}
+
+  def observe(self, key, budget: int, seconds: float):
+    """A decode step of bucket `key` as the engine ran it: a plain one
+    (`budget` 0) or a verification with draft budget `budget`, `seconds`
+    from its planning to the next step's (its results waited for when the
+    next step waits). Its excess over the program's own cost is the host's
+    and the pipeline's share, which `costs` adds (ignored without costs)."""
+    programs = self._programs.get(key)
+    if programs is None or budget not in programs:
+      return
+    recent = self._excess.setdefault((key, SPEC if budget else PLAIN), [])
+    recent.append(seconds - programs[budget])
+    del recent[:-self.config.window]
+
+  def _overhead(self, key, kind: str) -> float:
+    recent = (self._excess.get((key, kind))
+              or self._excess.get((key, PLAIN)) or [0.0])  # unmeasured: the plain's
+    return float(np.median(recent))
 
   def costs(self, key) -> dict | None:
-    """The costs `set_costs` gave bucket `key` (None: none)."""
-    return self._costs.get(key)
+    """The seconds per step of bucket `key` that the cost rule weighs (None:
+    no `set_costs`): each program's warm-up cost plus the median excess
+    the engine measured (`observe`) for its kind, plain or verification
+    (before any verification is measured, the plain steps')."""
+    programs = self._programs.get(key)
+    if programs is None:
+      return None
+    plain, spec = self._overhead(key, PLAIN), self._overhead(key, SPEC)
+    return {d: max(v + (spec if d else plain), 1e-9) for d, v in programs.items()}
 
   def acceptance(self, slot: int) -> float:
     """The row in `slot`'s estimated chance that a draft is accepted once
@@ -237,7 +280,7 @@ class SpecPolicy:
 
   def _best(self, key, slots, drafts, largest: bool, probe: bool = False
             ) -> np.ndarray:
-    costs = self._costs.get(key)
+    costs = self.costs(key)
     drafts = np.asarray(drafts, np.int64)
     if costs is None:  # not measured: every draft
       return drafts

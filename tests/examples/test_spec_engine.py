@@ -149,7 +149,9 @@ def test_warmup_times_each_decode_program_for_the_cost_rule(model):
     assert sorted(costs) == [0, *spec_step.draft_budgets(b.num_seqs, k)]
     assert all(v > 0 for v in costs.values())
   assert_mirror_is_the_device_state(engine)  # the timed calls moved nothing
+  warm = pol.costs(decode[0].num_seqs)
   assert _run(engine, requests) == want
+  assert pol.costs(decode[0].num_seqs) != warm  # the engine's steps measured too
   assert_pool_empty(engine)
   plain = make_engine(model, speculative_config=SPEC, min_bucket=16)
   plain.warmup()  # not adaptive: nothing timed
@@ -174,6 +176,9 @@ def _spy(monkeypatch) -> tuple[list, list]:
 
   monkeypatch.setattr(spec_host, "dispatch_spec", spy_dispatch)
   monkeypatch.setattr(spec_host, "_drafts", spy_drafts)
+  # The injected costs alone decide (the engine's timings would add its
+  # machine's excess: `SpecPolicy.observe`, tested in test_spec_policy).
+  monkeypatch.setattr(SpecPolicy, "observe", lambda *args: None)
   return used, found
 
 

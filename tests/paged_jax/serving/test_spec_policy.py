@@ -166,7 +166,7 @@ def test_acceptance_is_estimated_per_row_against_the_batchs():
 
 
 def test_choose_uses_the_buckets_costs_and_probes_while_it_verifies_nothing():
-  policy = SpecPolicy(16, SpecPolicyConfig(probe_every=4))
+  policy = SpecPolicy(16, SpecPolicyConfig(probe_every=4, prior_acceptance=0.5))
   slots = list(range(16))
   four = [4] * 4 + [0] * 12
   assert policy.choose(16, slots, four).tolist() == four  # no costs: every draft
@@ -183,7 +183,7 @@ def test_choose_uses_the_buckets_costs_and_probes_while_it_verifies_nothing():
   assert peeks == decisions  # the peek changes nothing and foretells it
   assert policy.choose(8, slots[:8], [4] * 8).tolist() == [4] * 8  # its own costs
   # largest: the loop's layout, every row's k drafts in the largest budget
-  fresh = SpecPolicy(16)
+  fresh = SpecPolicy(16, SpecPolicyConfig(prior_acceptance=0.5))
   fresh.set_costs(16, COSTS16)
   assert fresh.choose(16, slots, four).any()
   assert not fresh.choose(16, slots, four, largest=True).any()
@@ -191,6 +191,30 @@ def test_choose_uses_the_buckets_costs_and_probes_while_it_verifies_nothing():
   with pytest.raises(ValueError, match=r"costs must hold the plain step's \(key 0\) "
                      r"and be > 0, got \{4: 0.1\}"):
     policy.set_costs(4, {4: 0.1})
+
+
+def test_the_engines_measured_excess_per_kind_is_added_to_the_programs_costs():
+  policy = SpecPolicy(16, SpecPolicyConfig(window=3, prior_acceptance=0.5))
+  policy.observe(16, 0, 1.0)  # no costs yet: ignored
+  assert policy.costs(16) is None
+  policy.set_costs(16, COSTS16)
+  assert policy.costs(16) == pytest.approx(COSTS16)
+  policy.observe(16, 0, 0.124 + 0.040)  # plain steps: 40 ms of host work
+  policy.observe(16, 0, 0.124 + 0.020)
+  # Verification unmeasured: the plain steps' median excess for every kind.
+  assert policy.costs(16) == pytest.approx({d: v + 0.030 for d, v in COSTS16.items()})
+  four = [4] * 4 + [0] * 12
+  assert policy.choose(16, range(16), four).tolist() == [1] * 4 + [0] * 12
+  policy.observe(16, 4, 0.132 + 0.118)  # a verification that lost the overlap
+  want = {d: v + (0.118 if d else 0.030) for d, v in COSTS16.items()}
+  assert policy.costs(16) == pytest.approx(want)
+  assert not policy.choose(16, range(16), four).any()  # 2 tokens do not pay 90 ms
+  for excess in (0.5, 0.010, 0.012, 0.011):  # medians of the last `window`
+    policy.observe(16, 8, 0.144 + excess)
+  assert policy.costs(16)[4] == pytest.approx(0.132 + 0.011)
+  policy.observe(16, 7, 1.0)  # a budget without a program: ignored
+  policy.observe(8, 0, 1.0)  # another bucket: its own
+  assert policy.costs(16)[4] == pytest.approx(0.132 + 0.011)
 
 
 @pytest.mark.parametrize("kw,msg", [
@@ -203,6 +227,7 @@ def test_choose_uses_the_buckets_costs_and_probes_while_it_verifies_nothing():
      r"max_idle_sit_out=1 must be in \[base_sit_out=2, max_sit_out=64\]"),
     (dict(prior_acceptance=1.0), r"prior_acceptance must be in \(0, 1\), got 1.0"),
     (dict(prior_weight=0.0), "prior_weight must be > 0, got 0.0"),
+    (dict(window=0), "window must be an int >= 1, got 0"),
 ])
 def test_config_errors_say_expected_and_given(kw, msg):
   with pytest.raises(ValueError, match=msg):
