@@ -60,18 +60,14 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import jax
 import numpy as np
 
 from paged_jax.serving import spec_policy
 from paged_jax.serving.requests import PENDING
 from paged_jax.serving.spec_step import (SpecInputs, SpecOutputs, choose_budget,
                                          compile_spec, dispatch_spec,
-                                         draft_budgets, fetch_spec)
+                                         draft_budgets, fetch_spec, time_programs)
 from paged_jax.serving.step import StepOutputs
-
-# Timed calls of each program at warm-up (`measure_costs`; the fastest kept).
-COST_CALLS = 2
 
 
 # ------------------------------------------------------------ configuration
@@ -330,26 +326,14 @@ def _padding_programs(engine, buckets, k: int) -> list:
   return out
 
 
-def measure_costs(engine, programs, calls: int = COST_CALLS) -> None:
+def measure_costs(engine, programs) -> None:
   """Times each decode bucket's plain step and verification steps (every
-  draft budget) on all-padding inputs, which change no slot, block or
-  token, and gives the policy their seconds per step (`SpecPolicy.set_costs`):
-  one untimed call each, then `calls` rounds of one call each (the programs
-  interleaved, so a burst of load slows them alike), the fastest kept."""
-  runner = engine._runner  # pylint: disable=protected-access
+  draft budget; `spec_step.time_programs`) on all-padding inputs, which
+  change no slot, block or token, and gives the policy their seconds per
+  step (`SpecPolicy.set_costs`)."""
   pol = policy(engine)
   for b, x, sis in programs:
-    run = {0: lambda b=b, x=x: runner.dispatch(b, [x])}
-    run.update({d: (lambda b=b, x=x, si=si: dispatch_spec(runner, b, x, si))
-                for d, si in sis.items()})
-    best = dict.fromkeys(run, float("inf"))
-    for i in range(1 + calls):
-      for d, f in run.items():
-        t = time.perf_counter()
-        jax.block_until_ready(f())
-        if i:
-          best[d] = min(best[d], time.perf_counter() - t)
-    pol.set_costs(b.num_seqs, best)
+    pol.set_costs(b.num_seqs, time_programs(engine._runner, b, x, sis))  # pylint: disable=protected-access
 
 
 # ------------------------------------------------------------------ the pool
