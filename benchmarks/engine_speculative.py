@@ -16,7 +16,7 @@ is recorded per case.
   PYTHONPATH=. python benchmarks/engine_speculative.py [--rounds 2] [--new 48]
       [--batches 1,4,16] [--temperatures 0,0.8] [--workloads copying,chat]
       [--method ngram|draft_model] [--draft-layers 2] [--prefix-caching]
-      [--steps 1,4] [--off-steps 1]
+      [--steps 1,4] [--off-steps 1] [--step-shapes user|pinned]
 
 `--steps`: the spec-on engines' `num_scheduler_steps` (K), one engine per
 value, each in every round after the spec-off one (K > 1 with n-gram: up to
@@ -24,6 +24,18 @@ K verification iterations per dispatch, the drafts proposed on the device,
 `serving.spec_loop`); `--off-steps`: the spec-off engines' K, the first the
 baseline of every ratio. "steps" are dispatches; "verifying" the
 verification iterations.
+
+`--step-shapes`: the engines' compiled step shapes, spec on and off alike.
+`user` (the default): what a user of `generate` or the server gets for this
+model, `engine_args.STEP_SHAPE_DEFAULTS` (`--min-bucket`,
+`--bucket-midpoints` left out: for SmolLM2 every power of two from 1 row and
+the 1.5x midpoints), with the token budget `TOKENS` (every prompt's prefill
+in one step): a batch-1 prefill of ~110 tokens computes 128 rows. `pinned`:
+one decode and one mixed shape of `TOKENS` rows (`min_bucket=TOKENS`, no
+midpoints; RESULTS 16e-16g measured this), where that prefill computes 512
+rows, ~4.6x its own, and is ~40% of a spec-off run of 32 tokens. Warm-up
+compiles every shape (untimed; JAX's persistent compilation cache is on,
+as in `generate`, so a second process loads them); TTFT is reported.
 
 `--method draft_model`: the draft is SmolLM2 itself cut to its first
 `--draft-layers` layers (`{"method": "draft_model", "draft_num_layers": n}`,
@@ -47,6 +59,7 @@ import os
 import statistics
 import time
 
+from paged_jax.entrypoints import engine_args
 from paged_jax.models import loader
 from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.requests import Request
@@ -89,21 +102,32 @@ def follow_up_ids(tokenizer) -> list[int]:
   return tokenizer.encode(text[text.index("y") + 1:], add_special_tokens=False)
 
 
+def shapes(model, step_shapes: str) -> tuple[int, bool]:
+  """`(min_bucket, bucket_midpoints)` of `--step-shapes` for `model`."""
+  if step_shapes == "pinned":  # one decode, one mixed shape
+    return TOKENS, False
+  if step_shapes != "user":
+    raise ValueError(f"step_shapes must be 'user' or 'pinned', got {step_shapes!r}")
+  return engine_args.STEP_SHAPE_DEFAULTS[engine_args.model_kind(model)]
+
+
 def run_case(model, prompt_ids, batch: int, new: int, spec,
              temperature: float = 0.0, caching: bool = False,
-             follow_up: list[int] | None = None, num_steps: int = 1) -> dict:
+             follow_up: list[int] | None = None, num_steps: int = 1,
+             step_shapes: str = "user") -> dict:
   """One engine serving `batch` requests; `spec`: a `SpeculativeConfig`, or
   None (off). With `follow_up` (tokens), a second wave of `batch` requests,
   each the first wave's prompt, its answer and `follow_up`, once the first
-  is done."""
+  is done. `step_shapes`: "user" or "pinned" (the module docstring)."""
   prompt_ids = [prompt_ids[i % len(prompt_ids)] for i in range(batch)]
   waves = 2 if follow_up else 1
   longest = max(len(p) for p in prompt_ids) + waves * new + len(follow_up or ())
+  min_bucket, midpoints = shapes(model, step_shapes)
   engine = Engine(model, EngineConfig(
       # every wave's blocks fit with the first wave's cached: no eviction
       num_blocks=waves * batch * -(-longest // BLOCK_SIZE) + 8, block_size=BLOCK_SIZE,
       max_batch=batch, max_tokens_per_step=TOKENS, max_model_len=longest,
-      min_bucket=TOKENS, bucket_midpoints=False,  # one decode, one mixed shape
+      min_bucket=min_bucket, bucket_midpoints=midpoints,
       enable_prefix_caching=caching, speculative_config=spec or None,
       num_scheduler_steps=num_steps))
   engine.warmup()
@@ -135,6 +159,7 @@ def run_case(model, prompt_ids, batch: int, new: int, spec,
           "spec_steps": st.spec_steps,
           "load_average": os.getloadavg()[0],
           "tpot_ms": 1e3 * statistics.median(o.tpot for o in outs),
+          "ttft_ms": 1e3 * statistics.median(o.ttft for o in outs),
           "acceptance_rate": st.acceptance_rate,
           "mean_accepted_length": st.mean_accepted_length,
           "steps": st.steps, "compile_s": st.compile_seconds,
@@ -162,11 +187,20 @@ def main(argv=None):
                   help="spec-on engines' num_scheduler_steps, one engine each")
   ap.add_argument("--off-steps", default="1",
                   help="spec-off engines' num_scheduler_steps (the first: baseline)")
+  ap.add_argument("--step-shapes", default="user", choices=("user", "pinned"),
+                  help="user: the step shapes generate/serve default to for "
+                  "this model; pinned: one decode and one 512-row mixed shape")
+  ap.add_argument("--compile-cache-dir", default=os.path.expanduser(
+      "~/.cache/paged_jax/jax_cache"), help="JAX's persistent compilation "
+                  "cache ('' : off)")
   ap.add_argument("--json", default=None, help="append the medians to this file")
   args = ap.parse_args(argv)
   spec = SPEC if args.method == "ngram" else SpeculativeConfig(
       method="draft_model", num_speculative_tokens=SPEC.num_speculative_tokens,
       draft_num_layers=args.draft_layers)
+  if args.compile_cache_dir:  # as `generate` does by default
+    engine_args.compile_cache(argparse.Namespace(
+        no_compile_cache=False, compile_cache_dir=args.compile_cache_dir))
   loaded = loader.load("smollm2")
   work = {"copying": prompts(loaded.tokenizer, COPYING),
           "chat": prompts(loaded.tokenizer, CHAT),
@@ -185,14 +219,16 @@ def main(argv=None):
         for temp in temps:
           case = (loaded.model, ids, batch, args.new)
           kw = dict(caching=args.prefix_caching, follow_up=follow.get(name))
-          res = [run_case(*case, c, temp, num_steps=k, **kw) for c, k in configs]
+          res = [run_case(*case, c, temp, num_steps=k, step_shapes=args.step_shapes,
+                          **kw) for c, k in configs]
           for r in res[1:]:
             assert r["outputs"] == res[0]["outputs"], (name, batch, temp, "outputs differ")
           runs.setdefault((name, batch, temp), []).append(res)
           for cname, r in zip(names, res):
             print(f"round {rnd} {name:8s} batch {batch:2d} T={temp} {cname:8s}: "
                   f"{r['tokens_per_s']:6.1f} tok/s {r['tokens_per_cpu_s']:6.1f} "
-                  f"tok/cpu-s, TPOT {r['tpot_ms']:.1f} ms, {r['steps']} steps "
+                  f"tok/cpu-s, TTFT {r['ttft_ms']:.0f} ms, TPOT {r['tpot_ms']:.1f} ms, "
+                  f"{r['steps']} steps "
                   f"({r['multisteps']} multi, {r['spec_steps']} verifying), "
                   f"acceptance {r['acceptance_rate']:.2f}, mean accepted "
                   f"{r['mean_accepted_length']:.2f}, prefix hits "
@@ -217,6 +253,8 @@ def main(argv=None):
              "tokens_per_cpu_s_off": med("tokens_per_cpu_s", 0),
              "tokens_per_cpu_s_on": med("tokens_per_cpu_s", i),
              "tpot_ms_off": med("tpot_ms", 0), "tpot_ms_on": med("tpot_ms", i),
+             "ttft_ms_off": med("ttft_ms", 0), "ttft_ms_on": med("ttft_ms", i),
+             "step_shapes": args.step_shapes,
              "speedup": ratio("tokens_per_s"),
              "speedup_per_cpu_s": ratio("tokens_per_cpu_s"),
              "acceptance_rate": med("acceptance_rate", i),

@@ -336,9 +336,9 @@ class SpeculativeConfig:
     draft_num_layers: draft_model: layers of the draft kept (None: all).
     adaptive: (paged-jax's, not vLLM's) the engine's speculation policy
       (`serving.spec_policy`): rows whose proposals keep missing sit out,
-      and a step skips speculation while it measures costlier per token
-      than a plain step. False: every eligible step with a proposal
-      verifies it.
+      and a step verifies only the drafts whose expected acceptance pays
+      for the rows they add (each step program timed at warm-up). False:
+      every eligible step with a proposal verifies it.
 
   Raises:
     ValueError: naming the field: an unknown method (the supported ones

@@ -394,7 +394,6 @@ class Engine:
     if flight.multi is not None:
       (p,), (rec,), (o,), (ms,) = self._pools, flight.pending, outs, flight.multi
       p.resolve_multistep(rec, ms, o, now)
-      spec_host.count_emitted(self, int(o.counts.sum()))
       return now - t
     for p, rec, o in zip(self._pools, flight.pending, outs):
       p.resolve(rec, o, now)

@@ -5,16 +5,19 @@ model, and replaying the device's rollback once the results arrive.
 With `EngineConfig.speculative_config` set (method "ngram"), a step waits
 for the previous step's results (the proposer needs every row's tokens, as
 `multistep_host` does for its budgets) whenever it may speculate
-(`wants_results`; with `adaptive`, while every row sits out or the timing
-rule skips, the steps run asynchronously as without speculation). A pool's
+(`wants_results`; with `adaptive`, while every row sits out or the cost
+rule would verify nothing, the steps run asynchronously as without
+speculation). A pool's
 step is a
 verification step when `spec_ok` accepts its plan (a steady decode of rows
 that need nothing else of the step: no top log-probs, no stop strings;
 greedy or sampled, `logit_bias` and `min_tokens` bans included, since the
 verification samples exactly as the plain step does) in a decode bucket,
-some row got a draft, and the `spec_policy.SpecPolicy` agrees (rows that
-keep missing sit out; a step skips speculation while it measures costlier
-per token than a plain one); otherwise it is an ordinary step.
+some row got a draft, and the `spec_policy.SpecPolicy` keeps some (rows
+that keep missing sit out; the cost rule keeps the drafts whose expected
+acceptance pays for the rows they add, from each step program's seconds
+measured at warm-up, `measure_costs`, trimming the tail drafts to a smaller
+budget when that pays more); otherwise it is an ordinary step.
 
 Each row of `L` cached tokens whose last token `t` is known gets up to `k`
 drafts by prompt lookup over its tokens (`ngram_drafts`, the NumPy twin of
@@ -63,7 +66,7 @@ from paged_jax.serving import spec_policy
 from paged_jax.serving.requests import PENDING
 from paged_jax.serving.spec_step import (SpecInputs, SpecOutputs, choose_budget,
                                          compile_spec, dispatch_spec,
-                                         draft_budgets, fetch_spec)
+                                         draft_budgets, fetch_spec, time_programs)
 from paged_jax.serving.step import StepOutputs
 
 
@@ -169,12 +172,11 @@ def policy(engine) -> spec_policy.SpecPolicy:
 
 @dataclasses.dataclass
 class _Timing:
-  """The decode step being timed: from one `propose` to the next (the
-  host's and the device's time per step, with results waited for)."""
+  """The decode step being timed for the cost rule: from its `propose` to
+  the next step's (`SpecPolicy.observe`)."""
 
   key: int  # the decode bucket's rows
-  kind: str  # spec_policy.PLAIN or SPEC
-  tokens: int  # emitted (SPEC: set at resolve)
+  budget: int  # its draft budget (0: a plain step)
   t0: float
   compile0: float  # the runner's compile seconds at t0 (left out)
 
@@ -183,14 +185,15 @@ def _observe_previous(engine, now: float):
   t = engine.__dict__.pop("_spec_timing", None)
   if t is not None:
     compiled = engine._runner.compile_seconds - t.compile0  # pylint: disable=protected-access
-    policy(engine).observe(t.key, t.kind, now - t.t0 - compiled, t.tokens)
+    policy(engine).observe(t.key, t.budget, now - t.t0 - compiled)
 
 
 def wants_results(engine) -> bool:
   """Whether the next step should wait for the step in flight: only then
   are its rows' last tokens known, so that it can propose (with
-  `SpeculativeConfig.adaptive`, while every row sits out or the timing rule
-  skips, the engine runs asynchronously, as without speculation)."""
+  `SpeculativeConfig.adaptive`, while every row sits out or the cost rule
+  would verify nothing, the engine runs asynchronously, as without
+  speculation)."""
   spec = engine.config.speculative_config
   if spec is None:
     return False
@@ -199,11 +202,15 @@ def wants_results(engine) -> bool:
 
 def propose(engine, plans, bucket, *, on_device: bool = False) -> list | None:
   """Each row's drafts for this step (`[np.ndarray]` in plan order), or None
-  when the step is an ordinary one (see the module docstring). Times the
-  previous decode step for the policy, and this one, and decides whether
-  the next step waits for this one's results (`wants_results`). With
-  `on_device` (the speculative loop, `spec_loop_host`: the device
-  proposes) each row's `bool`, whether it may propose, instead of drafts."""
+  when the step is an ordinary one (see the module docstring); with
+  `adaptive`, the drafts the policy's cost rule keeps (`SpecPolicy.choose`:
+  the tail drafts trimmed). Times the previous decode step for the cost
+  rule, and this one, and decides whether the next step waits for this
+  one's results (`wants_results`). With `on_device` (the speculative loop,
+  `spec_loop_host`: the device proposes) each row's `bool`, whether it may
+  propose, instead of drafts; the loop runs when the cost rule would
+  verify `k` drafts of every such row in the loop's layout (the largest
+  budget)."""
   spec = engine.config.speculative_config
   if spec is None:
     return None
@@ -214,31 +221,27 @@ def propose(engine, plans, bucket, *, on_device: bool = False) -> list | None:
     return None
   pol = policy(engine)
   key = bucket.num_seqs
-  compile0 = engine._runner.compile_seconds  # pylint: disable=protected-access
-  engine._spec_timing = _Timing(key, spec_policy.PLAIN, len(plans[0]), now,  # pylint: disable=protected-access
-                                compile0)
+  if engine.config.num_scheduler_steps == 1:  # one step per dispatch: timed
+    engine._spec_timing = _Timing(key, 0, now, engine._runner.compile_seconds)  # pylint: disable=protected-access
   sched = engine._pools[0]  # pylint: disable=protected-access
-  adaptive = spec.adaptive
+  adaptive, k = spec.adaptive, spec.num_speculative_tokens
+  slots = [s.slot for s, _ in plans[0]]
   may = [pol.may_propose(s.slot, s) or not adaptive for s, _ in plans[0]]
-  go = any(may) and (pol.speculate(key) or not adaptive)
   pol.tick()
   drafts = None
-  if go and spec_ok(sched, plans[0]):
-    drafts = may if on_device else _drafts(engine, plans[0], may)
-  engine._spec_want = (not adaptive or pol.would_speculate(key) and any(  # pylint: disable=protected-access
-      pol.may_propose(s.slot, s) for s, _ in plans[0]))
-  if drafts is None:
-    return None
-  engine._spec_timing = _Timing(key, spec_policy.SPEC, 0, now, compile0)  # pylint: disable=protected-access
+  if any(may) and spec_ok(sched, plans[0]):
+    if on_device:
+      drafts = may if not adaptive or pol.choose(
+          key, slots, [k if m else 0 for m in may], largest=True).any() else None
+    else:
+      drafts = _drafts(engine, plans[0], may)
+      if drafts is not None and adaptive:
+        keep = pol.choose(key, slots, [d.size for d in drafts])
+        drafts = [d[:m] for d, m in zip(drafts, keep)] if keep.any() else None
+  engine._spec_want = not adaptive or pol.would_verify(  # pylint: disable=protected-access
+      key, slots, [k if pol.may_propose(s.slot, s) else 0 for s, _ in plans[0]],
+      largest=on_device)
   return drafts
-
-
-def count_emitted(engine, tokens: int) -> None:
-  """The tokens a plain dispatch that ran several decode steps emitted (the
-  timing rule's cost per token; a single step's are its rows)."""
-  timing = engine.__dict__.get("_spec_timing")
-  if timing is not None and timing.kind == spec_policy.PLAIN:
-    timing.tokens = tokens
 
 
 def _drafts(engine, plan, may) -> list | None:
@@ -296,20 +299,41 @@ def _inputs(x, drafts, num_draft: np.ndarray, k: int, budget: int) -> SpecInputs
 
 def warmup(engine, buckets) -> None:
   """Compiles the verification step of every decode bucket of `buckets`
-  and each of its draft budgets (all-padding inputs; runs nothing).
-  Nothing without speculation."""
+  and each of its draft budgets (all-padding inputs), then, with
+  `adaptive`, times them and the plain step for the policy's cost rule
+  (`measure_costs`). Nothing without speculation."""
   spec = engine.config.speculative_config
   if spec is None:
     return
   k = spec.num_speculative_tokens
-  inputs = []
+  programs = _padding_programs(engine, buckets, k)
+  compile_spec(engine._runner, [(b, x, si) for b, x, sis in programs  # pylint: disable=protected-access
+                                for si in sis.values()])
+  if spec.adaptive:
+    measure_costs(engine, programs)
+
+
+def _padding_programs(engine, buckets, k: int) -> list:
+  """`[(bucket, StepInputs, {budget: SpecInputs})]`: every decode bucket of
+  `buckets` on all-padding inputs, with each draft budget's layout."""
+  out = []
   for b in buckets:
     if b.decode_only:
       x = engine._pools[0]._build([], b)[0]  # pylint: disable=protected-access
       S = x.seq_ids.shape[0]
-      for budget in draft_budgets(S, k):
-        inputs.append((b, x, _inputs(x, [], np.zeros(S, np.int32), k, budget)))
-  compile_spec(engine._runner, inputs)  # pylint: disable=protected-access
+      out.append((b, x, {budget: _inputs(x, [], np.zeros(S, np.int32), k, budget)
+                         for budget in draft_budgets(S, k)}))
+  return out
+
+
+def measure_costs(engine, programs) -> None:
+  """Times each decode bucket's plain step and verification steps (every
+  draft budget; `spec_step.time_programs`) on all-padding inputs, which
+  change no slot, block or token, and gives the policy their seconds per
+  step (`SpecPolicy.set_costs`)."""
+  pol = policy(engine)
+  for b, x, sis in programs:
+    pol.set_costs(b.num_seqs, time_programs(engine._runner, b, x, sis))  # pylint: disable=protected-access
 
 
 # ------------------------------------------------------------------ the pool
@@ -424,6 +448,9 @@ def dispatch(engine, built, bucket, drafts):
   if index is not None and res.evicted is not None:  # cached blocks the drafts took
     engine.stats.prefix_blocks_evicted += index.evict(res.evicted[res.evicted >= 0])
   budget = choose_budget(draft_budgets(S, k), int(d.sum()))
+  timing = engine.__dict__.get("_spec_timing")
+  if timing is not None:
+    timing.budget = budget
   si = _inputs(x, drafts, d, k, budget)
   out = dispatch_spec(engine._runner, bucket, x, si)  # pylint: disable=protected-access
   st = engine.stats
@@ -468,9 +495,6 @@ def resolve(engine, flight) -> float:
   st = engine.stats
   st.spec_accepted += int(accepted[real].sum())
   st.spec_rows += int(np.count_nonzero(sp.num_draft))
-  timing = engine.__dict__.get("_spec_timing")
-  if timing is not None and timing.kind == spec_policy.SPEC:
-    timing.tokens = int(np.count_nonzero(real) + accepted[real].sum())
   pol = policy(engine)
   for r, t, _ in pending.records:
     if sp.num_draft[r]:

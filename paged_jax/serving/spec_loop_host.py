@@ -213,9 +213,6 @@ def resolve(engine, flight) -> float:
   st.multistep_refused += int(np.count_nonzero(out.refused))
   T = lp.seq_ids.shape[0] * out.tokens.shape[0] // out.ran.shape[0]
   st.padded_rows += T * iterations - lp.seq_ids.shape[0]
-  timing = engine.__dict__.get("_spec_timing")
-  if timing is not None:
-    timing.tokens = int(counts.sum())
   pol, h = spec_host.policy(engine), _history(engine)
   for r, t, _ in pending.records:
     if lp.may[r]:  # one record per dispatch (the policy ticks per dispatch)

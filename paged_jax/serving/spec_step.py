@@ -39,6 +39,8 @@ the fingerprint check holds as for any step.
 
 from __future__ import annotations
 
+import time
+
 import chex
 import flax
 import jax
@@ -302,6 +304,31 @@ def dispatch_spec(runner, bucket, x: StepInputs, s: SpecInputs) -> SpecOutputs:
       runner._params, runner.cache, runner.state, runner.last_tokens,  # pylint: disable=protected-access
       runner.slots, x, s)
   return out
+
+
+# Timed calls of each program at warm-up (`time_programs`; the fastest kept).
+COST_CALLS = 2
+
+
+def time_programs(runner, bucket, x: StepInputs, spec_inputs: dict,
+                  calls: int = COST_CALLS) -> dict:
+  """Seconds per call of decode bucket `bucket`'s plain step (key 0) and of
+  its verification step with each `spec_inputs[D]` (key `D`, its draft
+  budget), all compiled, on `x`: one untimed call each, then `calls` rounds
+  of one call each (the programs interleaved, so a burst of load slows them
+  alike), the fastest kept. With all-padding inputs the calls change no
+  slot, block or token."""
+  run = {0: lambda: runner.dispatch(bucket, [x])}
+  run.update({d: (lambda si=si: dispatch_spec(runner, bucket, x, si))
+              for d, si in spec_inputs.items()})
+  best = dict.fromkeys(run, float("inf"))
+  for i in range(1 + calls):
+    for d, f in run.items():
+      t = time.perf_counter()
+      jax.block_until_ready(f())
+      if i:
+        best[d] = min(best[d], time.perf_counter() - t)
+  return best
 
 
 def fetch_spec(out: SpecOutputs) -> SpecOutputs:

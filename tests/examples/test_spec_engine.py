@@ -11,17 +11,18 @@ import chex
 import pytest
 
 from paged_jax.entrypoints import generate
-from paged_jax.serving import compiler, spec_step
+from paged_jax.serving import compiler, spec_host, spec_step
 from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
+from paged_jax.serving.spec_policy import SpecPolicy, SpecPolicyConfig
 from paged_jax.speculative import SpeculativeConfig
 from tests.examples.conftest import (BIG_POOL, SIZES, SMALL_POOL, count_lowerings,
                                      assert_mirror_is_the_device_state, assert_pool_empty,
                                      make_engine, random_requests)
 from tests.examples.test_prefix_engine import _poison_unowned_blocks
 
-# Every eligible step verifies (no sit-out, no timing rule: the counts the
+# Every eligible step verifies (no sit-out, no cost rule: the counts the
 # tests check do not depend on the machine's speed); ADAPTIVE has both.
 SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
                          prompt_lookup_max=3, adaptive=False)
@@ -117,6 +118,99 @@ def test_every_verification_shape_traces_once_and_compiles_at_warmup(model):
   assert engine.stats.spec_steps > 0
   assert compiler.compiled_count() == compiles and engine.stats.compile_seconds == 0
   assert not lowered
+
+
+def _requests_to_verify():
+  return [_copying(i) for i in range(3)] + random_requests(
+      4, 3, prompt=(3, 20), new=(6, 24))
+
+
+def _adaptive(model, **policy) -> Engine:
+  """An ADAPTIVE engine (one decode bucket) whose rows sit out one step
+  per miss, so that the tiny model's few drafts get verified."""
+  engine = make_engine(model, speculative_config=ADAPTIVE, min_bucket=16)
+  engine._spec_policy = SpecPolicy(  # pylint: disable=protected-access
+      SIZES["max_batch"], SpecPolicyConfig(base_sit_out=1, max_sit_out=1,
+                                           max_idle_sit_out=1, **policy))
+  return engine
+
+
+def test_warmup_times_each_decode_program_for_the_cost_rule(model):
+  """Warm-up times the plain step and every draft budget's verification on
+  padding inputs (the policy's costs), and those calls change nothing."""
+  requests = _requests_to_verify()
+  want = _run(make_engine(model), requests, checked=False)
+  engine = _adaptive(model)
+  engine.warmup()
+  pol, k = spec_host.policy(engine), ADAPTIVE.num_speculative_tokens
+  decode = [b for b in engine.buckets if b.decode_only]
+  for b in decode:
+    costs = pol.costs(b.num_seqs)
+    assert sorted(costs) == [0, *spec_step.draft_budgets(b.num_seqs, k)]
+    assert all(v > 0 for v in costs.values())
+  assert_mirror_is_the_device_state(engine)  # the timed calls moved nothing
+  warm = pol.costs(decode[0].num_seqs)
+  assert _run(engine, requests) == want
+  assert pol.costs(decode[0].num_seqs) != warm  # the engine's steps measured too
+  assert_pool_empty(engine)
+  plain = make_engine(model, speculative_config=SPEC, min_bucket=16)
+  plain.warmup()  # not adaptive: nothing timed
+  assert spec_host.policy(plain).costs(decode[0].num_seqs) is None
+
+
+def _spy(monkeypatch) -> tuple[list, list]:
+  """From now on: the draft budget of every verification step dispatched,
+  and the drafts every step found (before the cost rule)."""
+  used, found = [], []
+  dispatch, drafts = spec_host.dispatch_spec, spec_host._drafts  # pylint: disable=protected-access
+
+  def spy_dispatch(runner, bucket, x, s):
+    used.append(s.tokens.shape[0] - x.seq_ids.shape[0])
+    return dispatch(runner, bucket, x, s)
+
+  def spy_drafts(*args):
+    out = drafts(*args)
+    if out is not None:
+      found.append(sum(d.size for d in out))
+    return out
+
+  monkeypatch.setattr(spec_host, "dispatch_spec", spy_dispatch)
+  monkeypatch.setattr(spec_host, "_drafts", spy_drafts)
+  # The injected costs alone decide (the engine's timings would add its
+  # machine's excess: `SpecPolicy.observe`, tested in test_spec_policy).
+  monkeypatch.setattr(SpecPolicy, "observe", lambda *args: None)
+  return used, found
+
+
+def test_the_cost_rule_trims_drafts_to_the_budget_that_pays(model, monkeypatch):
+  """With every budget past one priced out, each verification step keeps only
+  the drafts that budget holds (the rows' first drafts first); with every
+  budget priced out, only the policy's probes verify. Outputs stay those
+  of plain decoding."""
+  requests = _requests_to_verify()
+  want = _run(make_engine(model), requests, checked=False)
+  k = ADAPTIVE.num_speculative_tokens
+  S = SIZES["max_batch"]
+  budgets = spec_step.draft_budgets(S, k)
+  cheap = budgets[1]
+  engine = _adaptive(model)
+  spec_host.policy(engine).set_costs(S, {0: 1.0, **{d: 1.0 if d <= cheap else 100.0
+                                                    for d in budgets}})
+  used, found = _spy(monkeypatch)
+  assert _run(engine, requests) == want
+  assert used and set(used) <= set(budgets[:2]) and cheap in used
+  assert max(found) > cheap  # some step's drafts were trimmed
+  assert engine.stats.spec_proposed == sum(min(f, cheap) for f in found)
+  assert engine.stats.spec_accepted > 0
+  assert_pool_empty(engine)
+  # No budget pays: every second step with drafts probes.
+  never = _adaptive(model, probe_every=2)
+  spec_host.policy(never).set_costs(S, {0: 1.0, **{d: 100.0 for d in budgets}})
+  used.clear()
+  found.clear()
+  assert _run(never, requests) == want
+  assert len(found) >= 2 and len(used) == len(found) // 2
+  assert_pool_empty(never)
 
 
 def test_a_request_that_stops_on_an_accepted_draft_stops_there(model):
@@ -239,7 +333,7 @@ def test_sampled_outputs_are_identical_with_spec_on_and_off(model):
   for r in requests[:2]:  # alone
     alone = make_engine(model, speculative_config=SPEC)
     assert _run(alone, [r]) == {r.request_id: want[r.request_id]}
-  adaptive = make_engine(model, speculative_config=ADAPTIVE)  # sit-out, timing
+  adaptive = make_engine(model, speculative_config=ADAPTIVE)  # sit-out, cost rule
   assert _run(adaptive, requests) == want
   assert_pool_empty(adaptive)
 
