@@ -3,8 +3,10 @@
 A hybrid model (Gemma 2, Gemma 3) has global layers, which keep every block
 of a sequence, and local layers of window `w`, which after reclamation keep
 at most `ceil(w / bs) + 1` (`window_reclaim`). Reclaiming frees memory only
-if a local layer's blocks hold that layer's K/V alone, so the engine gives
-each distinct window its own pool: a `BlockState` (`pooled_step.
+if a local layer's blocks hold that layer's K/V alone. By default the
+engine shares one pool between the layer groups (`shared_pool`); with
+prefix caching, or several local windows, it gives each distinct window its
+own pool (`layout` is the rule): a `BlockState` (`pooled_step.
 PooledState`), a `KVCache` of that group's layers and, on the host, a
 `HostPool` (`PooledHost` holds them). Every sequence lives in every pool at
 the same length; a step's entry is served only if every pool grants it.
