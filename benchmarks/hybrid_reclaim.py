@@ -128,6 +128,8 @@ def main():
                  "window) or mistral (every layer local, one pool)")
   p.add_argument("--admission-headroom-steps", type=int, default=0,
                  help="both engines' (0: sections 15b-15e, no block check at admission)")
+  p.add_argument("--num-blocks", type=int, default=NUM_BLOCKS,
+                 help="KV memory in blocks of every layer (160: sections 15b-15f)")
   p.add_argument("--max-tokens-per-step", type=int, default=0,
                  help="both engines' token budget (0: max(256, max_num_seqs))")
   args = p.parse_args()
@@ -145,7 +147,7 @@ def main():
     reqs = _requests(np.random.default_rng(0), count)
     warm, runs = reqs[:4], [reqs] * (1 if quick else args.repeats)
   reqs = runs[0]
-  base = dict(num_blocks=NUM_BLOCKS, block_size=BS, max_batch=args.max_num_seqs,
+  base = dict(num_blocks=args.num_blocks, block_size=BS, max_batch=args.max_num_seqs,
               max_tokens_per_step=args.max_tokens_per_step or max(256, args.max_num_seqs),
               max_model_len=704, admission_headroom_steps=args.admission_headroom_steps,
               min_bucket=16, bucket_midpoints=False, enable_prefix_caching=bool(args.prefix))
@@ -165,7 +167,7 @@ def main():
     pools = [engines["on"].block_state.num_blocks]
     layer_blocks["on"] = 6 * pools[0]
   engines["off"] = Engine(model, EngineConfig(**base, sliding_window_reclamation=False))
-  layer_blocks["off"] = NUM_BLOCKS * 6
+  layer_blocks["off"] = args.num_blocks * 6
   for k, e in engines.items():
     e.warmup()
     common.serve_timed(e, warm, f"warm-{k}")  # first-run costs outside the timed runs
@@ -195,7 +197,7 @@ def main():
       assert outputs[k] == outputs["off"], f"greedy outputs differ ({k} vs off)"
   mean_len = int(np.mean([len(q) + n for q, n in reqs]))
   plan = hybrid_capacity.plan_hybrid(
-      kv_pool_bytes=NUM_BLOCKS * BS * hybrid_capacity.capacity.kv_head_token_bytes(
+      kv_pool_bytes=args.num_blocks * BS * hybrid_capacity.capacity.kv_head_token_bytes(
           "float32", cfg.head_dim) * 2 * cfg.num_kv_heads * cfg.num_layers,
       groups=hybrid_capacity.groups_from_windows([s.sliding_window for s in cfg.layer_specs]),
       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=BS,
@@ -235,7 +237,8 @@ def main():
       "" if args.num_requests == 24 else f"_n{args.num_requests}") + (
       f"_prefix{args.prefix}" if args.prefix else "") + (
       f"_h{args.admission_headroom_steps}" if args.admission_headroom_steps else "") + (
-      f"_t{args.max_tokens_per_step}" if args.max_tokens_per_step else "")
+      f"_t{args.max_tokens_per_step}" if args.max_tokens_per_step else "") + (
+      "" if args.num_blocks == NUM_BLOCKS else f"_k{args.num_blocks}")
   print("wrote", common.write_json(args.out, name, out, quick=quick))
 
 
