@@ -206,6 +206,24 @@ def test_reclamation_gives_the_outputs_of_keeping_every_block(
   assert off.stats.preemptions > 0
 
 
+@pytest.mark.slow  # (its own step programs; the 5:1 model runs G = 1 above)
+def test_shared_pool_with_sub_groups_of_two_layers():
+  """Gemma 2's alternating pattern over 4 layers: sub-groups of G = 2 layers
+  (a cache of 2 layers, read at a traced layer index), checked every step;
+  the outputs of keeping every block."""
+  model = model_lib.init_model(model_lib.LlamaConfig.tiny(
+      num_layers=4, sliding_window=WINDOW,
+      layer_types=("sliding_attention", "full_attention") * 2), seed=5)
+  requests = _requests()
+  want = _run(_engine(model, 256, sliding_window_reclamation=False), requests,
+              checked=False)
+  on = _engine(model, 40, admission_headroom_steps=0)
+  assert on.block_state.windows == (WINDOW, None) and on.cache.num_layers == 2
+  assert on.block_state.num_blocks == 80  # 40 blocks x 4 layers / 2
+  assert _run(on, requests, checked=True) == want
+  assert _all_free(on)
+
+
 # The hybrid under preemption is also test_prefix_caching_with_reclamation
 # [gemma3-20]'s case (checked every step, preemptions asserted): its run
 # here is slow only, for the suite's time.
