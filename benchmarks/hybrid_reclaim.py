@@ -10,9 +10,11 @@ A Gemma-3-shaped random model (6 layers: 5 local of window 64 to 1 global;
 hidden 64, 4 query / 2 KV heads of 16, float32) serves 24 greedy requests
 (prompts 256-640 tokens, 32-64 new) with up to 16 sequences per step (`--max-num-seqs`), blocks
 of 16, on the KV memory of 160 blocks of every layer (2,560 tokens: about 4
-of the requests without reclamation). Reclamation on (`window_pool`: one
-pool per window, the same layer-blocks split by `pool_sizes`) against off
-(one pool, every block kept), `admission_headroom_steps=0`, each engine
+of the requests without reclamation). Reclamation on (`shared_pool`: one
+pool shared by the layer groups, 960 blocks of one layer; and, without
+`--prefix`, also `per_window`: `window_pool`'s pool per window, the same
+layer-blocks split by `pool_sizes`) against off (one pool, every block
+kept), `admission_headroom_steps=0`, each engine
 warmed up (and one untimed run of 4 requests: the first run paid ~5 s of
 one-off host costs in both modes), then interleaved runs (on, off, on, off, ...). Per mode: the
 median wall, output tokens/s, peak and mean running sequences, preemptions,
@@ -51,6 +53,7 @@ import numpy as np
 from benchmarks import common
 from paged_jax import hybrid_capacity
 from paged_jax.models.llama import model as model_lib
+from paged_jax.serving import window_pool
 from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.stats import Gauge
 
@@ -68,6 +71,18 @@ def _prefix_requests(rng, count, prefix_len):
   prefix = rng.integers(3, 500, size=prefix_len).tolist()
   return [(prefix + rng.integers(3, 500, size=int(rng.integers(64, 257))).tolist(),
            int(rng.integers(32, 65))) for _ in range(count)]
+
+
+def _per_window_engine(model, config) -> Engine:
+  """An engine of `config` with a KV pool per window: the layout
+  `window_pool.layout` picks only with prefix caching, forced here (for this
+  comparison only) by replacing the rule while the engine is built."""
+  rule = window_pool.layout
+  window_pool.layout = lambda config, pools: (False, "per window (benchmark)")
+  try:
+    return Engine(model, config)
+  finally:
+    window_pool.layout = rule
 
 
 class StepTrace:
@@ -113,6 +128,8 @@ def main():
                  "window) or mistral (every layer local, one pool)")
   p.add_argument("--admission-headroom-steps", type=int, default=0,
                  help="both engines' (0: sections 15b-15e, no block check at admission)")
+  p.add_argument("--num-blocks", type=int, default=NUM_BLOCKS,
+                 help="KV memory in blocks of every layer (160: sections 15b-15f)")
   p.add_argument("--max-tokens-per-step", type=int, default=0,
                  help="both engines' token budget (0: max(256, max_num_seqs))")
   args = p.parse_args()
@@ -130,20 +147,27 @@ def main():
     reqs = _requests(np.random.default_rng(0), count)
     warm, runs = reqs[:4], [reqs] * (1 if quick else args.repeats)
   reqs = runs[0]
-  base = dict(num_blocks=NUM_BLOCKS, block_size=BS, max_batch=args.max_num_seqs,
+  base = dict(num_blocks=args.num_blocks, block_size=BS, max_batch=args.max_num_seqs,
               max_tokens_per_step=args.max_tokens_per_step or max(256, args.max_num_seqs),
               max_model_len=704, admission_headroom_steps=args.admission_headroom_steps,
               min_bucket=16, bucket_midpoints=False, enable_prefix_caching=bool(args.prefix))
-  engines = {"on": Engine(model, EngineConfig(**base)),
-             "off": Engine(model, EngineConfig(**base, sliding_window_reclamation=False))}
+  engines = {"on": Engine(model, EngineConfig(**base))}
+  layer_blocks = {}
   if args.layers == "gemma3":
     assert engines["on"].reclamation.pools == (WINDOW, None)
-    pools = [s.num_blocks for s in engines["on"].block_state.states]
-    layer_blocks_on = 5 * pools[0] + pools[1]
+    if not args.prefix:  # shared by default (`window_pool.layout`); also per window
+      assert engines["on"].reclamation.layout == "shared"
+      engines["per_window"] = _per_window_engine(model, EngineConfig(**base))
+      layer_blocks["on"] = engines["on"].block_state.num_blocks  # blocks of G = 1 layer
+    pw = "per_window" if "per_window" in engines else "on"
+    pools = [s.num_blocks for s in engines[pw].block_state.states]
+    layer_blocks[pw] = 5 * pools[0] + pools[1]
   else:
     assert engines["on"].block_state.window == WINDOW
     pools = [engines["on"].block_state.num_blocks]
-    layer_blocks_on = 6 * pools[0]
+    layer_blocks["on"] = 6 * pools[0]
+  engines["off"] = Engine(model, EngineConfig(**base, sliding_window_reclamation=False))
+  layer_blocks["off"] = args.num_blocks * 6
   for k, e in engines.items():
     e.warmup()
     common.serve_timed(e, warm, f"warm-{k}")  # first-run costs outside the timed runs
@@ -169,10 +193,11 @@ def main():
                        hit_rate=round(counts[k]["prefix_hit_tokens"]
                                       / max(counts[k]["prefix_queried_tokens"], 1), 3))
       outputs[k] = outs
-    assert outputs["on"] == outputs["off"], "greedy outputs differ"
+    for k in engines:
+      assert outputs[k] == outputs["off"], f"greedy outputs differ ({k} vs off)"
   mean_len = int(np.mean([len(q) + n for q, n in reqs]))
   plan = hybrid_capacity.plan_hybrid(
-      kv_pool_bytes=NUM_BLOCKS * BS * hybrid_capacity.capacity.kv_head_token_bytes(
+      kv_pool_bytes=args.num_blocks * BS * hybrid_capacity.capacity.kv_head_token_bytes(
           "float32", cfg.head_dim) * 2 * cfg.num_kv_heads * cfg.num_layers,
       groups=hybrid_capacity.groups_from_windows([s.sliding_window for s in cfg.layer_specs]),
       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=BS,
@@ -181,8 +206,9 @@ def main():
                    if args.layers == "gemma3" else
                    "mistral-shaped tiny: 6 layers, all local w=64")
                   + ", hidden 64, 2 KV heads x 16, f32",
-         "requests": len(reqs), "config": base, "pools_on": pools,
-         "layer_blocks": {"on": layer_blocks_on, "off": NUM_BLOCKS * 6},
+         "requests": len(reqs), "config": base, "pools_per_window": pools,
+         "layout_on": engines["on"].reclamation.layout,
+         "layer_blocks": layer_blocks,
          "repeats": len(walls["on"]), "load_average": os.getloadavg(),
          "mean_request_len": mean_len,
          "ideal_ratio": plan.ratio, "ideal_max_seqs": [plan.max_seqs,
@@ -191,23 +217,28 @@ def main():
     med = statistics.median(walls[k])
     out[k] = {"wall_s": walls[k], "median_wall_s": med,
               "median_tokens_per_s": counts[k]["generated_tokens"] / med, **counts[k]}
-  out["tokens_per_s_ratio"] = out["on"]["median_tokens_per_s"] / out["off"]["median_tokens_per_s"]
-  out["mean_running_ratio"] = out["on"]["mean_running"] / out["off"]["mean_running"]
-  out["saturated_mean_running_ratio"] = (out["on"]["saturated_mean_running"]
-                                         / max(out["off"]["saturated_mean_running"], 1e-9))
-  for k in ("mean_running_ratio", "saturated_mean_running_ratio"):
-    out[k.replace("_ratio", "_pct_of_ideal")] = round(100 * out[k] / plan.ratio, 1)
+  for e in (k for k in engines if k != "off"):
+    sfx = "" if e == "on" else f"_{e}"
+    out["tokens_per_s_ratio" + sfx] = (out[e]["median_tokens_per_s"]
+                                       / out["off"]["median_tokens_per_s"])
+    out["mean_running_ratio" + sfx] = out[e]["mean_running"] / out["off"]["mean_running"]
+    out["saturated_mean_running_ratio" + sfx] = (
+        out[e]["saturated_mean_running"] / max(out["off"]["saturated_mean_running"], 1e-9))
+    for k in ("mean_running_ratio", "saturated_mean_running_ratio"):
+      out[k.replace("_ratio", "_pct_of_ideal") + sfx] = round(100 * out[k + sfx] / plan.ratio, 1)
+    print(f"{e} / off tokens/s:", round(out["tokens_per_s_ratio" + sfx], 3),
+          "mean running ratio:", round(out["mean_running_ratio" + sfx], 3),
+          "saturated:", round(out["saturated_mean_running_ratio" + sfx], 3),
+          "ideal:", round(plan.ratio, 3))
   out["prefix_tokens"] = args.prefix
   print({k: (round(out[k]["median_wall_s"], 2), counts[k]) for k in engines})
-  print("on / off tokens/s:", round(out["tokens_per_s_ratio"], 3),
-        "mean running ratio:", round(out["mean_running_ratio"], 3),
-        "saturated:", round(out["saturated_mean_running_ratio"], 3),
-        "ideal:", round(plan.ratio, 3), "load:", os.getloadavg())
+  print("load:", os.getloadavg())
   name = "hybrid_reclaim" + ("" if args.layers == "gemma3" else f"_{args.layers}") + ("" if args.max_num_seqs == 16 else f"_b{args.max_num_seqs}") + (
       "" if args.num_requests == 24 else f"_n{args.num_requests}") + (
       f"_prefix{args.prefix}" if args.prefix else "") + (
       f"_h{args.admission_headroom_steps}" if args.admission_headroom_steps else "") + (
-      f"_t{args.max_tokens_per_step}" if args.max_tokens_per_step else "")
+      f"_t{args.max_tokens_per_step}" if args.max_tokens_per_step else "") + (
+      "" if args.num_blocks == NUM_BLOCKS else f"_k{args.num_blocks}")
   print("wrote", common.write_json(args.out, name, out, quick=quick))
 
 

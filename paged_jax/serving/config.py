@@ -94,7 +94,8 @@ class EngineConfig:
       `running * steps / block_size` blocks; in a pool with a sliding
       window, where a sequence's blocks stop growing at its window, the
       blocks its sequences will hold and one step's growth before
-      reclamation: `window_pool.local_admission_room`); 0 checks no blocks at
+      reclamation: `window_pool.local_admission_room`; a hybrid model's
+      shared pool: `shared_pool.SharedHost.admission_room`); 0 checks no blocks at
       admission (rows and token budget only, the policy before #21: a
       refused reservation then takes the admission back or preempts). Fewer
       preemptions and recomputed tokens for slightly fewer sequences at once. Default 16, chosen by measurement (issue #21 note:

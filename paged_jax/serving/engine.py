@@ -165,7 +165,7 @@ class Engine:
                       max_blocks_per_seq=blocks_per_seq,
                       prefix_caching=config.enable_prefix_caching,
                       window=self.reclamation.window)
-    if self.reclamation.pools is not None:  # hybrid: a pool per window
+    if self.reclamation.pools is not None:  # hybrid: shared, or a pool per window
       self.reclamation, pooled = window_pool.plan(
           config, model.config, self.reclamation, max_model_len=max_len,
           max_seqs=self.max_seqs, max_blocks_per_seq=blocks_per_seq)
@@ -231,7 +231,8 @@ class Engine:
   @property
   def block_state(self):
     """The `BlockState` (on a mesh: the data shards' states, stacked; a
-    hybrid model's pools: a `pooled_step.PooledState`)."""
+    hybrid model's pools: a `pooled_step.PooledState`, or its shared pool:
+    a `shared_pool.SharedState`)."""
     if self.mesh is None:  # the one pool of the 1x1 mesh, without its axis
       return self._runner.pool_state
     return self._runner.state

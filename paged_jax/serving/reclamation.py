@@ -28,10 +28,13 @@ Not supported, and why:
   step does);
 * a mesh: the sharded step runs its own bookkeeping.
 
-Hybrid models (Gemma 2, Gemma 3: local and global layers) get one pool per
-distinct window (`window_pool.py`, `pooled_step.py`): global layers keep
-every block in theirs, local layers reclaim in theirs. Reclamation off, they
-share one pool, every block kept.
+Hybrid models (Gemma 2, Gemma 3: local and global layers) get one pool
+shared by every layer group (`shared_pool.py`, vLLM's layout: a block table
+per sub-group of layers, one free list), or, with prefix caching or several
+local windows, one pool per distinct window (`window_pool.py`,
+`pooled_step.py`); `window_pool.layout` is the rule, logged with the
+decision. Global layers keep every block, local layers reclaim. Reclamation
+off, every layer shares one pool, every block kept.
 
 `--disable-sliding-window` (vLLM's flag; `LlamaConfig.disable_sliding_window`,
 `Llama.without_sliding_window`) is another thing: the model itself runs
@@ -59,10 +62,14 @@ class Reclamation:
     pools: a hybrid model's pool per distinct window (`pooled.pool_windows`
       order, None = global), or None (one pool).
     reason: why it is off ("" when on).
+    layout: for `pools`, "shared" (one pool for every layer group,
+      `shared_pool`) or why each window has its own pool
+      (`window_pool.layout`); "" until the pools are planned.
   """
   window: int | None
   reason: str = ""
   pools: tuple | None = None
+  layout: str = ""
 
   @property
   def on(self) -> bool:
@@ -71,9 +78,13 @@ class Reclamation:
   def describe(self) -> str:
     if self.window is not None:
       return f"sliding-window reclamation on (window {self.window} tokens)"
+    if self.pools is not None and self.layout == "shared":
+      return (f"sliding-window reclamation on (one KV pool shared by the "
+              f"layer groups {self.pools})")
     if self.pools is not None:
+      why = f"; {self.layout}" if self.layout else ""
       return (f"sliding-window reclamation on (a KV pool per window: "
-              f"{self.pools})")
+              f"{self.pools}{why})")
     return f"sliding-window reclamation off: {self.reason}"
 
 
@@ -198,7 +209,8 @@ def decide(config, model_config, mesh=None) -> Reclamation:
       log(decision)  # a window model served without it
     return decision
   decision = Reclamation(window, pools=pools)
-  log(decision)
+  if pools is None:  # (a hybrid model's is logged with its layout: `window_pool.plan`)
+    log(decision)
   return decision
 
 

@@ -34,6 +34,7 @@ from paged_jax import kv_cache as kv_cache_lib
 from paged_jax import sharding
 from paged_jax.serving import compiler
 from paged_jax.serving import pooled_step
+from paged_jax.serving import shared_pool
 from paged_jax.serving import window_pool
 from paged_jax.serving import slot_state as slot_state_lib
 from paged_jax.serving import step as step_lib
@@ -53,6 +54,8 @@ _swap_step = step_lib.on_one_pool(swap_step.device_step, args=(3, 5, 6, 7),
                                   outs=(1, 3, 4))
 _pooled_step = step_lib.on_one_pool(pooled_step.device_step, args=(3, 4, 5, 6),
                                     outs=(1, 2, 3))  # a hybrid model's pools
+_shared_step = step_lib.on_one_pool(shared_pool.device_step, args=(3, 4, 5, 6),
+                                    outs=(1, 2, 3))  # its one shared pool
 
 
 def _bookkeeping_step(states, x, *, mesh, num_logprobs):
@@ -64,11 +67,11 @@ def _bookkeeping_step(states, x, *, mesh, num_logprobs):
 _bookkeeping_jit = jax.jit(out_pack.packs(_bookkeeping_step, per_pool=True),
                            donate_argnums=(0,),
                            static_argnames=("mesh", "num_logprobs"))
-_pooled_bookkeeping_jit = jax.jit(
-    out_pack.packs(step_lib.on_one_pool(pooled_step.bookkeeping_step,
-                                        args=(0, 1), outs=(0, 1)),
+_pooled_bookkeeping_jit, _shared_bookkeeping_jit = (jax.jit(
+    out_pack.packs(step_lib.on_one_pool(fn, args=(0, 1), outs=(0, 1)),
                    per_pool=True),
     donate_argnums=(0,), static_argnames=("num_logprobs",))
+    for fn in (pooled_step.bookkeeping_step, shared_pool.bookkeeping_step))
 
 
 def _shapes(xs) -> tuple:
@@ -97,7 +100,8 @@ class Runner(MultiStepPrograms):
     initial_state: one pool's initial block state, every data shard's
       (`BlockState`, its `window` for reclamation, or on one device a
       hybrid model's `pooled_step.PooledState`: one cache per pool, the
-      pooled step); default an empty plain pool.
+      pooled step; or its `shared_pool.SharedState`: one cache of `G`
+      layers, the shared step); default an empty plain pool.
   """
 
   def __init__(self, model, config, *, blocks_per_seq: int, max_seqs: int,
@@ -138,6 +142,8 @@ class Runner(MultiStepPrograms):
                                     out_shardings=self._x_sharding)
     if self._pooled():
       self._step_fn, self._donate = _pooled_step, _DONATE
+    elif self._shared():
+      self._step_fn, self._donate = _shared_step, _DONATE
     else:
       self._step_fn, self._donate = functools.partial(
           device_step, mesh=self.mesh), _DONATE
@@ -185,6 +191,10 @@ class Runner(MultiStepPrograms):
       make = lambda: window_pool.make_caches(  # noqa: E731
           model.config, [s.num_blocks for s in self.state.states],
           block_size=config.block_size, dtype=config.cache_dtype)
+    elif self._shared():
+      make = lambda: shared_pool.make_cache(  # noqa: E731
+          model.config, self.state.num_blocks, block_size=config.block_size,
+          dtype=config.cache_dtype)
     else:
       make = lambda: model.make_cache(  # noqa: E731
           data * config.num_blocks, config.block_size, config.cache_dtype)
@@ -237,6 +247,11 @@ class Runner(MultiStepPrograms):
   def _pooled(self) -> bool:
     """A hybrid model's pool per window (`pooled_step.PooledState`)."""
     return isinstance(self.state, pooled_step.PooledState)
+
+  def _shared(self) -> bool:
+    """A hybrid model's one pool for every layer group
+    (`shared_pool.SharedState`)."""
+    return isinstance(self.state, shared_pool.SharedState)
 
   def _donated_names(self) -> tuple[str, ...]:
     """The arrays donated to every step, in the step's argument order (then
@@ -459,9 +474,9 @@ class Runner(MultiStepPrograms):
 
   def _bookkeeping_lowerer(self, xs: list[StepInputs]):
     specs, state = self._specs(xs), self.arg_spec("state")
-    if self._pooled():
-      return lambda: _pooled_bookkeeping_jit.lower(
-          state, specs, num_logprobs=self.num_logprobs)
+    if self._pooled() or self._shared():
+      jitted = _pooled_bookkeeping_jit if self._pooled() else _shared_bookkeeping_jit
+      return lambda: jitted.lower(state, specs, num_logprobs=self.num_logprobs)
     return lambda: _bookkeeping_jit.lower(
         state, specs, mesh=self.mesh, num_logprobs=self.num_logprobs)
 

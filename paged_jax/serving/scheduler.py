@@ -46,6 +46,7 @@ import numpy as np
 
 from paged_jax import block_manager as bm
 from paged_jax import prefix_cache
+from paged_jax.serving import shared_pool
 from paged_jax.serving import window_pool
 from paged_jax.serving.admission import (  # pylint: disable=unused-import
     limits_rejection, request_rejection, size_rejection, vocab_rejection)
@@ -344,11 +345,16 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     # every block: `admission_headroom_steps` decode steps beyond this one (a
     # block per `bs` steps each); a windowed one: `local_admission_room`.
     check = bool(c.admission_headroom_steps and running and not c.static_batching)
-    pools = window_pool.host_pools(self._pool) if check else []
+    shared = check and isinstance(self._pool, shared_pool.SharedHost)
+    pools = window_pool.host_pools(self._pool) if check and not shared else []
     windowed = [p for p in pools if p.window is not None]
     rooms = window_pool.local_admission_room(
         windowed, running, rows=len(plan), block_size=bs,
         max_tokens_per_step=c.max_tokens_per_step) if windowed else []
+    if shared:  # one pool for every layer group: one room, a prompt's cost summed
+      rooms = [self._pool.admission_room(
+          running, rows=len(plan), max_tokens_per_step=c.max_tokens_per_step,
+          headroom_steps=c.admission_headroom_steps)]
     full = [p for p in pools if p.window is None]
     free = min(p.num_available for p in full) - growth if full else 0
     headroom = -(-len(plan) * c.admission_headroom_steps // bs)
@@ -368,7 +374,8 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
       if n <= 0 and not c.static_batching:
         break
       need = -(-n // bs)  # before a prefix-cache hit (a heuristic: `_fit` is exact)
-      costs = [window_pool.held_blocks(p.window, len(seq.tokens), bs) for p in windowed]
+      costs = ([self._pool.held(len(seq.tokens))] if shared else
+               [window_pool.held_blocks(p.window, len(seq.tokens), bs) for p in windowed])
       if check and ((full and need > free - headroom)
                     or any(k > r for k, r in zip(costs, rooms))):
         self.stats.deferred_admissions += 1

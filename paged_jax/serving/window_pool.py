@@ -3,8 +3,10 @@
 A hybrid model (Gemma 2, Gemma 3) has global layers, which keep every block
 of a sequence, and local layers of window `w`, which after reclamation keep
 at most `ceil(w / bs) + 1` (`window_reclaim`). Reclaiming frees memory only
-if a local layer's blocks hold that layer's K/V alone, so the engine gives
-each distinct window its own pool: a `BlockState` (`pooled_step.
+if a local layer's blocks hold that layer's K/V alone. By default the
+engine shares one pool between the layer groups (`shared_pool`); with
+prefix caching, or several local windows, it gives each distinct window its
+own pool (`layout` is the rule): a `BlockState` (`pooled_step.
 PooledState`), a `KVCache` of that group's layers and, on the host, a
 `HostPool` (`PooledHost` holds them). Every sequence lives in every pool at
 the same length; a step's entry is served only if every pool grants it.
@@ -32,6 +34,7 @@ from paged_jax import window_reclaim
 from paged_jax.models.llama import pooled as pooled_model
 from paged_jax.serving import pooled_step
 from paged_jax.serving import reclamation
+from paged_jax.serving import shared_pool
 from paged_jax.serving.host_pool import HostPool
 
 
@@ -69,28 +72,81 @@ def pool_sizes(num_blocks: int, layer_windows, *, block_size: int,
   return sizes
 
 
-def plan(config, model_config, decision, *, max_model_len: int, max_seqs: int,
-         max_blocks_per_seq: int):
-  """`(decision, PooledState | None)`: the empty pools of a hybrid model
-  (`decision.pools`), sized by `pool_sizes`. Where they cannot hold one
-  sequence, with `sliding_window_reclamation` None (auto) the decision
-  becomes off (logged, the reason kept) and the state None.
+def layout(config, pools: tuple) -> tuple[bool, str]:
+  """`(shared, why)`: the one rule that picks a hybrid model's KV layout.
+  Shared (`shared_pool`: one pool, every layer group's sub-groups drawing
+  from it, vLLM's layout) unless prefix caching is on (its hits are
+  anchored on a global pool's blocks with links into the local pools,
+  `pooled_step`'s "Prefix caching", not built for the shared pool) or the
+  model has several local windows (the shared pool reclaims for one); then
+  a pool per window (this module), `why` saying which."""
+  if config.enable_prefix_caching:
+    return False, ("prefix caching: hits are anchored on the global pool "
+                   "with links into each window's pool")
+  if len({w for w in pools if w is not None}) > 1:
+    return False, f"several local windows {pools}: the shared pool reclaims for one"
+  return True, ""
+
+
+def shared_size(num_blocks: int, layer_windows, *, block_size: int,
+                max_model_len: int, max_tokens_per_step: int) -> int:
+  """Blocks of the shared pool (`shared_pool`) in the memory of `num_blocks`
+  blocks of every layer: `num_blocks * num_layers / G` blocks of `G` layers.
 
   Raises:
-    ValueError: from `pool_sizes`, with `sliding_window_reclamation=True`.
+    ValueError: if it could not hold one sequence of `max_model_len` tokens.
   """
+  layer_windows = list(layer_windows)
+  g, subs, _, _ = pooled_model.sub_groups(layer_windows)
+  size = num_blocks * len(layer_windows) // g
+  need = sum(window_reclaim.blocks_needed(max_model_len, block_size, w,
+                                          max_tokens_per_step) for w in subs)
+  if size < need:
+    raise ValueError(
+        f"num_blocks={num_blocks} gives the shared pool {size} blocks of {g} "
+        f"layers, less than one sequence of max_model_len={max_model_len} "
+        f"tokens needs in its {len(subs)} sub-groups ({need}); give more "
+        "blocks or sliding_window_reclamation=False")
+  return size
+
+
+def plan(config, model_config, decision, *, max_model_len: int, max_seqs: int,
+         max_blocks_per_seq: int):
+  """`(decision, state | None)`: the empty KV pool(s) of a hybrid model
+  (`decision.pools`): one shared pool (`shared_pool.SharedState`, sized by
+  `shared_size`) or a pool per window (`pooled_step.PooledState`, sized by
+  `pool_sizes`), chosen by `layout` and logged with the reason. Where they
+  cannot hold one sequence, with `sliding_window_reclamation` None (auto)
+  the decision becomes off (logged, the reason kept) and the state None.
+
+  Raises:
+    ValueError: from the sizing, with `sliding_window_reclamation=True`.
+  """
+  windows = [s.sliding_window for s in model_config.layer_specs]
+  shared, why = layout(config, decision.pools)
   try:
-    sizes = pool_sizes(
-        config.num_blocks, [s.sliding_window for s in model_config.layer_specs],
-        block_size=config.block_size, max_model_len=max_model_len,
-        max_tokens_per_step=config.max_tokens_per_step,
-        deferred=config.enable_prefix_caching)
+    if shared:
+      size = shared_size(config.num_blocks, windows, block_size=config.block_size,
+                         max_model_len=max_model_len,
+                         max_tokens_per_step=config.max_tokens_per_step)
+    else:
+      sizes = pool_sizes(
+          config.num_blocks, windows, block_size=config.block_size,
+          max_model_len=max_model_len,
+          max_tokens_per_step=config.max_tokens_per_step,
+          deferred=config.enable_prefix_caching)
   except ValueError as e:
     if config.sliding_window_reclamation:
       raise
     decision = reclamation.Reclamation(None, str(e))
     reclamation.log(decision)
     return decision, None
+  decision = dataclasses.replace(decision, layout="shared" if shared else why)
+  reclamation.log(decision)
+  if shared:
+    return decision, shared_pool.init(
+        size, pooled_model.sub_groups(windows)[1], block_size=config.block_size,
+        max_seqs=max_seqs, max_blocks_per_seq=max_blocks_per_seq)
   return decision, pooled_step.init(
       sizes, decision.pools, block_size=config.block_size, max_seqs=max_seqs,
       max_blocks_per_seq=max_blocks_per_seq,
@@ -289,10 +345,13 @@ class PooledHost:
 
 
 def host_model(state):
-  """The scheduler's model of the device pools: a `HostPool`, or a
-  `PooledHost` for a `pooled_step.PooledState`."""
+  """The scheduler's model of the device pools: a `HostPool`, a
+  `PooledHost` for a `pooled_step.PooledState`, a `shared_pool.SharedHost`
+  for a `shared_pool.SharedState`."""
   if isinstance(state, pooled_step.PooledState):
     return PooledHost(state)
+  if isinstance(state, shared_pool.SharedState):
+    return shared_pool.SharedHost(state)
   return HostPool(state)
 
 
@@ -302,7 +361,12 @@ def pool_needs(pool, total: int, beam_width: int, config) -> list[tuple[int, int
   whole, so all beams must fit together (at worst each beam owns all its
   blocks; retired beams are released before the next forks and
   reservations); with a window, what reclamation lets a sequence hold
-  (`window_reclaim.blocks_needed`)."""
+  (`window_reclaim.blocks_needed`); the shared pool: summed over its
+  sub-groups."""
+  if isinstance(pool, shared_pool.SharedHost):
+    return [(beam_width * sum(window_reclaim.blocks_needed(
+        total, config.block_size, w, config.max_tokens_per_step)
+                              for w in pool.windows), pool.num_blocks)]
   return [(beam_width * window_reclaim.blocks_needed(
       total, config.block_size, p.window, config.max_tokens_per_step,
       deferred=p.caching), p.num_blocks)

@@ -27,6 +27,8 @@ from paged_jax.speculative import SpeculativeConfig
 from tests.examples.conftest import (assert_mirror_is_the_device_state,
                                      random_requests)
 from paged_jax.serving import pooled_step
+from paged_jax.serving import shared_pool
+from paged_jax.serving import window_pool
 from paged_jax.serving import prefix as prefix_lib
 from tests.examples.test_prefix_engine import _poison, _poison_unowned_blocks
 
@@ -54,23 +56,42 @@ def _engine(model, num_blocks, **kw) -> Engine:
   return Engine(model, EngineConfig(num_blocks=num_blocks, **{**SIZES, **kw}))
 
 
+def _per_window_engine(model, num_blocks, **kw) -> Engine:
+  """A hybrid model's engine with a pool per window: `window_pool.layout`
+  picks it only with prefix caching; replaced here while it is built."""
+  rule = window_pool.layout
+  window_pool.layout = lambda config, pools: (False, "per window (test)")
+  try:
+    return _engine(model, num_blocks, **kw)
+  finally:
+    window_pool.layout = rule
+
+
 def _requests(seed=0, count=8):
   return random_requests(seed, count, prompt=(30, 61), new=(6, 20))
 
 
 def _states(engine) -> list:
-  """The engine's block states: one, or one per pool."""
+  """The engine's block states: one, one per pool, or the shared pool's."""
   state = engine.block_state
+  if isinstance(state, shared_pool.SharedState):
+    return [state.state]
   return list(state.states) if isinstance(state, pooled_step.PooledState) else [state]
 
 
+def _views(engine) -> list:
+  """Per local pool or local sub-group its `BlockState` (its rows)."""
+  state = engine.block_state
+  if isinstance(state, shared_pool.SharedState):
+    return [state.view(k) for k, w in enumerate(state.windows) if w is not None]
+  return [s for s in _states(engine) if s.window is not None]
+
+
 def _held(engine) -> np.ndarray:
-  """Blocks each sequence slot holds in each local pool (reclaimed entries
-  excluded), `[local pools, max_seqs]`."""
+  """Blocks each sequence slot holds in each local pool or sub-group
+  (reclaimed entries excluded), `[local pools, max_seqs]`."""
   out = []
-  for state in _states(engine):
-    if state.window is None:
-      continue
+  for state in _views(engine):
     tables, lens = np.asarray(state.block_tables), np.asarray(state.seq_lens)
     inside = np.arange(tables.shape[1])[None, :] < -(-lens // BS)[:, None]
     out.append(np.sum(inside & (tables >= 0), axis=1))
@@ -79,10 +100,14 @@ def _held(engine) -> np.ndarray:
 
 def _poison_free_blocks(engine):
   """Every block no sequence holds, in every pool, all NaN."""
-  if not isinstance(engine.block_state, pooled_step.PooledState):
+  if not isinstance(engine.block_state, (pooled_step.PooledState,
+                                         shared_pool.SharedState)):
     _poison_unowned_blocks(engine)
     return
   runner = engine._runner  # pylint: disable=protected-access
+  if isinstance(engine.block_state, shared_pool.SharedState):
+    runner.cache = _poison(runner.cache, np.asarray(engine.block_state.state.refcounts) == 0)
+    return
   runner.cache = tuple(_poison(c, np.asarray(s.refcounts) == 0)
                        for c, s in zip(runner.cache, engine.block_state.states))
 
@@ -137,8 +162,8 @@ def test_reclamation_gives_the_outputs_of_keeping_every_block(
   want = _run(keep, requests, checked=False)
   chex.clear_trace_counter()
   # 8 sequences of up to 80 tokens would need 160 blocks without
-  # reclamation; with it, ~4 each in a local pool (Gemma 3: the global
-  # pool, 1 layer in 6, gets most of the 40 blocks' memory).
+  # reclamation; with it, ~4 each in a local pool or sub-group (Gemma 3:
+  # one pool of 240 one-layer blocks shared by its six layers).
   pool = 24 if kind == "mistral" else 40
   small = _engine(model, pool, check_traces=True,
                   admission_headroom_steps=0, async_scheduling=async_scheduling)
@@ -146,9 +171,15 @@ def test_reclamation_gives_the_outputs_of_keeping_every_block(
     assert small.reclamation.window == WINDOW
   else:
     assert small.reclamation.pools == (WINDOW, None)
-    # Same KV bytes: 40 blocks x 6 layers = 5 local layers x 26 + 1 x 105.
-    assert [s.num_blocks for s in small.block_state.states] == [26, 105]
+    assert small.reclamation.layout == "shared"
+    # Same KV bytes: 40 blocks x 6 layers = one pool of 240 blocks of 1 layer.
+    assert small.block_state.num_blocks == 240
+    assert small.cache.num_layers == 1
   assert _run(small, requests, checked=True) == want
+  if kind == "gemma3":  # the same memory as a pool per window: the same outputs
+    per_window = _per_window_engine(model, pool, admission_headroom_steps=0)
+    assert isinstance(per_window.block_state, pooled_step.PooledState)
+    assert _run(per_window, requests, checked=False) == want
   assert small.stats.preemptions == 0
   assert small.stats.running.peak == 4  # max_batch: the pool was no limit
   assert _all_free(small)  # every block back in every pool
@@ -173,6 +204,24 @@ def test_reclamation_gives_the_outputs_of_keeping_every_block(
                 sliding_window_reclamation=False)
   assert _run(off, requests, checked=False) == want
   assert off.stats.preemptions > 0
+
+
+@pytest.mark.slow  # (its own step programs; the 5:1 model runs G = 1 above)
+def test_shared_pool_with_sub_groups_of_two_layers():
+  """Gemma 2's alternating pattern over 4 layers: sub-groups of G = 2 layers
+  (a cache of 2 layers, read at a traced layer index), checked every step;
+  the outputs of keeping every block."""
+  model = model_lib.init_model(model_lib.LlamaConfig.tiny(
+      num_layers=4, sliding_window=WINDOW,
+      layer_types=("sliding_attention", "full_attention") * 2), seed=5)
+  requests = _requests()
+  want = _run(_engine(model, 256, sliding_window_reclamation=False), requests,
+              checked=False)
+  on = _engine(model, 40, admission_headroom_steps=0)
+  assert on.block_state.windows == (WINDOW, None) and on.cache.num_layers == 2
+  assert on.block_state.num_blocks == 80  # 40 blocks x 4 layers / 2
+  assert _run(on, requests, checked=True) == want
+  assert _all_free(on)
 
 
 # The hybrid under preemption is also test_prefix_caching_with_reclamation
@@ -237,12 +286,12 @@ def test_auto_is_off_without_windows_and_on_with_them(model, gemma3, mistral,
     assert _engine(mistral, 64).block_state.window == WINDOW
     hybrid = _engine(gemma3, 64)
   assert hybrid.reclamation.pools == (WINDOW, None)
-  assert hybrid.block_state.windows == (WINDOW, None)
-  assert ("sliding-window reclamation on (a KV pool per window: (10, None))"
-          in caplog.text)
-  # Pools that cannot hold one sequence: auto falls back, True refuses.
-  why = (r"num_blocks=8 split over the windows' pools gives the window-10 pool "
-         r"7 blocks, less than one sequence of max_model_len=96 tokens needs \(8\)")
+  assert hybrid.block_state.windows == (WINDOW,) * 5 + (None,)  # sub-groups
+  assert ("sliding-window reclamation on (one KV pool shared by the layer "
+          "groups (10, None))" in caplog.text)
+  # A pool that cannot hold one sequence: auto falls back, True refuses.
+  why = (r"num_blocks=8 gives the shared pool 48 blocks of 1 layers, less than "
+         r"one sequence of max_model_len=96 tokens needs in its 6 sub-groups \(64\)")
   with caplog.at_level(logging.INFO, logger="paged_jax.serving"):
     fallback = _engine(gemma3, 8)
   assert not fallback.reclamation.on
@@ -250,6 +299,19 @@ def test_auto_is_off_without_windows_and_on_with_them(model, gemma3, mistral,
   assert re.search("sliding-window reclamation off: " + why, caplog.text)
   with pytest.raises(ValueError, match=why):
     _engine(gemma3, 8, sliding_window_reclamation=True)
+
+
+def test_prefix_caching_keeps_a_pool_per_window_and_says_why(gemma3, caplog):
+  """`window_pool.layout`, the one rule: the shared pool unless prefix
+  caching (its hits are anchored on a global pool with links into each
+  window's); the reason in the decision and its log line."""
+  with caplog.at_level(logging.INFO, logger="paged_jax.serving"):
+    cached = _engine(gemma3, 64, enable_prefix_caching=True)
+  assert isinstance(cached.block_state, pooled_step.PooledState)
+  assert cached.reclamation.layout.startswith("prefix caching")
+  assert ("sliding-window reclamation on (a KV pool per window: (10, None); "
+          "prefix caching: hits are anchored" in caplog.text)
+  assert isinstance(_engine(gemma3, 64).block_state, shared_pool.SharedState)
 
 
 def _shared_prefix_requests(seed=2, count=10):

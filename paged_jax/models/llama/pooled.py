@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,6 +45,27 @@ def layer_pools(windows: Sequence[int | None]) -> tuple[tuple[int, ...], tuple[i
     index.append(seen[g])
     seen[g] += 1
   return tuple(pool_of), tuple(index)
+
+
+def sub_groups(layer_windows) -> tuple[int, tuple, tuple, tuple]:
+  """`(G, windows, sub_of, index_of)`: layers per sub-group; per sub-group
+  its window (groups in first-appearance order, each split into runs of `G`
+  of its layers in layer order); per layer its sub-group and its layer
+  index in that sub-group's `G`."""
+  layer_windows = list(layer_windows)
+  order = pool_windows(layer_windows)
+  counts = [layer_windows.count(w) for w in order]
+  g = math.gcd(*counts)
+  first = np.cumsum([0] + [c // g for c in counts])[:-1]
+  windows = tuple(w for w, c in zip(order, counts) for _ in range(c // g))
+  seen = [0] * len(order)
+  sub_of, index_of = [], []
+  for w in layer_windows:
+    o = order.index(w)
+    sub_of.append(int(first[o]) + seen[o] // g)
+    index_of.append(seen[o] % g)
+    seen[o] += 1
+  return g, windows, tuple(sub_of), tuple(index_of)
 
 
 def paged_forward_pooled(model, tokens: jax.Array,
@@ -86,3 +109,48 @@ def paged_forward_pooled(model, tokens: jax.Array,
            tuple(tuple(getattr(c, n) for n in names) for c in caches))
   x, arrays = model._run_layers(body, carry)  # pylint: disable=protected-access
   return x, tuple(c.replace(**dict(zip(names, a))) for c, a in zip(caches, arrays))
+
+
+def paged_forward_shared(model, tokens: jax.Array,
+                         metas: Sequence[step_metadata.StepMetadata],
+                         cache: kv_cache_lib.KVCache):
+  """`model.paged_forward` over one pool shared by every layer group
+  (`paged_jax.serving.shared_pool`): layer `i` writes and reads the cache's
+  layer `index_of[i]` through sub-group `sub_of[i]`'s metadata
+  (`sub_groups`; looked up with the scan's traced layer index).
+
+  Args:
+    model: a `Llama`.
+    tokens: `i32[num_tokens]`, the step's ragged layout.
+    metas: per sub-group its `StepMetadata` (same shapes; its own slots and
+      block tables).
+    cache: the `KVCache` of `G` layers (a block holds one sub-group's).
+
+  Returns:
+    `(hidden [num_tokens, hidden_size], cache)`.
+
+  Raises:
+    ValueError: if the cache or the metadata do not match the sub-groups.
+  """
+  windows = [s.sliding_window for s in model.config.layer_specs]
+  g, subs, sub_of, index_of = sub_groups(windows)
+  if cache.num_layers != g or len(metas) != len(subs):
+    raise ValueError(f"expected a cache of {g} layers and {len(subs)} metadata "
+                     f"(sub-groups {subs}), got {cache.num_layers} layers and "
+                     f"{len(metas)}")
+  for m in metas:
+    kv_cache_lib.check_compatible(cache, m)
+  names = [n for n in _CACHE_FIELDS if getattr(cache, n) is not None]
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *metas)
+  sub_table = jnp.asarray(np.asarray(sub_of, np.int32))
+  index_table = jnp.asarray(np.asarray(index_of, np.int32))
+
+  def body(carry, layer, spec, i):
+    x, arrays = carry
+    meta = jax.tree.map(lambda a: a[sub_table[i]], stacked)
+    x, pages = layer(x, meta, dict(zip(names, arrays)), index_table[i], spec)
+    return x, tuple(pages[n] for n in names)
+
+  carry = (model.embed(tokens), tuple(getattr(cache, n) for n in names))
+  x, arrays = model._run_layers(body, carry)  # pylint: disable=protected-access
+  return x, cache.replace(**dict(zip(names, arrays)))
