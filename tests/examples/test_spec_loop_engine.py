@@ -15,7 +15,7 @@ from paged_jax.serving import compiler, spec_loop_host
 from paged_jax.serving.engine import Engine, EngineConfig
 from paged_jax.serving.requests import Request
 from paged_jax.serving.sampling import SamplingParams
-from tests.examples.conftest import (BIG_POOL, SIZES, assert_pool_empty,
+from tests.examples.conftest import (BIG_POOL, SIZES, SMALL_POOL, assert_pool_empty,
                                      count_lowerings, make_engine, random_requests)
 from tests.examples.test_spec_prefix_engine import _assert_every_block_returns
 from tests.examples.test_spec_engine import (ADAPTIVE, SAMPLED, SPEC, _copying, _run,
@@ -83,10 +83,10 @@ def test_prefix_caching_keeps_the_outputs_and_the_hits(model):
 
   def waves(engine):
     return {**_run(engine, requests[:1]), **_run(engine, requests[1:])}
-  plain = make_engine(model, enable_prefix_caching=True)
+  plain = make_engine(model, SMALL_POOL + 8, enable_prefix_caching=True)
   want = waves(plain)
-  engine = make_engine(model, enable_prefix_caching=True, speculative_config=SPEC,
-                       num_scheduler_steps=4)
+  engine = make_engine(model, SMALL_POOL + 8, enable_prefix_caching=True,
+                       speculative_config=SPEC, num_scheduler_steps=4)
   assert waves(engine) == want
   assert engine.stats.multisteps > 0 and engine.stats.spec_accepted > 0
   assert engine.stats.prefix_hit_tokens == plain.stats.prefix_hit_tokens > 0

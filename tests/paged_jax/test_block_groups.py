@@ -34,6 +34,14 @@ def _ids(xs):
   return np.asarray(xs, np.int64).astype(np.int32) if xs else np.zeros(0, np.int32)
 
 
+def _padded(xs, size, pad):
+  """A non-empty batch `xs` padded with `pad` (a request on slot -1, which
+  fails and changes nothing) to `size` entries: the ops compile for two
+  batch shapes (empty, whose path is static, and `size`), not one per length.
+  The tests check the padding's results too."""
+  return xs + [pad] * (size - len(xs)) if xs else xs
+
+
 def _cut(w, length):
   return 0 if w is None else max(length - w + 1, 0) // BLOCK_SIZE
 
@@ -84,8 +92,10 @@ class GroupsMachine(RuleBasedStateMachine):
                                 st.integers(-1, 9)), max_size=4))
   def reserve(self, reqs):
     m = self.model
-    self.state, res = _reserve(self.state, _ids([r[0] for r in reqs]),
-                               _ids([r[1] for r in reqs]))
+    batch = _padded(reqs, 4, (-1, 0))
+    self.state, res = _reserve(self.state, _ids([r[0] for r in batch]),
+                               _ids([r[1] for r in batch]))
+    assert not np.asarray(res.ok)[len(reqs):].any()
     tables = np.asarray(self.state.block_tables)
     seen, valid = set(), []
     for sid, n in reqs:  # reclamation first, for every valid live request
@@ -125,7 +135,9 @@ class GroupsMachine(RuleBasedStateMachine):
 
   @rule(ids=st.lists(st.integers(-1, MAX_SEQS), max_size=3))
   def release(self, ids):
-    self.state, ok = _release(self.state, _ids(ids))
+    self.state, ok = _release(self.state, _ids(_padded(ids, 3, -1)))
+    assert not np.asarray(ok)[len(ids):].any()
+    ok = ok[:len(ids)]
     m, seen, want = self.model, set(), []
     for s in ids:
       want.append(_valid(s) and m.lens[s] > 0 and s not in seen)
@@ -139,8 +151,11 @@ class GroupsMachine(RuleBasedStateMachine):
   @rule(pairs=st.lists(st.tuples(st.integers(-1, MAX_SEQS),
                                  st.integers(-1, MAX_SEQS)), max_size=3))
   def fork(self, pairs):
-    self.state, ok = _fork(self.state, _ids([p for p, _ in pairs]),
-                           _ids([c for _, c in pairs]))
+    batch = _padded(pairs, 3, (-1, -1))
+    self.state, ok = _fork(self.state, _ids([p for p, _ in batch]),
+                           _ids([c for _, c in batch]))
+    assert not np.asarray(ok)[len(pairs):].any()
+    ok = ok[:len(pairs)]
     m, children, want = self.model, set(), []
     lens = list(m.lens)
     for p, c in pairs:
@@ -156,7 +171,9 @@ class GroupsMachine(RuleBasedStateMachine):
 
   @rule(ids=st.lists(st.integers(-1, MAX_SEQS), max_size=3))
   def reclaim(self, ids):
-    self.state, ok = _reclaim(self.state, _ids(ids))
+    self.state, ok = _reclaim(self.state, _ids(_padded(ids, 3, -1)))
+    assert not np.asarray(ok)[len(ids):].any()
+    ok = ok[:len(ids)]
     m, seen, want = self.model, set(), []
     for s in ids:
       want.append(_valid(s) and m.lens[s] > 0 and s not in seen)
@@ -173,8 +190,11 @@ class GroupsMachine(RuleBasedStateMachine):
   @rule(reqs=st.lists(st.tuples(st.integers(-1, MAX_SEQS),
                                 st.integers(-1, WIDTH * BLOCK_SIZE)), max_size=3))
   def truncate(self, reqs):
-    self.state, ok = _truncate(self.state, _ids([r[0] for r in reqs]),
-                               _ids([r[1] for r in reqs]))
+    batch = _padded(reqs, 3, (-1, 0))
+    self.state, ok = _truncate(self.state, _ids([r[0] for r in batch]),
+                               _ids([r[1] for r in batch]))
+    assert not np.asarray(ok)[len(reqs):].any()
+    ok = ok[:len(reqs)]
     m, seen, want = self.model, set(), []
     for s, n in reqs:
       w = (_valid(s) and m.lens[s] > 0 and 0 <= n <= m.lens[s]
@@ -198,8 +218,11 @@ class GroupsMachine(RuleBasedStateMachine):
   def slot_mapping(self, g, tokens):
     # Writes go only to a block the sequence holds alone in that group:
     # never to a reclaimed column, a shared block or past seq_lens.
-    slots = _slot_mapping(self.state, g, _ids([t[0] for t in tokens]),
-                          _ids([t[1] for t in tokens]))
+    batch = _padded(tokens, 4, (-1, 0))
+    slots = _slot_mapping(self.state, g, _ids([t[0] for t in batch]),
+                          _ids([t[1] for t in batch]))
+    assert np.all(np.asarray(slots)[len(tokens):] == -1)
+    slots = slots[:len(tokens)]
     m, refs = self.model, self.model.refs()
     for (sid, pos), got in zip(tokens, np.asarray(slots).tolist()):
       block = (m.rows[g][sid][pos // BLOCK_SIZE]

@@ -29,6 +29,14 @@ def _host(values):
   return bm._as_ids("ids", np.asarray(values, np.int64))
 
 
+def _padded(xs, size, pad):
+  """A non-empty batch `xs` padded with `pad` (a request on slot -1, which
+  fails and changes nothing) to `size` entries: each op compiles for two
+  batch shapes (empty, whose path is static, and `size`), not one per length.
+  The rules check the padding's results too."""
+  return xs + [pad] * (size - len(xs)) if xs else xs
+
+
 def _cdiv(a, b):
   return -(-a // b)
 
@@ -119,9 +127,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
   @rule(reqs=st.lists(st.tuples(seq_id, count), max_size=4))
   def reserve(self, reqs):
-    ids = _host([r[0] for r in reqs])
-    ns = _host([r[1] for r in reqs])
+    batch = _padded(reqs, 4, (-1, 0))
+    ids = _host([r[0] for r in batch])
+    ns = _host([r[1] for r in batch])
     self.state, res = _reserve(self.state, ids, ns)
+    assert not np.asarray(res.ok)[len(reqs):].any()
     tables = np.asarray(self.state.block_tables)
     seen = set()
     for i, (sid, n) in enumerate(reqs):
@@ -134,22 +144,29 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
   @rule(ids=st.lists(seq_id, max_size=4))
   def release(self, ids):
-    self.state, ok = _release(self.state, _host(ids))
+    self.state, ok = _release(self.state, _host(_padded(ids, 4, -1)))
+    assert not np.asarray(ok)[len(ids):].any()
+    ok = ok[:len(ids)]
     expected = [self.model.release(s) for s in ids]
     assert np.asarray(ok).tolist() == expected, (ids, ok, expected)
 
   @rule(pairs=st.lists(st.tuples(seq_id, seq_id), max_size=3))
   def fork(self, pairs):
-    parents = _host([p for p, _ in pairs])
-    children = _host([c for _, c in pairs])
+    batch = _padded(pairs, 3, (-1, -1))
+    parents = _host([p for p, _ in batch])
+    children = _host([c for _, c in batch])
     self.state, ok = _fork(self.state, parents, children)
+    assert not np.asarray(ok)[len(pairs):].any()
+    ok = ok[:len(pairs)]
     expected = self.model.fork(pairs)
     assert np.asarray(ok).tolist() == expected, (pairs, ok, expected)
 
   @rule(tokens=st.lists(st.tuples(seq_id, position), max_size=4))
   def slot_mapping(self, tokens):
-    slots = _slot_mapping(self.state, _host([t[0] for t in tokens]),
-                          _host([t[1] for t in tokens]))
+    batch = _padded(tokens, 4, (-1, 0))
+    slots = _slot_mapping(self.state, _host([t[0] for t in batch]),
+                          _host([t[1] for t in batch]))
+    assert np.all(np.asarray(slots)[len(tokens):] == -1)
     m = self.model
     for (sid, pos), got in zip(tokens, np.asarray(slots).tolist()):
       writable = (0 <= sid < MAX_SEQS and 0 <= pos < m.lens[sid]

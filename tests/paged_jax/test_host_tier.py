@@ -29,6 +29,14 @@ _swap_in = jax.jit(ht.swap_in)
 _drop = jax.jit(ht.drop)
 
 
+def _padded(xs, size, pad):
+  """A non-empty batch `xs` padded with `pad` (a request on slot -1, which
+  fails and changes nothing) to `size` entries: each op compiles for two
+  batch shapes (empty, whose path is static, and `size`), not one per length.
+  The rules check the padding's results too."""
+  return list(xs) + [pad] * (size - len(xs)) if len(xs) else xs
+
+
 def _cdiv(a, b):
   return -(-a // b)
 
@@ -87,8 +95,10 @@ class TierMachine(RuleBasedStateMachine):
     # A swapped-out slot stays unused on the device (the caller's duty).
     reqs = [(-1 if 0 <= s < MAX_SEQS and m.host_lens[s] else s, n)
             for s, n in reqs]
-    self.state, res = _reserve(self.state, _ids([r[0] for r in reqs]),
-                               _ids([r[1] for r in reqs]))
+    batch = _padded(reqs, 3, (-1, 0))
+    self.state, res = _reserve(self.state, _ids([r[0] for r in batch]),
+                               _ids([r[1] for r in batch]))
+    assert not np.asarray(res.ok)[len(reqs):].any()
     tables = np.asarray(self.state.block_tables)
     for i, (sid, n) in enumerate(reqs):
       if not bool(res.ok[i]):
@@ -110,7 +120,8 @@ class TierMachine(RuleBasedStateMachine):
 
   @rule(ids=seq_ids)
   def release(self, ids):
-    self.state, ok = _release(self.state, _ids(ids))
+    self.state, ok = _release(self.state, _ids(_padded(ids, 3, -1)))
+    assert not np.asarray(ok)[len(ids):].any()
     for i, (sid, good) in enumerate(zip(ids, np.asarray(ok).tolist())):
       want = (0 <= sid < MAX_SEQS and self.m.lens[sid] > 0
               and sid not in ids[:i])
@@ -143,7 +154,9 @@ class TierMachine(RuleBasedStateMachine):
   @rule(ids=seq_ids)
   def swap_out(self, ids):
     m = self.m
-    self.state, self.tier, out = _swap_out(self.state, self.tier, _ids(ids))
+    self.state, self.tier, out = _swap_out(self.state, self.tier,
+                                           _ids(_padded(ids, 3, -1)))
+    assert not np.asarray(out.ok)[len(ids):].any()
     free, seen = m.host_free, set()
     for i, sid in enumerate(ids):
       need = _cdiv(m.lens[sid], BLOCK_SIZE) if 0 <= sid < MAX_SEQS else 0
@@ -169,7 +182,9 @@ class TierMachine(RuleBasedStateMachine):
   @rule(ids=seq_ids)
   def swap_in(self, ids):
     m = self.m
-    self.state, self.tier, back = _swap_in(self.state, self.tier, _ids(ids))
+    self.state, self.tier, back = _swap_in(self.state, self.tier,
+                                           _ids(_padded(ids, 3, -1)))
+    assert not np.asarray(back.ok)[len(ids):].any()
     avail, seen = m.dev_available, set()
     for i, sid in enumerate(ids):
       need = _cdiv(m.host_lens[sid], BLOCK_SIZE) if 0 <= sid < MAX_SEQS else 0
@@ -193,7 +208,8 @@ class TierMachine(RuleBasedStateMachine):
 
   @rule(ids=st.lists(st.integers(-1, MAX_SEQS), max_size=2))
   def drop(self, ids):
-    self.tier, ok = _drop(self.tier, _ids(ids))
+    self.tier, ok = _drop(self.tier, _ids(_padded(ids, 2, -1)))
+    assert not np.asarray(ok)[len(ids):].any()
     for sid, good in zip(ids, np.asarray(ok).tolist()):
       if good:
         self.m.host_rows[sid], self.m.host_lens[sid] = [], 0

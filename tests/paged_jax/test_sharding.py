@@ -311,8 +311,10 @@ def test_layer_write_on_a_mesh_equals_the_one_device_write(dtype):
   k = jnp.asarray(rng.normal(size=(2 * t, heads, d)), jnp.float32)
   v = jnp.asarray(rng.normal(size=(2 * t, heads, d)), jnp.float32)
   local = np.array([0, 5, 9, -1, 15, 3] * 2, np.int32)  # -1: dropped
-  got = ps.write_kv_layer_sharded(mesh, *cache.arrays()[:2], k, v, local, 1,
-                                  **_scales(cache))
+  # Jitted, as the engine's step calls it (eagerly, each op of the shard_map
+  # body compiled on its own: ~100 programs for the quantised pages).
+  write = jax.jit(ps.write_kv_layer_sharded, static_argnums=(0, 6))
+  got = write(mesh, *cache.arrays()[:2], k, v, local, 1, **_scales(cache))
   # One device: shard i's pool is blocks [i * blocks, (i + 1) * blocks).
   flat = np.where(local >= 0, local + np.repeat([0, blocks * bs], t), -1)
   one = jax.tree.map(lambda a: jax.device_put(np.asarray(a), jax.devices()[0]), cache)

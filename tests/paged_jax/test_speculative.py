@@ -297,6 +297,8 @@ def test_ngram_proposer_vllm_example():
 def test_ngram_proposer_matches_the_reference(seqs, k, n_min, extra, max_len):
   n_max = n_min + extra
   width = 16
+  # Always 4 rows (one batch shape: fewer programs), the missing ones empty.
+  seqs = seqs + [[]] * (4 - len(seqs))
   tokens = np.full((len(seqs), width), 9, np.int64)  # junk past each length
   for b, s in enumerate(seqs):
     tokens[b, :len(s)] = s

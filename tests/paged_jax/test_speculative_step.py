@@ -46,6 +46,22 @@ def _forward(k_pages, v_pages, tables, kv_lens, cu_q_lens, tokens, positions,
   return k_pages, v_pages, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
+# The block manager's calls as one compiled program per input shape each (they
+# are pure and jittable; called eagerly, each of their ops compiled per shape
+# and each eager `lax.cond` per call: ~600 small compiles in all). The
+# verification is the same `greedy_accept`, compiled.
+(_reserve, _slot_mapping, _gather_tables, _fork, _truncate, _release,
+ _greedy_accept) = (jax.jit(f) for f in (
+     bm.reserve, bm.slot_mapping, bm.gather_tables, bm.fork, bm.truncate,
+     bm.release, spec.greedy_accept))
+
+
+@jax.jit
+def _poisoned(pages, free):
+  """`pages` with every block where `free` (`bool[NUM_BLOCKS]`) is set NaN."""
+  return jnp.where(free[None, :, None, None], jnp.nan, pages)
+
+
 class _Pool:
   """The pool, the pages and one forward step over any rows."""
 
@@ -61,8 +77,8 @@ class _Pool:
     its rows, returns the target's greedy token after each row."""
     ids = sorted(rows)
     old = np.asarray(self.state.seq_lens).copy()
-    self.state, res = bm.reserve(self.state, jnp.array(ids),
-                                 jnp.array([len(rows[s]) for s in ids]))
+    self.state, res = _reserve(self.state, jnp.array(ids),
+                               jnp.array([len(rows[s]) for s in ids]))
     assert all(res.ok.tolist()), (res.ok, rows, self.state.seq_lens,
                                   self.state.num_free)
     for src, dst in zip(res.copy_src.tolist(), res.copy_dst.tolist()):
@@ -76,12 +92,16 @@ class _Pool:
       tokens += rows[s]
       positions += list(range(old[s], old[s] + len(rows[s])))
       seq_of += [s] * len(rows[s])
-    slots = np.asarray(bm.slot_mapping(self.state, jnp.array(seq_of),
-                                       jnp.array(positions)))
-    assert np.all(slots >= 0)
     pad = ROWS - len(tokens)
+    # Padded to ROWS rows (one shape): a -1 id maps to slot -1.
+    slots = np.asarray(_slot_mapping(
+        self.state, jnp.array(seq_of + [-1] * pad),
+        jnp.array(positions + [0] * pad)))
+    assert np.all(slots[:len(tokens)] >= 0)
+    assert np.all(slots[len(tokens):] == -1)
+    slots = slots[:len(tokens)]
     # Rows in slot order, as cu_q_lens says.
-    tables, kv_lens = bm.gather_tables(self.state, jnp.arange(MAX_SEQS))
+    tables, kv_lens = _gather_tables(self.state, jnp.arange(MAX_SEQS))
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     self.k, self.v, argmax = _forward(
         self.k, self.v, tables, kv_lens, jnp.asarray(cu),
@@ -96,9 +116,10 @@ class _Pool:
     return out
 
   def poison_empty_blocks(self):
-    free = np.asarray(self.state.free_stack)[:int(self.state.num_free)]
-    self.k = self.k.at[:, free].set(jnp.nan)
-    self.v = self.v.at[:, free].set(jnp.nan)
+    free = np.zeros(NUM_BLOCKS, bool)
+    free[np.asarray(self.state.free_stack)[:int(self.state.num_free)]] = True
+    self.k = _poisoned(self.k, jnp.asarray(free))
+    self.v = _poisoned(self.v, jnp.asarray(free))
     bm.check_invariants(self.state)
 
 
@@ -107,7 +128,7 @@ def _start(pool):
   shares its partial block), returns each sequence's first token."""
   prompts = {0: [1, 2, 3, 1, 2, 3], 2: [5, 4, 7, 9, 4, 7, 9]}
   out = pool.step(prompts)
-  pool.state, ok = bm.fork(pool.state, jnp.array([0]), jnp.array([1]))
+  pool.state, ok = _fork(pool.state, jnp.array([0]), jnp.array([1]))
   assert ok.tolist() == [True]
   pool.poison_empty_blocks()
   return {0: out[0][-1], 1: out[0][-1], 2: out[2][-1]}
@@ -150,18 +171,18 @@ def _speculative(oracle, rng):
     for i, s in enumerate(ids):
       draft[i, :len(drafts[s])] = drafts[s]
       target[i, :len(out[s])] = out[s]
-    tokens, accepted = spec.greedy_accept(
+    tokens, accepted = map(np.asarray, _greedy_accept(
         jnp.asarray(draft, jnp.int32), jnp.asarray(target, jnp.int32),
-        jnp.array([len(drafts[s]) for s in ids]))
-    pool.state, ok = bm.truncate(pool.state, jnp.array(ids),
-                                 jnp.asarray(old + 1 + accepted))
+        jnp.array([len(drafts[s]) for s in ids])))
+    pool.state, ok = _truncate(pool.state, jnp.array(ids),
+                               jnp.asarray(old + 1 + accepted))
     assert all(ok.tolist())
     for i, s in enumerate(ids):
-      gen[s] += np.asarray(tokens[i, :int(accepted[i]) + 1]).tolist()
+      gen[s] += tokens[i, :accepted[i] + 1].tolist()
     proposed += sum(len(d) for d in drafts.values())
-    accepted_total += int(jnp.sum(accepted))
+    accepted_total += int(accepted.sum())
     pool.poison_empty_blocks()
-  pool.state, ok = bm.release(pool.state, jnp.array(sorted(gen)))
+  pool.state, ok = _release(pool.state, jnp.array(sorted(gen)))
   assert int(pool.state.num_free) == NUM_BLOCKS  # every block returns
   return {s: g[:NEW_TOKENS] for s, g in gen.items()}, proposed, accepted_total
 
