@@ -212,11 +212,8 @@ def bookkeeping_step(states: PooledState, x: step_lib.StepInputs, *,
                      num_logprobs: int):
   """`step.bookkeeping_step` over the pools."""
   states, fork_ok, ok, _ = _bookkeeping(states, x)
-  S = x.seq_ids.shape[0]
-  return states, step_lib.StepOutputs(
-      jnp.zeros((S,), jnp.int32), jnp.zeros((S, num_logprobs), jnp.float32),
-      jnp.zeros((S, num_logprobs), jnp.int32), ok, fork_ok,
-      jnp.zeros((S,), jnp.float32), fingerprint(states))
+  return states, step_lib.bookkeeping_outputs(ok, fork_ok, fingerprint(states),
+                                           num_logprobs=num_logprobs)
 
 
 def init(pool_blocks, windows, *, block_size: int, max_seqs: int,

@@ -290,11 +290,8 @@ def bookkeeping_step(shared: SharedState, x: step_lib.StepInputs, *,
                      num_logprobs: int):
   """`step.bookkeeping_step` on the shared pool."""
   shared, fork_ok, ok, _ = _bookkeeping(shared, x)
-  S = x.seq_ids.shape[0]
-  return shared, step_lib.StepOutputs(
-      jnp.zeros((S,), jnp.int32), jnp.zeros((S, num_logprobs), jnp.float32),
-      jnp.zeros((S, num_logprobs), jnp.int32), ok, fork_ok,
-      jnp.zeros((S,), jnp.float32), step_lib.state_fingerprint(shared.state))
+  return shared, step_lib.bookkeeping_outputs(ok, fork_ok, step_lib.state_fingerprint(shared.state),
+                                           num_logprobs=num_logprobs)
 
 
 class SharedHost:

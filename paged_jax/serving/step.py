@@ -265,11 +265,20 @@ def bookkeeping_step(state: bm.BlockState, x: StepInputs, *, num_logprobs: int):
     padding (`ok` False, no tokens).
   """
   state, fork_ok, res = _bookkeeping(state, x)
-  S = x.seq_ids.shape[0]
-  return state, StepOutputs(
+  return state, bookkeeping_outputs(res.ok, fork_ok, state_fingerprint(state),
+                                    num_logprobs=num_logprobs)
+
+
+def bookkeeping_outputs(ok: jax.Array, fork_ok: jax.Array, fingerprint: jax.Array,
+                        *, num_logprobs: int) -> StepOutputs:
+  """The outputs of a bookkeeping-only step (every pool layout's
+  `bookkeeping_step`): its reservation and fork results and fingerprint, no
+  tokens (zeros) for its `S = ok.shape[0]` rows."""
+  S = ok.shape[0]
+  return StepOutputs(
       jnp.zeros((S,), jnp.int32), jnp.zeros((S, num_logprobs), jnp.float32),
-      jnp.zeros((S, num_logprobs), jnp.int32), res.ok, fork_ok,
-      jnp.zeros((S,), jnp.float32), state_fingerprint(state))
+      jnp.zeros((S, num_logprobs), jnp.int32), ok, fork_ok,
+      jnp.zeros((S,), jnp.float32), fingerprint)
 
 
 def input_tokens(last_tokens: jax.Array, x: StepInputs) -> jax.Array:
