@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import re
 
-import chex
 import numpy as np
 import pytest
 
@@ -160,7 +159,6 @@ def test_reclamation_gives_the_outputs_of_keeping_every_block(
   keep = _engine(model, 256, sliding_window_reclamation=False)
   assert not keep.reclamation.on
   want = _run(keep, requests, checked=False)
-  chex.clear_trace_counter()
   # 8 sequences of up to 80 tokens would need 160 blocks without
   # reclamation; with it, ~4 each in a local pool or sub-group (Gemma 3:
   # one pool of 240 one-layer blocks shared by its six layers).

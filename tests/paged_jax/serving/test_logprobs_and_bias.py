@@ -3,7 +3,6 @@ engine, on the tiny model, checked against the dense model's logits."""
 
 from __future__ import annotations
 
-import chex
 import jax
 import numpy as np
 import pytest
@@ -31,7 +30,6 @@ def oracle(model):
 @pytest.fixture(scope="module")
 def engine(model):
   """One trace-counted engine for the module: every compiled shape traces once."""
-  chex.clear_trace_counter()
   e = Engine(model, EngineConfig(num_blocks=64, check_traces=True, max_logit_bias=8,
                                  **SIZES))
   e.warmup()
@@ -99,7 +97,7 @@ def test_logit_bias_forces_and_bans_and_leaves_neighbours_alone(engine):
   compiles = compiler.compiled_count()
   got = _greedy(engine, prompts, up=dict(logit_bias={forced: 100.0}, logprobs=2),
                 down=dict(logit_bias={t: -100 for t in banned}))
-  assert compiler.compiled_count() == compiles  # (and chex: no step traced again)
+  assert compiler.compiled_count() == compiles  # (and check_traces: no program traced again)
   assert got["up"].token_ids == [forced] * 5
   # The log-probs are of the biased distribution the sampler drew from.
   assert all(top[0][0] == forced and top[0][1] > -1e-3 for top in got["up"].top_logprobs)
