@@ -120,6 +120,36 @@ def xla_dots_suit(model) -> bool:
   return not getattr(config, "tie_word_embeddings", False)
 
 
+def check_traced_once(seen: dict[Hashable, Hashable], jobs: dict) -> None:
+  """`EngineConfig.check_traces`' rule: an engine traces each of its
+  programs at most once.
+
+  A runner's job keys are `(its part, *the program)`: its part
+  (`Runner._key`: the model, the mesh and the held arrays' shapes, dtypes
+  and shardings) fixes its executables, the rest names one of them (a
+  bucket; `"multistep", K, bucket`; `"spec", bucket, k, budget`; ...).
+  `seen`, the engine's own `{program: its part}`, keeps the first part each
+  program was asked under; a job for a program already seen under another
+  part would trace that program a second time (an engine whose key drifts,
+  e.g. taking the shardings a step returned its arrays with). The programs
+  themselves stay shared in the process table, so a trace-checked engine
+  whose programs another engine compiled traces none of them, and the check
+  costs no compile. Updates `seen`.
+
+  Raises:
+    AssertionError: a program of `jobs` was seen under another part (says
+      which items of the part differ).
+  """
+  for key in jobs:
+    part, program = key[0], key[1:]
+    first = seen.setdefault(program, part)
+    if first != part:
+      differ = [i for i, (a, b) in enumerate(zip(first, part)) if a != b]
+      raise AssertionError(
+          f"program {program} would be traced a second time: the engine asked "
+          f"for it under another key (items {differ} of its part differ)")
+
+
 def compile_all(jobs: dict[Hashable, Callable[[], jax.stages.Lowered]],
                 workers: int | None = None, *,
                 rows: dict[Hashable, int] | None = None) -> tuple[dict, float]:

@@ -73,11 +73,11 @@ class EngineConfig:
       padded to the largest).
     bucket_midpoints: also the 1.5x midpoints between powers of two (less
       padding, about twice the shapes to compile).
-    check_traces: compile this engine's own step functions wrapped in
-      `chex.assert_max_traces(n=1)` (tests; call `chex.clear_trace_counter()`
-      before building a second such engine). Otherwise engines of equal
-      sizes share the compiled steps (`compiler.py`): each compiles once per
-      process.
+    check_traces: assert that the engine traces each of its programs at
+      most once (tests): asking for a program it already has under another
+      key raises AssertionError (`compiler.check_traced_once`). Engines of
+      equal sizes share the compiled programs either way (`compiler.py`):
+      each compiles once per process.
     async_scheduling: dispatch step N+1 before reading step N's results, so
       the host's work overlaps the device's (vLLM v1's async scheduling; see
       `Engine.step`). Off: every step waits for its results (the same

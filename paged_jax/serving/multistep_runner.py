@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 
-import chex
 import jax
 
 from paged_jax.serving import compiler
@@ -25,8 +24,8 @@ _multistep = step_lib.on_one_pool(multistep_device_step, args=(3, 4, 5),
 class MultiStepPrograms:
   """`Runner`'s K-step decode programs (a mixin: it uses the runner's
   `config`, `mesh`, `_key`, `_model_def`, `_params`, `cache`, `state`,
-  `last_tokens`, `slots`, `num_logprobs`, `compile_seconds`, `_xla_dots`
-  and its `_multi` table `{(bucket, K): Compiled}`)."""
+  `last_tokens`, `slots`, `num_logprobs`, `compile_seconds`,
+  `compile_jobs`, `_xla_dots` and its `_multi` table `{(bucket, K): Compiled}`)."""
 
   def _decode_rows(self, buckets: dict) -> dict | None:
     """`compiler.compile_all`'s `rows` for decode programs (`{key: bucket}`):
@@ -36,8 +35,7 @@ class MultiStepPrograms:
 
   def _multistep_jit_for(self, bucket: Bucket, num_steps: int):
     """The jitted `num_steps`-step decode program of `bucket`, named after
-    them (`decode_4_steps_4`; trace-counted with `config.check_traces`, the
-    same XLA module: see `Runner._jit_for`)."""
+    them (`decode_4_steps_4`)."""
     @functools.partial(out_pack.packs, per_pool=True)
     def multistep(model_def, params, cache, state, last_tokens, slots, x, m, *,
                   num_steps, num_logprobs):
@@ -45,8 +43,6 @@ class MultiStepPrograms:
                         m, mesh=self.mesh, num_steps=num_steps,
                         num_logprobs=num_logprobs)
     multistep.__name__ = f"decode_{num_steps}_steps_{bucket.num_tokens}"
-    if self.config.check_traces:
-      multistep = chex.assert_max_traces(multistep, n=1)
     return jax.jit(multistep, static_argnums=(0,), donate_argnums=DONATE,
                    static_argnames=_STATIC)
 
@@ -66,7 +62,7 @@ class MultiStepPrograms:
           num_logprobs=self.num_logprobs)
     jobs = {(self._key, "multistep", num_steps, b): lowerer(b, x, m)
             for b, (x, m) in inputs.items() if (b, num_steps) not in self._multi}
-    done, seconds = compiler.compile_all(jobs, rows=self._decode_rows({k: k[3] for k in jobs}))
+    done, seconds = self.compile_jobs(jobs, rows=self._decode_rows({k: k[3] for k in jobs}))
     for (_, _, k, b), exe in done.items():
       self._multi[b, k] = exe
     self.compile_seconds += seconds

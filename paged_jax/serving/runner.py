@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import time
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -161,9 +160,13 @@ class Runner(MultiStepPrograms):
       self.host_cache = kv_offload.NumpyHostPool(self.cache, self.prefix_host_blocks)
     self._remember_shardings(_HELD)
     # What fixes the executables besides the bucket (`compiler.signature`;
-    # `max_logit_bias` is the width of two step inputs).
+    # `max_logit_bias` is the width of two step inputs): engines of equal
+    # keys share them, trace-checked or not.
     self._key = (self._model_def, self.mesh, num_logprobs, config.max_logit_bias,
-                 config.check_traces and id(self), self._signature())
+                 self._signature())
+    # With `config.check_traces`, each program's key part as first asked
+    # (`compiler.check_traced_once`).
+    self._traced: dict | None = {} if config.check_traces else None
     self._steps: dict[Bucket, jax.stages.Compiled] = {}
     # K-step decode programs (`multistep.py`, one device only), by (bucket, K).
     self._multi: dict[tuple[Bucket, int], jax.stages.Compiled] = {}
@@ -210,10 +213,7 @@ class Runner(MultiStepPrograms):
   def _jit_for(self, bucket: Bucket):
     """The jitted step to lower for `bucket`, named after it
     (`decode_step_4x4`, `mixed_step_16x4`: JAX's compile logs, XLA's dumps
-    and profiles name the program by it); with `config.check_traces`
-    trace-counted. The name, not the check, is in the program: a
-    trace-counted step is the same XLA module as an ordinary one of equal
-    sizes, so the persistent compilation cache serves either."""
+    and profiles name the program by it)."""
     step_fn = out_pack.packs(self._step_fn, per_pool=True)
 
     def step(model_def, params, *args, decode_only, num_logprobs):
@@ -221,8 +221,6 @@ class Runner(MultiStepPrograms):
                      num_logprobs=num_logprobs)
     kind = "decode" if bucket.decode_only else "mixed"
     step.__name__ = f"{kind}_step_{bucket.num_tokens}x{bucket.num_seqs}"
-    if self.config.check_traces:
-      step = chex.assert_max_traces(step, n=1)
     return jax.jit(step, static_argnums=(0,), donate_argnums=self._donate,
                    static_argnames=_STATIC)
 
@@ -304,6 +302,15 @@ class Runner(MultiStepPrograms):
       self.compile_slot_writes((rows,))
     self.slots = self._slot_writers[rows](self.slots, *cols)
 
+  def compile_jobs(self, jobs: dict, **kw) -> tuple[dict, float]:
+    """`compiler.compile_all(jobs, **kw)` for this runner's programs (keys
+    `(self._key, *program)`), with `config.check_traces` first checking
+    that none would be traced a second time (`compiler.check_traced_once`;
+    raises AssertionError)."""
+    if self._traced is not None:
+      compiler.check_traced_once(self._traced, jobs)
+    return compiler.compile_all(jobs, **kw)
+
   def compile_slot_writes(self, sizes: tuple[int, ...] | None = None) -> float:
     """Compiles the slot-state scatter for each row count in `sizes`
     (default: every power of two up to `max_seqs`) not compiled yet, through
@@ -322,7 +329,7 @@ class Runner(MultiStepPrograms):
       return lambda: self._write_slots_jit.lower(self.slots, *specs)
     jobs = {(self._key, "slots", u): lowerer(u) for u in sizes
             if u not in self._slot_writers}
-    done, seconds = compiler.compile_all(jobs)
+    done, seconds = self.compile_jobs(jobs)
     for (_, _, u), exe in done.items():
       self._slot_writers[u] = exe
     self.compile_seconds += seconds
@@ -355,7 +362,7 @@ class Runner(MultiStepPrograms):
             if b not in self._steps}
     # Only decode steps take the CPU dots option (`compiler.compiler_options`);
     # a mixed step of as few rows ran faster with XLA's defaults.
-    done, seconds = compiler.compile_all(
+    done, seconds = self.compile_jobs(
         jobs, rows=self._decode_rows({k: k[1] for k in jobs if k[1].decode_only}))
     for (_, b), exe in done.items():
       self._steps[b] = exe
@@ -467,7 +474,7 @@ class Runner(MultiStepPrograms):
     if self.tier is not None or shape in self._bookkeepers:
       return 0.0
     key = (self._key, "bookkeeping", shape)
-    done, seconds = compiler.compile_all({key: self._bookkeeping_lowerer(xs)})
+    done, seconds = self.compile_jobs({key: self._bookkeeping_lowerer(xs)})
     self._bookkeepers[shape] = done[key]
     self.compile_seconds += seconds
     return seconds

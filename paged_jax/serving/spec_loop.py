@@ -34,7 +34,6 @@ in the iteration that reserved it.
 
 from __future__ import annotations
 
-import chex
 import flax
 import jax
 import jax.numpy as jnp
@@ -324,8 +323,7 @@ def _write_jit(runner):
 
 
 def _jit_for(runner, bucket, num_steps: int, spec):
-  """The jitted loop of `bucket` (`spec_loop_4_steps_4`; trace-counted with
-  `config.check_traces`)."""
+  """The jitted loop of `bucket` (`spec_loop_4_steps_4`)."""
 
   def loop(model_def, params, cache, state, last_tokens, history, slots, x, m,
            may):
@@ -333,8 +331,6 @@ def _jit_for(runner, bucket, num_steps: int, spec):
                          slots, x, m, may, num_steps=num_steps, spec=spec)
 
   loop.__name__ = f"spec_loop_{num_steps}_steps_{bucket.num_seqs}"
-  if runner.config.check_traces:
-    loop = chex.assert_max_traces(loop, n=1)
   return jax.jit(loop, static_argnums=(0,), donate_argnums=_DONATE)
 
 
@@ -368,7 +364,7 @@ def compile_loops(runner, inputs: list, num_steps: int, spec, width: int
   # XLA's default CPU options (YNNPACK dots), not the decode steps'
   # (`compiler.CPU_COMPILER_OPTIONS`): on SmolLM2 the loop's 5-row
   # iterations took 2.6x the CPU time with those (the specloop note).
-  done, seconds = compiler.compile_all(jobs)
+  done, seconds = runner.compile_jobs(jobs)
   for key, exe in done.items():
     if key[1] == "spec_history":
       runner._spec_history_write = exe  # pylint: disable=protected-access

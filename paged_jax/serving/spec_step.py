@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import time
 
-import chex
 import flax
 import jax
 import jax.numpy as jnp
@@ -245,16 +244,13 @@ _spec_on_pool = on_one_pool(spec_device_step, args=(3, 4, 5), outs=(1, 2))
 
 def _jit_for(runner, bucket, k: int, budget: int):
   """The jitted verification step for `(bucket, k, budget)`, named after
-  them (`spec_3_step_4_budget_12`); with `config.check_traces`
-  trace-counted (the same XLA module: see `Runner._jit_for`)."""
+  them (`spec_3_step_4_budget_12`)."""
 
   def spec_step(model_def, params, cache, state, last_tokens, slots, x, s):
     return _spec_on_pool(model_def, params, cache, state, last_tokens, slots,
                          x, s)
 
   spec_step.__name__ = f"spec_{k}_step_{bucket.num_seqs}_budget_{budget}"
-  if runner.config.check_traces:
-    spec_step = chex.assert_max_traces(spec_step, n=1)
   return jax.jit(spec_step, static_argnums=(0,), donate_argnums=_DONATE)
 
 
@@ -284,7 +280,7 @@ def compile_spec(runner, inputs: list) -> float:
     key = (b, s.drafts.shape[1], _budget(x, s))
     if key not in steps:
       jobs[(runner._key, "spec") + key] = _lowerer(runner, b, x, s)  # pylint: disable=protected-access
-  done, seconds = compiler.compile_all(jobs)
+  done, seconds = runner.compile_jobs(jobs)
   for (_, _, *key), exe in done.items():
     steps[tuple(key)] = exe
   runner.compile_seconds += seconds

@@ -7,7 +7,6 @@ replays every step); each shape traces once; the config's errors."""
 
 from __future__ import annotations
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,7 +118,6 @@ def test_resizing_the_pool_is_refused_by_name(model):
 
 @pytest.mark.slow  # ~45 s of compiles; n-gram's verification shapes are checked by default
 def test_every_shape_traces_once(model):
-  chex.clear_trace_counter()
   engine = Engine(model, EngineConfig(num_blocks=POOL, check_traces=True,
                                       speculative_config=ONE_LAYER, **SIZES))
   _run(engine, _requests()[:2], checked=False)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import chex
 import jax
 import numpy as np
 import pytest
@@ -167,7 +166,6 @@ def test_beam_and_sampling_groups_survive_preemption(model, params):
 
 
 def test_steps_never_retrace(model):
-  chex.clear_trace_counter()
   # Buckets from 2 tokens (the shared SIZES start at 8): two decode and three
   # mixed shapes, so that a lone row's decode takes the smallest one.
   engine = Engine(model, EngineConfig(num_blocks=BIG_POOL, check_traces=True,

@@ -4,7 +4,6 @@ per dispatch; the host's pool model replays the loop exactly."""
 
 from __future__ import annotations
 
-import chex
 import pytest
 
 from paged_jax import block_manager as bm
@@ -141,10 +140,9 @@ def test_beam_search_falls_back_to_single_steps(model):
 
 
 def test_every_multistep_shape_traces_once_and_compiles_at_warmup(model):
-  chex.clear_trace_counter()
-  # One decode bucket (4 rows) and one mixed (16 tokens): a check_traces
-  # engine compiles its own programs, and test_engine's trace test covers
-  # every plain bucket of SIZES.
+  # One decode bucket (4 rows) and one mixed (16 tokens): the plain steps
+  # of test_spec_engine's and test_spec_loop_engine's trace tests; test_engine's trace
+  # test covers every plain bucket of SIZES.
   engine = Engine(model, EngineConfig(num_blocks=BIG_POOL, check_traces=True,
                                       num_scheduler_steps=4,
                                       **{**SIZES, "min_bucket": 16}))

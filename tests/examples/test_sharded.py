@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -186,7 +185,6 @@ def one_device_outputs(model8):
 def test_sharded_engine_serves_what_one_device_serves(model8, one_device_outputs,
                                                      data, model, caching):
   requests, sizes, want = _engine_requests(), ENGINE_SIZES, one_device_outputs
-  chex.clear_trace_counter()
   mesh = ps.make_mesh(data, model)
   engine = Engine(model8, EngineConfig(check_traces=True, **sizes,
                                        enable_prefix_caching=caching), mesh=mesh)

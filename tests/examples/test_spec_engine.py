@@ -7,7 +7,6 @@ draft budget) traces once and compiles at warm-up."""
 
 from __future__ import annotations
 
-import chex
 import pytest
 
 from paged_jax.entrypoints import generate
@@ -91,10 +90,9 @@ def test_a_small_pool_that_preempts_gives_the_same_outputs(model, k):
 
 
 def test_every_verification_shape_traces_once_and_compiles_at_warmup(model):
-  chex.clear_trace_counter()
-  # One decode bucket (4 rows) and one mixed (16 tokens): a check_traces
-  # engine compiles its own programs, and test_engine's trace test covers
-  # every plain bucket of SIZES.
+  # One decode bucket (4 rows) and one mixed (16 tokens): the plain steps
+  # of test_multistep's and test_spec_loop_engine's trace tests; test_engine's trace
+  # test covers every plain bucket of SIZES.
   engine = Engine(model, EngineConfig(num_blocks=BIG_POOL, check_traces=True,
                                       speculative_config=SPEC,
                                       **{**SIZES, "min_bucket": 16}))

@@ -8,7 +8,6 @@ returns; each loop traces once and compiles at warm-up."""
 
 from __future__ import annotations
 
-import chex
 import pytest
 
 from paged_jax.serving import compiler, spec_loop_host
@@ -116,7 +115,6 @@ def test_the_history_is_synced_once_per_sequence_then_by_the_device(model):
 
 
 def test_every_loop_traces_once_and_compiles_at_warmup(model):
-  chex.clear_trace_counter()
   engine = Engine(model, EngineConfig(num_blocks=BIG_POOL, check_traces=True,
                                       speculative_config=SPEC, num_scheduler_steps=4,
                                       **{**SIZES, "min_bucket": 16}))

@@ -5,7 +5,6 @@ shape traced once, and the flags' errors."""
 
 from __future__ import annotations
 
-import chex
 import jax
 import numpy as np
 import pytest
@@ -29,7 +28,6 @@ def test_swap_gives_the_outputs_of_recompute_and_of_a_big_pool(model):
   requests = random_requests(1, 8, prompt=(8, 24), new=(8, 16))
   big = make_engine(model)
   recompute = make_engine(model, num_blocks=SMALL_POOL, admission_headroom_steps=0)
-  chex.clear_trace_counter()
   swap = make_engine(model, num_blocks=SMALL_POOL, admission_headroom_steps=0,
                      preemption_mode="swap", swap_space_blocks=16,
                      check_traces=True)  # each shape traced once

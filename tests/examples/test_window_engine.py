@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import re
 
-import chex
 import numpy as np
 import pytest
 
@@ -28,7 +27,6 @@ from tests.examples.conftest import (assert_mirror_is_the_device_state,
                                      random_requests)
 from paged_jax.serving import pooled_step
 from paged_jax.serving import shared_pool
-from paged_jax.serving import window_pool
 from paged_jax.serving import prefix as prefix_lib
 from tests.examples.test_prefix_engine import _poison, _poison_unowned_blocks
 
@@ -54,17 +52,6 @@ def gemma3():
 
 def _engine(model, num_blocks, **kw) -> Engine:
   return Engine(model, EngineConfig(num_blocks=num_blocks, **{**SIZES, **kw}))
-
-
-def _per_window_engine(model, num_blocks, **kw) -> Engine:
-  """A hybrid model's engine with a pool per window: `window_pool.layout`
-  picks it only with prefix caching; replaced here while it is built."""
-  rule = window_pool.layout
-  window_pool.layout = lambda config, pools: (False, "per window (test)")
-  try:
-    return _engine(model, num_blocks, **kw)
-  finally:
-    window_pool.layout = rule
 
 
 def _requests(seed=0, count=8):
@@ -160,7 +147,6 @@ def test_reclamation_gives_the_outputs_of_keeping_every_block(
   keep = _engine(model, 256, sliding_window_reclamation=False)
   assert not keep.reclamation.on
   want = _run(keep, requests, checked=False)
-  chex.clear_trace_counter()
   # 8 sequences of up to 80 tokens would need 160 blocks without
   # reclamation; with it, ~4 each in a local pool or sub-group (Gemma 3:
   # one pool of 240 one-layer blocks shared by its six layers).
@@ -176,10 +162,15 @@ def test_reclamation_gives_the_outputs_of_keeping_every_block(
     assert small.block_state.num_blocks == 240
     assert small.cache.num_layers == 1
   assert _run(small, requests, checked=True) == want
-  if kind == "gemma3":  # the same memory as a pool per window: the same outputs
-    per_window = _per_window_engine(model, pool, admission_headroom_steps=0)
+  if kind == "gemma3":  # a pool per window: the same outputs
+    # The layout prefix caching picks, in the pool of
+    # test_prefix_caching_with_reclamation[gemma3-20] (its step programs,
+    # where a pool per window of its own compiled two more): it preempts.
+    per_window = _engine(model, 20, enable_prefix_caching=True,
+                         admission_headroom_steps=0)
     assert isinstance(per_window.block_state, pooled_step.PooledState)
     assert _run(per_window, requests, checked=False) == want
+    assert per_window.stats.preemptions > 0
   assert small.stats.preemptions == 0
   assert small.stats.running.peak == 4  # max_batch: the pool was no limit
   assert _all_free(small)  # every block back in every pool

@@ -1,9 +1,11 @@
-"""`serving.compiler`'s table: use counts, and a clear that keeps some keys."""
+"""`serving.compiler`'s table: use counts, a clear that keeps some keys,
+and the rule of trace-checked engines."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from paged_jax.serving import compiler
 
@@ -33,14 +35,16 @@ def test_use_counts_and_a_clear_that_keeps_what_is_asked():
   assert not [k for k in compiler.use_counts() if k[0] == "test_compiler"]
 
 
-def test_a_trace_counted_step_is_the_same_program_named_after_its_bucket():
-  """`check_traces` changes no step program: a trace-counted engine's decode
-  step lowers to the module of an ordinary engine of equal sizes (so the
-  persistent compilation cache serves either), named after the bucket."""
+def test_a_trace_checked_engine_has_the_programs_of_an_ordinary_one():
+  """`check_traces` changes no program and keeps none of its own: a
+  trace-checked engine's runner key is an ordinary engine's of equal sizes
+  (the process table serves both), and its decode step lowers to the same
+  module (so the persistent compilation cache serves either), named after
+  the bucket."""
   from paged_jax.models.llama import model as model_lib  # pylint: disable=import-outside-toplevel
   from paged_jax.serving.engine import Engine, EngineConfig  # pylint: disable=import-outside-toplevel
   model = model_lib.init_model(model_lib.LlamaConfig.tiny(num_layers=1), seed=0)
-  texts = []
+  texts, keys = [], []
   for check in (False, True):
     engine = Engine(model, EngineConfig(num_blocks=8, block_size=4, max_batch=2,
                                         max_tokens_per_step=8, max_model_len=16,
@@ -48,8 +52,28 @@ def test_a_trace_counted_step_is_the_same_program_named_after_its_bucket():
     bucket = next(b for b in engine.buckets if b.decode_only)
     xs = [p._build([], bucket)[0] for p in engine._pools]  # pylint: disable=protected-access
     texts.append(engine._runner._lowerer(bucket, xs)().as_text())  # pylint: disable=protected-access
+    keys.append(engine._runner._key)  # pylint: disable=protected-access
+  assert keys[0] == keys[1]
   assert texts[0] == texts[1]
   assert f"@jit_decode_step_{bucket.num_tokens}x{bucket.num_seqs}" in texts[0]
+
+
+def test_check_traced_once_refuses_a_program_asked_under_another_key():
+  """The rule `check_traces` applies to a runner's jobs: a program (the key
+  after its first item) asked again under the same engine part is found in
+  the table; under another part it would be traced a second time, refused
+  before anything lowers, saying which items of the part differ."""
+  seen = {}
+  part = ("model", "mesh", ("sig", 1))
+  compiler.check_traced_once(seen, {(part, "b4"): None, (part, "spec", "b4", 2): None})
+  compiler.check_traced_once(seen, {(part, "b4"): None})  # the same program, found
+  drifted = part[:2] + (("sig", 2),)
+  with pytest.raises(AssertionError,
+                     match=r"program \('b4',\) would be traced a second time: .*"
+                           r"items \[2\] of its part differ"):
+    compiler.check_traced_once(seen, {(drifted, "b4"): None})
+  compiler.check_traced_once(seen, {(drifted, "b8"): None})  # another program
+  assert seen == {("b4",): part, ("spec", "b4", 2): part, ("b8",): drifted}
 
 
 def test_a_step_first_used_after_other_steps_is_the_warm_up_program():
