@@ -412,7 +412,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
       x = self._bookkeeping_inputs(plan, self.config.max_batch)
       forks = len(self._forks())
       pool.begin()
-      if type(pool) is HostPool:  # pylint: disable=unidiomatic-typecheck
+      if type(pool) in (HostPool, shared_pool.SharedHost):  # pylint: disable=unidiomatic-typecheck
         # (not a subclass or a pool per window: they take no layout promise)
         fork_ok, res, cache_ok = pool.bookkeeping(
             *x, packed=len(plan), decode=getattr(plan, "decode_rows", 0))
