@@ -153,43 +153,30 @@ def joint_ok(state: bm.BlockState, seq_ids, num_new, num_sub: int):
   get their blocks in every sub-group, served in order as
   `block_manager.reserve` serves (an entry needs its new columns plus a
   copy-on-write block per sub-group whose partial last block is still
-  shared), all sub-groups of an entry counted together. Padding and
-  invalid entries: False. Device (jnp) and host (NumPy) alike."""
+  shared), all sub-groups of an entry counted together: on the device
+  `block_manager._serve` with `num_sub` (the one rule), on the host its
+  NumPy model (`_scan_host`, checked equal by the tests). Padding and
+  invalid entries: False."""
   host = not isinstance(state.block_tables, jax.Array)
   xp = np if host else jnp
   valid, partial, last, last_refs, grow = _entries(
       xp, state.block_tables, state.seq_lens, state.refcounts, seq_ids,
       num_new, state.max_seqs, state.block_size)
+  if not host:
+    ok = bm._serve(valid, partial, last, last_refs, grow, state.num_free,  # pylint: disable=protected-access
+                   num_sub=num_sub)[1]
+    return ok.reshape(-1, num_sub)[:, 0]
   n = seq_ids.shape[0] // num_sub
   shape = (n, num_sub)
   valid_r = valid.reshape(shape).all(axis=1)
   cow_all = partial & (last_refs > 1)
-  need_all = xp.sum((grow + cow_all).reshape(shape), axis=1)
-  total = xp.sum(xp.where(valid_r, need_all, 0))
-  shared = xp.sort(xp.where(cow_all, last, NULL_BLOCK))
-  siblings = xp.any((shared[1:] == shared[:-1]) & (shared[1:] >= 0))
-  available = state.num_free
-  if host:
-    if not siblings and total <= available:
-      return valid_r
-    return _scan_host(valid_r, partial.reshape(shape), last.reshape(shape),
-                      last_refs.reshape(shape), grow.reshape(shape), int(available))
-
-  def scan():
-    def step(carry, i):
-      free, copied = carry  # copied: i32[n, num_sub]
-      drops = jnp.sum((copied[:, :, None] == last.reshape(shape)[i][None, None, :])
-                      .reshape(-1, num_sub), axis=0, dtype=jnp.int32)
-      p = partial.reshape(shape)[i]
-      cow = p & (last_refs.reshape(shape)[i] - jnp.where(p, drops, 0) > 1)
-      need = jnp.sum(grow.reshape(shape)[i] + cow, dtype=jnp.int32)
-      ok = valid_r[i] & (need <= free)
-      copied = copied.at[i].set(jnp.where(ok & cow, last.reshape(shape)[i], NULL_BLOCK))
-      return (free - jnp.where(ok, need, 0), copied), ok
-    _, ok = jax.lax.scan(step, (available, jnp.full(shape, NULL_BLOCK, jnp.int32)),
-                         jnp.arange(n))
-    return ok
-  return jax.lax.cond(siblings | (total > available), scan, lambda: valid_r)
+  total = np.sum(np.where(np.repeat(valid_r, num_sub), grow + cow_all, 0))
+  shared = np.sort(np.where(cow_all, last, NULL_BLOCK))
+  siblings = np.any((shared[1:] == shared[:-1]) & (shared[1:] >= 0))
+  if not siblings and total <= state.num_free:
+    return valid_r
+  return _scan_host(valid_r, partial.reshape(shape), last.reshape(shape),
+                    last_refs.reshape(shape), grow.reshape(shape), int(state.num_free))
 
 
 def _first(xp, ids):
