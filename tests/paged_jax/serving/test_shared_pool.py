@@ -190,13 +190,13 @@ def test_the_steady_decode_path_is_the_device_after_every_step():
   runs of steady decode steps (the same slots, one token each, the same
   read-only inputs sent again, as `packing.SteadyInputs`) broken by
   admissions, prompt chunks, releases and forks, on a pool small enough to
-  refuse. The host model takes its fast paths (the joint grant without
+  refuse (the shapes of the test above, so `_device` compiles nothing new). The host model takes its fast paths (the joint grant without
   `joint_ok`, `HostPool._steady_step` across block boundaries and
   reclamation) and still equals the device after every step."""
   rng = np.random.default_rng(3)
   B, ms, bs = 4, 6, 4
-  shared = shared_pool.init(44, (W, W, None), block_size=bs, max_seqs=ms,
-                            max_blocks_per_seq=16)
+  shared = shared_pool.init(40, (W, W, None), block_size=bs, max_seqs=ms,
+                            max_blocks_per_seq=12)  # (the shapes above: compiled once)
   host = shared_pool.SharedHost(shared)
   pool = host.pool
   fast = {"steady": 0, "joint": 0}
