@@ -175,7 +175,7 @@ def main():
   counts, outputs = {}, {}
   fields = ("steps", "computed_tokens", "preemptions", "recomputed_tokens",
             "generated_tokens", "compile_seconds", "prefix_hit_tokens",
-            "prefix_queried_tokens")
+            "prefix_queried_tokens", "host_seconds", "exposed_host_seconds")
   for r, reqs in enumerate(runs):
     outputs = {}
     for k, e in engines.items():
@@ -190,6 +190,8 @@ def main():
                        mean_running=round(e.stats.running.mean, 2),
                        **trace.saturated(args.max_num_seqs),
                        tokens_per_s=counts[k]["generated_tokens"] / wall,
+                       host_us_per_step=round(1e6 * counts[k]["host_seconds"]
+                                              / max(counts[k]["steps"], 1)),
                        hit_rate=round(counts[k]["prefix_hit_tokens"]
                                       / max(counts[k]["prefix_queried_tokens"], 1), 3))
       outputs[k] = outs

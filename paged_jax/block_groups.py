@@ -264,21 +264,13 @@ def reserve(state: GroupedBlockState, seq_ids, num_new_tokens
                              axis=2)[..., 0]  # [groups, n]
   last_refs = state.refcounts[jnp.clip(last, 0, state.num_blocks - 1)]
 
-  # block_manager.reserve's in-order decision, every group at once: a request
-  # fits if its blocks in all groups fit what is left.
-  def step(carry, i):
-    num_free, copied = carry  # copied: i32[groups, n]
-    drops = jnp.sum((copied == last[:, i][:, None]) & partial[i], axis=1,
-                    dtype=jnp.int32)
-    cow = partial[i] & (last_refs[:, i] - drops > 1)  # bool[groups]
-    need = jnp.sum(new[i] - cur[i] + cow.astype(jnp.int32), dtype=jnp.int32)
-    ok = valid[i] & (need <= num_free)
-    copied = copied.at[:, i].set(jnp.where(ok & cow, last[:, i], NULL_BLOCK))
-    return (num_free - jnp.where(ok, need, 0), copied), ok
-
-  (_, _), ok = jax.lax.scan(
-      step, (state.num_free, jnp.full((num_groups, n), NULL_BLOCK, jnp.int32)),
-      jnp.arange(n, dtype=jnp.int32))
+  # block_manager.reserve's in-order decision, every group at once (its one
+  # rule, `_serve`, over runs of `num_groups`): a request fits if its blocks
+  # in all groups fit what is left.
+  k = num_groups
+  ok = bm._serve(jnp.repeat(valid, k), jnp.repeat(partial, k),  # pylint: disable=protected-access
+                 last.T.reshape(-1), last_refs.T.reshape(-1),
+                 jnp.repeat(new - cur, k), state.num_free, num_sub=k)[1][::k]
   # Each group's own reserve, refused requests asking for 0 tokens: the same
   # order and counts, so every request judged ok above gets its blocks.
   asked = jnp.where(ok, grow, 0)

@@ -418,14 +418,20 @@ def _evict(state: BlockState, count, out_len: int):
 
 
 def _serve(valid, partial, last, last_refs, grow, num_available, *,
-           ordered: bool = False):
-  """`reserve`'s decision: who of the `n` requests is served, and at what cost.
+           ordered: bool = False, num_sub: int = 1):
+  """`reserve`'s decision: who of the `n` requests is served, and at what
+  cost. The one rule of the joint grant too (`num_sub > 1`:
+  `serving.shared_pool.joint_ok`, `block_groups.reserve`).
 
   Requests are served in order; request `i` needs `grow[i]` new blocks, plus
   one if it grows into a partial last block (`partial`) that is still shared
   (copy-on-write), and is served if that many are available after the
   earlier ones. A sibling that copied the same shared block earlier in the
-  call lowers its count, so one request can change another's need.
+  call lowers its count, so one request can change another's need. With
+  `num_sub > 1` the requests come in runs of `num_sub` (one entry's rows in
+  every sub-group or layer group, which grow together): a run is served
+  whole, if every request of it is valid and their needs together fit, or
+  not at all.
 
   Args:
     valid: `bool[n]` the requests that may be served.
@@ -434,29 +440,40 @@ def _serve(valid, partial, last, last_refs, grow, num_available, *,
     grow: `i32[n]` blocks past the current ones.
     num_available: `i32[]` blocks the pool can give.
     ordered: static, for tests: always decide by the scan.
+    num_sub: static, requests per run (`n` a multiple of it).
 
   Returns:
-    `(num_left i32[], ok bool[n], cow bool[n], need i32[n])`.
+    `(num_left i32[], ok bool[n], cow bool[n], need i32[n])`; `ok` is the
+    same for every request of a run.
   """
   n = valid.shape[0]
+  runs = n // num_sub
+  shape = (runs, num_sub)
+  valid = jnp.repeat(valid.reshape(shape).all(axis=1), num_sub)
 
-  # Serve in order: a scan over the batch with O(n) carry decides who fits and
+  # Serve in order: a scan over the runs with O(n) carry decides who fits and
   # who must copy (siblings that copied earlier in this call lower the count).
   def step(carry, i):
     num_free, copied = carry  # copied: i32[n] blocks left by earlier copies
-    drops = jnp.sum((copied == last[i]) & partial[i], dtype=jnp.int32)
-    cow = partial[i] & (last_refs[i] - drops > 1)
-    need = grow[i] + cow.astype(jnp.int32)
-    ok = valid[i] & (need <= num_free)
-    num_free = num_free - jnp.where(ok, need, 0)
-    copied = copied.at[i].set(jnp.where(ok & cow, last[i], NULL_BLOCK))
-    return (num_free, copied), (ok, cow & ok, jnp.where(ok, need, 0))
+    lst = jax.lax.dynamic_slice(last, (i * num_sub,), (num_sub,))
+    par = jax.lax.dynamic_slice(partial, (i * num_sub,), (num_sub,))
+    refs = jax.lax.dynamic_slice(last_refs, (i * num_sub,), (num_sub,))
+    drops = jnp.sum((copied[None, :] == lst[:, None]) & par[:, None], axis=1,
+                    dtype=jnp.int32)
+    cow = par & (refs - drops > 1)
+    need = jax.lax.dynamic_slice(grow, (i * num_sub,), (num_sub,)) + cow.astype(jnp.int32)
+    ok = valid[i * num_sub] & (jnp.sum(need, dtype=jnp.int32) <= num_free)
+    num_free = num_free - jnp.where(ok, jnp.sum(need, dtype=jnp.int32), 0)
+    copied = jax.lax.dynamic_update_slice(
+        copied, jnp.where(ok & cow, lst, NULL_BLOCK), (i * num_sub,))
+    return (num_free, copied), (jnp.broadcast_to(ok, (num_sub,)), cow & ok,
+                                jnp.where(ok, need, 0))
 
   def serve_in_order():
     init = (num_available, jnp.full((n,), NULL_BLOCK, jnp.int32))
     (num_left, _), (ok, cow, need) = jax.lax.scan(
-        step, init, jnp.arange(n, dtype=jnp.int32))
-    return num_left, ok, cow, need
+        step, init, jnp.arange(runs, dtype=jnp.int32))
+    return num_left, ok.reshape(-1), cow.reshape(-1), need.reshape(-1)
 
   # The common case needs no scan: when no two requests grow into the same
   # shared partial block (the only way one request changes another's need)
@@ -472,7 +489,7 @@ def _serve(valid, partial, last, last_refs, grow, num_available, *,
   in_order = ordered | siblings | (total_all > num_available)
   num_left, ok, cow, need = jax.lax.cond(
       in_order, serve_in_order,
-      lambda: (num_available - total_all, valid, cow_all, need_all))
+      lambda: (num_available - total_all, valid, cow_all & valid, need_all))
   return num_left, ok, cow, need
 
 

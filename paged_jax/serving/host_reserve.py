@@ -155,8 +155,12 @@ class Reserving:
   def _steady_after(self, seq_ids, num_new, d: int) -> SteadyDecode | None:
     """The `SteadyDecode` of the first `d` entries of `seq_ids` (distinct
     slots), each just granted one token; None where it does not apply (a
-    window, or a last block shared: it would be copied)."""
-    if self.window is not None:
+    window with prefix caching, whose reclamation keeps blocks cached; or a
+    last block shared: it would be copied). A window without caching
+    applies: reclamation (`window_reclaim.reclaim_host`) changes no length
+    and pushes what it frees on the free stack, whose top the next step
+    takes, as the device's `reserve` does."""
+    if self.window is not None and self.caching:
       return None
     bs = self.block_size
     slots = seq_ids[:d].copy()

@@ -31,7 +31,8 @@ raises).
 device arrays live in the `Runner`.
 
 This file holds the queues, admission, preemption and fitting a step to the
-pool; which requests are accepted is `admission.py`; the other concerns are
+pool; which requests are accepted is `admission.py`, block-aware admission's
+room `block_room.py`; the other concerns are
 mixins in their own files: input packing (`packing.py`), the prefix cache's
 host side (`prefix.py`) and applying results (`results.py`), multi-step
 decode (`multistep_host.py`); the pool model is `host_pool.py`.
@@ -48,6 +49,7 @@ from paged_jax import block_manager as bm
 from paged_jax import prefix_cache
 from paged_jax.serving import shared_pool
 from paged_jax.serving import window_pool
+from paged_jax.serving.block_room import BlockRoom
 from paged_jax.serving.admission import (  # pylint: disable=unused-import
     limits_rejection, request_rejection, size_rejection, vocab_rejection)
 from paged_jax.serving.buckets import Bucket
@@ -334,30 +336,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
     admitted: list[Seq] = []
     if not (self._waiting or self._swapped):  # nothing to admit: no scan
       return plan, admitted, first
-    # Blocks the running entries take this step (no copies counted).
-    d = plan.decode_rows  # (one token each: a block when the last is full)
-    growth = sum(1 for seq, _ in plan[:d] if not seq.num_cached % bs) + sum(
-        -(-(seq.num_cached + n) // bs) - -(-seq.num_cached // bs)
-        for seq, n in (plan[d:] if d else plan))
-    # Block-aware admission: a prompt is admitted only if its blocks leave the
-    # running sequences room to grow in every pool (an estimate: `_fit` is
-    # exact), so that it is not soon paid for by a preemption. A pool keeping
-    # every block: `admission_headroom_steps` decode steps beyond this one (a
-    # block per `bs` steps each); a windowed one: `local_admission_room`.
-    check = bool(c.admission_headroom_steps and running and not c.static_batching)
-    shared = check and isinstance(self._pool, shared_pool.SharedHost)
-    pools = window_pool.host_pools(self._pool) if check and not shared else []
-    windowed = [p for p in pools if p.window is not None]
-    rooms = window_pool.local_admission_room(
-        windowed, running, rows=len(plan), block_size=bs,
-        max_tokens_per_step=c.max_tokens_per_step) if windowed else []
-    if shared:  # one pool for every layer group: one room, a prompt's cost summed
-      rooms = [self._pool.admission_room(
-          running, rows=len(plan), max_tokens_per_step=c.max_tokens_per_step,
-          headroom_steps=c.admission_headroom_steps)]
-    full = [p for p in pools if p.window is None]
-    free = min(p.num_available for p in full) - growth if full else 0
-    headroom = -(-len(plan) * c.admission_headroom_steps // bs)
+    room = BlockRoom(self._pool, c, running, plan)  # block-aware admission
     rows = len(self._running)
     if self._irregular.any():  # (a prompt whose samples are still to fork is)
       rows += sum(s.group.unborn for s in self._running
@@ -374,14 +353,11 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
       if n <= 0 and not c.static_batching:
         break
       need = -(-n // bs)  # before a prefix-cache hit (a heuristic: `_fit` is exact)
-      costs = ([self._pool.held(len(seq.tokens))] if shared else
-               [window_pool.held_blocks(p.window, len(seq.tokens), bs) for p in windowed])
-      if check and ((full and need > free - headroom)
-                    or any(k > r for k, r in zip(costs, rooms))):
+      costs = room.costs(seq) if room.check else []
+      if not room.fits(need, costs):
         self.stats.deferred_admissions += 1
         break
-      free -= need
-      rooms = [r - k for r, k in zip(rooms, costs)]
+      room.take(need, costs)
       self._waiting.pop(0)
       self._bind(seq, self._free_slots.pop())
       self._insert(self._running, seq)
@@ -412,7 +388,7 @@ class Scheduler(Swapping, InputPacking, PrefixCaching, PrefixOffload, Results,
       x = self._bookkeeping_inputs(plan, self.config.max_batch)
       forks = len(self._forks())
       pool.begin()
-      if type(pool) is HostPool:  # pylint: disable=unidiomatic-typecheck
+      if type(pool) in (HostPool, shared_pool.SharedHost):  # pylint: disable=unidiomatic-typecheck
         # (not a subclass or a pool per window: they take no layout promise)
         fork_ok, res, cache_ok = pool.bookkeeping(
             *x, packed=len(plan), decode=getattr(plan, "decode_rows", 0))

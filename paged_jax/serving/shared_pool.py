@@ -45,7 +45,7 @@ from paged_jax import step_metadata as step_metadata_lib
 from paged_jax import window_reclaim
 from paged_jax.models.llama import pooled as pooled_model
 from paged_jax.serving import step as step_lib
-from paged_jax.serving.host_pool import HostPool
+from paged_jax.serving.host_pool import _NO_CACHE_OK, HostPool, _any_real, _leads  # pylint: disable=protected-access
 from paged_jax.serving.host_reserve import HostReservation
 
 NULL_BLOCK = bm.NULL_BLOCK
@@ -153,43 +153,30 @@ def joint_ok(state: bm.BlockState, seq_ids, num_new, num_sub: int):
   get their blocks in every sub-group, served in order as
   `block_manager.reserve` serves (an entry needs its new columns plus a
   copy-on-write block per sub-group whose partial last block is still
-  shared), all sub-groups of an entry counted together. Padding and
-  invalid entries: False. Device (jnp) and host (NumPy) alike."""
+  shared), all sub-groups of an entry counted together: on the device
+  `block_manager._serve` with `num_sub` (the one rule), on the host its
+  NumPy model (`_scan_host`, checked equal by the tests). Padding and
+  invalid entries: False."""
   host = not isinstance(state.block_tables, jax.Array)
   xp = np if host else jnp
   valid, partial, last, last_refs, grow = _entries(
       xp, state.block_tables, state.seq_lens, state.refcounts, seq_ids,
       num_new, state.max_seqs, state.block_size)
+  if not host:
+    ok = bm._serve(valid, partial, last, last_refs, grow, state.num_free,  # pylint: disable=protected-access
+                   num_sub=num_sub)[1]
+    return ok.reshape(-1, num_sub)[:, 0]
   n = seq_ids.shape[0] // num_sub
   shape = (n, num_sub)
   valid_r = valid.reshape(shape).all(axis=1)
   cow_all = partial & (last_refs > 1)
-  need_all = xp.sum((grow + cow_all).reshape(shape), axis=1)
-  total = xp.sum(xp.where(valid_r, need_all, 0))
-  shared = xp.sort(xp.where(cow_all, last, NULL_BLOCK))
-  siblings = xp.any((shared[1:] == shared[:-1]) & (shared[1:] >= 0))
-  available = state.num_free
-  if host:
-    if not siblings and total <= available:
-      return valid_r
-    return _scan_host(valid_r, partial.reshape(shape), last.reshape(shape),
-                      last_refs.reshape(shape), grow.reshape(shape), int(available))
-
-  def scan():
-    def step(carry, i):
-      free, copied = carry  # copied: i32[n, num_sub]
-      drops = jnp.sum((copied[:, :, None] == last.reshape(shape)[i][None, None, :])
-                      .reshape(-1, num_sub), axis=0, dtype=jnp.int32)
-      p = partial.reshape(shape)[i]
-      cow = p & (last_refs.reshape(shape)[i] - jnp.where(p, drops, 0) > 1)
-      need = jnp.sum(grow.reshape(shape)[i] + cow, dtype=jnp.int32)
-      ok = valid_r[i] & (need <= free)
-      copied = copied.at[i].set(jnp.where(ok & cow, last.reshape(shape)[i], NULL_BLOCK))
-      return (free - jnp.where(ok, need, 0), copied), ok
-    _, ok = jax.lax.scan(step, (available, jnp.full(shape, NULL_BLOCK, jnp.int32)),
-                         jnp.arange(n))
-    return ok
-  return jax.lax.cond(siblings | (total > available), scan, lambda: valid_r)
+  total = np.sum(np.where(np.repeat(valid_r, num_sub), grow + cow_all, 0))
+  shared = np.sort(np.where(cow_all, last, NULL_BLOCK))
+  siblings = np.any((shared[1:] == shared[:-1]) & (shared[1:] >= 0))
+  if not siblings and total <= state.num_free:
+    return valid_r
+  return _scan_host(valid_r, partial.reshape(shape), last.reshape(shape),
+                    last_refs.reshape(shape), grow.reshape(shape), int(state.num_free))
 
 
 def _first(xp, ids):
@@ -312,6 +299,9 @@ class SharedHost:
     self.max_seqs = shared.max_seqs
     self.block_size, self.width = shared.block_size, self.pool.width
     self.num_blocks = self.pool.num_blocks
+    self._local = _local(self.windows)
+    self._num_local = int(self._local.sum())
+    self._last = None  # (seq_ids, q_lens, `_expanded`'s) of read-only inputs
 
   def begin(self):
     self.pool.begin()
@@ -347,10 +337,58 @@ class SharedHost:
   def _ex(self, ids):
     return expand(np.asarray(ids), self.num_sub, self.max_seqs)
 
+  def _expanded(self, seq_ids, q_lens):
+    """`(ids, q, local_ids, local_q)`: the entries expanded to every
+    sub-group (`expand`) and the local sub-groups' of them
+    (`_reclaim_args`). Read-only inputs (a steady decode step's, sent again
+    while its rows stay the same: `packing.SteadyInputs`) give the same
+    read-only arrays as the last call, so `HostPool.reserve` knows its steady
+    rows by identity and nothing is expanded again."""
+    last = self._last
+    if last is not None and seq_ids is last[0] and q_lens is last[1]:
+      return last[2]
+    seq_ids, q_lens = np.asarray(seq_ids), np.asarray(q_lens)
+    K, local = self.num_sub, self._local
+    ids, q = self._ex(seq_ids), np.repeat(q_lens, K)
+    out = (ids, q, ids.reshape(-1, K)[:, local].reshape(-1),
+           q.reshape(-1, K)[:, local].reshape(-1))
+    if not (seq_ids.flags.writeable or q_lens.flags.writeable):
+      for a in out:
+        a.flags.writeable = False
+      self._last = (seq_ids, q_lens, out)
+    return out
+
+  def _joint_ok(self, seq_ids, q_lens, ids, q, packed: int | None) -> np.ndarray:
+    """`joint_ok` on the model. With the scheduler's layout (`packed`
+    distinct valid entries first, then padding), when no block is shared
+    (so nothing copies) and the pool holds every entry's new blocks in
+    every sub-group at once, every entry is granted without building
+    `joint_ok`'s per-entry inputs: O(entries) vector operations instead of
+    a gather of their table rows. Otherwise `joint_ok` itself."""
+    p, K = self.pool, self.num_sub
+    if packed is not None and packed and int(p.refs.max(initial=0)) <= 1:
+      n = packed * K
+      old = p.lens[ids[:n]]
+      new = old + q[:n]
+      bs = self.block_size
+      if int(new.max()) <= p.max_seq_len and (
+          int(np.sum((new + bs - 1) // bs - (old + bs - 1) // bs)) <= p.num_free):
+        return p._granted(np.shape(seq_ids)[0], packed)  # pylint: disable=protected-access
+    return joint_ok(_HostView(p), ids, q, K)
+
   def bookkeeping(self, register_seqs, register_cols, release_early,
                   fork_parents, fork_children, release_late, share_seqs,
-                  share_blocks, share_counts, seq_ids, q_lens):
+                  share_blocks, share_counts, seq_ids, q_lens, *,
+                  packed: int | None = None, decode: int = 0):
     """`_bookkeeping` and the step's reclamation on the model, in place.
+
+    `packed`, `decode`: the scheduler's layout promise, as
+    `HostPool.bookkeeping`'s (`seq_ids[:packed]` distinct valid slots, the
+    rest padding; `q_lens[:decode]` are 1). Expanded, it is the same promise
+    of `packed * K` and `decode * K` entries (each entry's K sub-group rows
+    side by side, `expand`), which the pool's `reserve` takes when every
+    entry is granted: the steady decode rows are then reserved without a
+    scan (`host_reserve.SteadyDecode`), sub-group rows as any rows.
 
     Returns:
       `(fork_ok bool[B], HostReservation (ok bool[S]; copies expanded),
@@ -358,30 +396,33 @@ class SharedHost:
     """
     del register_seqs, register_cols, share_seqs, share_blocks, share_counts
     p, K = self.pool, self.num_sub
-    if np.any(np.asarray(release_early) >= 0):
+    real = _any_real if packed is None else _leads
+    if real(release_early):
       p.release(self._ex(release_early))
-    n_forks = np.shape(fork_parents)[0]
-    if np.any(np.asarray(fork_parents) >= 0) or np.any(np.asarray(fork_children) >= 0):
+    if real(fork_parents) or real(fork_children):
       fork_ok = p.fork(self._ex(fork_parents), self._ex(fork_children)).reshape(-1, K).all(1)
     else:
-      fork_ok = np.zeros(n_forks, bool)
-    if np.any(np.asarray(release_late) >= 0):
+      fork_ok = p._no_forks(np.shape(fork_parents)[0])  # pylint: disable=protected-access
+    if real(release_late):
       p.release(self._ex(release_late))
-    ids, q = self._ex(seq_ids), np.repeat(np.asarray(q_lens), K)
-    ok = joint_ok(_HostView(p), ids, q, K)
-    res = p.reserve(ids, np.where(np.repeat(ok, K), q, 0))
-    window_reclaim.reclaim_host(p, *_reclaim_args(self, np.asarray(seq_ids),
-                                                  np.asarray(q_lens), ok))
-    return fork_ok, HostReservation(ok, res.copy_src, res.copy_dst, None), np.ones(0, bool)
+    ids, q, local_ids, local_q = self._expanded(seq_ids, q_lens)
+    ok = self._joint_ok(seq_ids, q_lens, ids, q, packed)
+    if packed is not None and ok[:packed].all():  # every entry granted
+      res = p.reserve(ids, q, packed * K, decode * K)
+      local_ok = p._granted(local_ids.shape[0], packed * self._num_local)  # pylint: disable=protected-access
+    else:
+      res = p.reserve(ids, np.where(np.repeat(ok, K), q, 0))
+      local_ok = np.repeat(ok, self._num_local)
+    window_reclaim.reclaim_host(p, local_ids, local_q, local_ok)
+    return fork_ok, HostReservation(ok, res.copy_src, res.copy_dst, None), _NO_CACHE_OK
 
   def held(self, length: int) -> int:
     """Blocks a sequence of `length` tokens holds between steps, over every
     sub-group (`window_pool.held_blocks` summed): a waiting prompt's cost in
     block-aware admission."""
-    bs = self.block_size
-    full = -(-length // bs)
-    return sum(full - (0 if w is None else int(bm.reclaimable_columns(w, length, bs)))
-               for w in self.windows)
+    bs = self.block_size  # (one local window: `init`)
+    return (self.num_sub * -(-length // bs)
+            - self._num_local * bm.reclaimable_columns(self.pool.window, length, bs))
 
   def admission_room(self, running, *, rows: int, max_tokens_per_step: int,
                      headroom_steps: int) -> int:

@@ -174,3 +174,84 @@ def test_the_host_model_is_the_device_after_every_step(seed):
   _host(host, x)
   _same(host, shared)
   assert int(shared.state.num_free) == shared.num_blocks
+
+
+def _host_packed(host, x, packed, decode):
+  """`_host` with the scheduler's layout promise (`packed` leading entries,
+  the first `decode` of one token)."""
+  return host.bookkeeping(None, None, x["release_early"], x["fork_parents"],
+                          x["fork_children"], x["release_late"], None, None,
+                          None, x["seq_ids"], x["q_lens"], packed=packed,
+                          decode=decode)
+
+
+def test_the_steady_decode_path_is_the_device_after_every_step():
+  """The scheduler's layout promise (`packed`, `decode`) on the shared pool:
+  runs of steady decode steps (the same slots, one token each, the same
+  read-only inputs sent again, as `packing.SteadyInputs`) broken by
+  admissions, prompt chunks, releases and forks, on a pool small enough to
+  refuse (the shapes of the test above, so `_device` compiles nothing new). The host model takes its fast paths (the joint grant without
+  `joint_ok`, `HostPool._steady_step` across block boundaries and
+  reclamation) and still equals the device after every step."""
+  rng = np.random.default_rng(3)
+  B, ms, bs = 4, 6, 4
+  shared = shared_pool.init(40, (W, W, None), block_size=bs, max_seqs=ms,
+                            max_blocks_per_seq=12)  # (the shapes above: compiled once)
+  host = shared_pool.SharedHost(shared)
+  pool = host.pool
+  fast = {"steady": 0, "joint": 0}
+  step, joint = pool._steady_step, shared_pool.joint_ok  # pylint: disable=protected-access
+  pool._steady_step = lambda *a: bool(fast.__setitem__("steady", fast["steady"] + 1)) or step(*a)  # pylint: disable=protected-access
+  live: list[int] = []
+  steady_x = None
+  refused = 0
+  try:
+    shared_pool.joint_ok = lambda *a: bool(fast.__setitem__("joint", fast["joint"] + 1)) or joint(*a)
+    for i in range(60):
+      if steady_x is not None and rng.random() < 0.8:
+        x, packed, decode = steady_x
+        assert x["seq_ids"][:packed].tolist() == live[:packed]
+      else:
+        steady_x = None
+        free = [s for s in range(ms) if s not in live]
+        kw = {}
+        release = [s for s in live if rng.random() < 0.2][:1]
+        if release:
+          kw["release_early"] = release + [-1] * (B - 1)
+          live = [s for s in live if s not in release]
+        if live and free and rng.random() < 0.2:  # a child of a running parent
+          kw["fork_parents"] = [live[0]] + [-1] * (B - 1)
+          kw["fork_children"] = [free[0]] + [-1] * (B - 1)
+          live.append(free.pop(0))
+        grow = live[:B]
+        new = [s for s in free if rng.random() < 0.4][:B - len(grow)]
+        q = [1] * len(grow) + [int(rng.integers(1, 13)) for _ in new]
+        kw["seq_ids"] = grow + new + [-1] * (B - len(grow) - len(new))
+        kw["q_lens"] = q + [0] * (B - len(q))
+        x, packed, decode = _args(B, **kw), len(grow) + len(new), len(grow)
+        if not new and "release_early" not in kw and "fork_parents" not in kw and grow:
+          for v in x.values():
+            v.flags.writeable = False
+          steady_x = (x, packed, decode)  # sent again while the rows stay the same
+      shared, _, ok, _, _ = _device(shared, x, 16)
+      _, res, _ = _host_packed(host, x, packed, decode)
+      ok = np.asarray(ok)
+      assert ok.tolist() == res.ok.tolist()
+      ids = np.asarray(x["seq_ids"])
+      for j in range(packed):
+        if not ok[j]:
+          refused += 1
+          steady_x = None
+          if ids[j] in live:  # the scheduler would preempt it
+            x2 = _args(B, release_early=[ids[j]] + [-1] * (B - 1))
+            shared, *_ = _device(shared, x2, 16)
+            _host(host, x2)
+            live.remove(int(ids[j]))
+        elif ids[j] not in live:
+          live.append(int(ids[j]))
+      _same(host, shared)
+      bm.check_invariants(shared.state)
+  finally:
+    shared_pool.joint_ok = joint
+  assert fast["steady"] >= 10 and refused  # the fast paths ran; the pool refused
+  assert fast["joint"] < 60  # the joint grant skipped `joint_ok` in most steps
