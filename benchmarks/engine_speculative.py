@@ -206,6 +206,8 @@ def main(argv=None):
                   "interleaved in every round (default: k = 4, lookup 2..4)")
   ap.add_argument("--json", default=None, help="append the medians to this file")
   args = ap.parse_args(argv)
+  if args.spec_configs and args.method != "ngram":
+    ap.error(f"--spec-configs is for --method ngram, got --method {args.method}")
   spec = SPEC if args.method == "ngram" else SpeculativeConfig(
       method="draft_model", num_speculative_tokens=SPEC.num_speculative_tokens,
       draft_num_layers=args.draft_layers)
