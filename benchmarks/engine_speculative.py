@@ -17,6 +17,7 @@ is recorded per case.
       [--batches 1,4,16] [--temperatures 0,0.8] [--workloads copying,chat]
       [--method ngram|draft_model] [--draft-layers 2] [--prefix-caching]
       [--steps 1,4] [--off-steps 1] [--step-shapes user|pinned]
+      [--spec-configs '{"num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 4};...']
 
 `--steps`: the spec-on engines' `num_scheduler_steps` (K), one engine per
 value, each in every round after the spec-off one (K > 1 with n-gram: up to
@@ -36,6 +37,11 @@ midpoints; RESULTS 16e-16g measured this), where that prefill computes 512
 rows, ~4.6x its own, and is ~40% of a spec-off run of 32 tokens. Warm-up
 compiles every shape (untimed; JAX's persistent compilation cache is on,
 as in `generate`, so a second process loads them); TTFT is reported.
+
+`--spec-configs`: several n-gram configurations (k, lookup bounds) side by
+side, each a spec-on engine in every round, interleaved with the others
+and the spec-off one (one process: the same load for all); without it, k =
+4 and lookup 2..4 (`SPEC`).
 
 `--method draft_model`: the draft is SmolLM2 itself cut to its first
 `--draft-layers` layers (`{"method": "draft_model", "draft_num_layers": n}`,
@@ -193,8 +199,15 @@ def main(argv=None):
   ap.add_argument("--compile-cache-dir", default=os.path.expanduser(
       "~/.cache/paged_jax/jax_cache"), help="JAX's persistent compilation "
                   "cache ('' : off)")
+  ap.add_argument("--spec-configs", default=None,
+                  help="n-gram only: ';'-separated speculative configs (vLLM's JSON, "
+                  "e.g. '{\"num_speculative_tokens\": 8, \"prompt_lookup_min\": 1, "
+                  "\"prompt_lookup_max\": 4}'), each a spec-on engine at every --steps, "
+                  "interleaved in every round (default: k = 4, lookup 2..4)")
   ap.add_argument("--json", default=None, help="append the medians to this file")
   args = ap.parse_args(argv)
+  if args.spec_configs and args.method != "ngram":
+    ap.error(f"--spec-configs is for --method ngram, got --method {args.method}")
   spec = SPEC if args.method == "ngram" else SpeculativeConfig(
       method="draft_model", num_speculative_tokens=SPEC.num_speculative_tokens,
       draft_num_layers=args.draft_layers)
@@ -209,9 +222,13 @@ def main(argv=None):
   work = {w: work[w] for w in args.workloads.split(",")}
   batches = [int(b) for b in args.batches.split(",")]
   temps = [float(t) for t in args.temperatures.split(",")]
+  specs = ([SpeculativeConfig.from_json(c) for c in args.spec_configs.split(";")]
+           if args.spec_configs else [spec])
   configs = ([(None, int(k)) for k in args.off_steps.split(",")]
-             + [(spec, int(k)) for k in args.steps.split(",")])
-  names = [f"{'on' if c else 'off'} K={k}" for c, k in configs]
+             + [(c, int(k)) for c in specs for k in args.steps.split(",")])
+  names = [f"off K={k}" if c is None else f"on K={k}" + (
+      f" k={c.num_speculative_tokens} n={c.prompt_lookup_min}..{c.prompt_lookup_max}"
+      if len(specs) > 1 else "") for c, k in configs]
   runs: dict = {}
   for rnd in range(args.rounds):
     for name, ids in work.items():

@@ -36,7 +36,8 @@ def test_misses_back_off_exponentially_up_to_the_cap():
 
 
 def test_an_accepted_draft_ends_the_streak():
-  policy = SpecPolicy(1, SpecPolicyConfig(base_sit_out=1, max_sit_out=64))
+  policy = SpecPolicy(1, SpecPolicyConfig(base_sit_out=1, max_sit_out=64,
+                                          grace_after_hit=0))
   for _ in range(3):
     policy.record(0, "a", 2, 0)
     policy.tick()
@@ -63,7 +64,7 @@ def test_a_row_that_found_no_draft_misses_with_a_shorter_cap():
 
 
 def test_finding_no_draft_after_an_accepted_one_is_not_a_miss():
-  policy = SpecPolicy(1)
+  policy = SpecPolicy(1, SpecPolicyConfig(grace_after_hit=0))
   policy.record(0, "a", proposed=3, accepted=2)
   policy.tick()
   policy.record(0, "a", proposed=0, accepted=0)  # a gap in the copy
@@ -74,6 +75,31 @@ def test_finding_no_draft_after_an_accepted_one_is_not_a_miss():
   assert not policy.may_propose(0, "a")
   assert policy.may_propose(0, "b")  # a new sequence: no hit yet
   policy.record(0, "b", proposed=0, accepted=0)
+  policy.tick()
+  assert not policy.may_propose(0, "b")
+
+
+def test_a_copying_sequence_takes_its_first_rejections_without_sitting_out():
+  policy = SpecPolicy(1, SpecPolicyConfig(base_sit_out=2, grace_after_hit=2))
+  policy.record(0, "a", proposed=4, accepted=0)  # no hit yet: sits out
+  policy.tick()
+  assert _sat_out(policy, 0, "a") == 2
+  policy.record(0, "a", proposed=4, accepted=4)  # a hit
+  policy.tick()
+  waits = []
+  for _ in range(4):  # then a paraphrase: rejections in a row
+    assert policy.may_propose(0, "a")
+    policy.record(0, "a", proposed=4, accepted=0)
+    policy.tick()
+    waits.append(_sat_out(policy, 0, "a"))
+  assert waits == [0, 0, 2, 4]  # the grace, then the doubling from the base
+  policy.record(0, "a", proposed=4, accepted=1)  # back in step: grace renewed
+  policy.tick()
+  policy.record(0, "a", proposed=4, accepted=0)
+  policy.tick()
+  assert policy.may_propose(0, "a")
+  assert policy.may_propose(0, "b")  # a new sequence: no hit, no grace
+  policy.record(0, "b", proposed=4, accepted=0)
   policy.tick()
   assert not policy.may_propose(0, "b")
 
@@ -223,6 +249,8 @@ def test_the_engines_measured_excess_per_kind_is_added_to_the_programs_costs():
     (dict(probe_every=1.5), "probe_every must be an int >= 1, got 1.5"),
     (dict(base_sit_out=8, max_sit_out=4),
      "max_sit_out=4 must be >= base_sit_out=8"),
+    (dict(grace_after_hit=-1), "grace_after_hit must be an int >= 0, got -1"),
+    (dict(grace_after_hit=1.0), "grace_after_hit must be an int >= 0, got 1.0"),
     (dict(base_sit_out=2, max_idle_sit_out=1),
      r"max_idle_sit_out=1 must be in \[base_sit_out=2, max_sit_out=64\]"),
     (dict(prior_acceptance=1.0), r"prior_acceptance must be in \(0, 1\), got 1.0"),
