@@ -111,16 +111,13 @@ class SpecPolicyConfig:
   def __post_init__(self):
     if not 0 < self.prior_acceptance < 1:
       raise ValueError(f"prior_acceptance must be in (0, 1), got {self.prior_acceptance!r}")
-    g = self.grace_after_hit
-    if isinstance(g, bool) or not isinstance(g, int) or g < 0:
-      raise ValueError(f"grace_after_hit must be an int >= 0, got {g!r}")
     if not self.prior_weight > 0:
       raise ValueError(f"prior_weight must be > 0, got {self.prior_weight!r}")
-    for name in ("base_sit_out", "max_sit_out", "max_idle_sit_out", "probe_every",
-                 "window"):
+    for name, low in (("base_sit_out", 1), ("max_sit_out", 1), ("max_idle_sit_out", 1),
+                      ("probe_every", 1), ("window", 1), ("grace_after_hit", 0)):
       v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+      if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
     if self.max_sit_out < self.base_sit_out:
       raise ValueError(f"max_sit_out={self.max_sit_out} must be >= "
                        f"base_sit_out={self.base_sit_out}")
