@@ -360,19 +360,23 @@ class SharedHost:
 
   def _joint_ok(self, seq_ids, q_lens, ids, q, packed: int | None) -> np.ndarray:
     """`joint_ok` on the model. With the scheduler's layout (`packed`
-    distinct valid entries first, then padding), when no block is shared
-    (so nothing copies) and the pool holds every entry's new blocks in
+    distinct valid entries first, then padding), when no entry's partial
+    last block is shared (so nothing copies; checked on those blocks only,
+    not over the pool) and the pool holds every entry's new blocks in
     every sub-group at once, every entry is granted without building
     `joint_ok`'s per-entry inputs: O(entries) vector operations instead of
     a gather of their table rows. Otherwise `joint_ok` itself."""
     p, K = self.pool, self.num_sub
-    if packed is not None and packed and int(p.refs.max(initial=0)) <= 1:
-      n = packed * K
-      old = p.lens[ids[:n]]
+    if packed is not None and packed:
+      n, bs = packed * K, self.block_size
+      rows = ids[:n]
+      old = p.lens[rows]
       new = old + q[:n]
-      bs = self.block_size
-      if int(new.max()) <= p.max_seq_len and (
-          int(np.sum((new + bs - 1) // bs - (old + bs - 1) // bs)) <= p.num_free):
+      part = old % bs != 0  # rows growing into a partial last block
+      last = p.tables[rows[part], (old[part] - 1) // bs]
+      if (not np.any(p.refs[last[last >= 0]] > 1)  # none shared: no copy
+          and int(new.max()) <= p.max_seq_len and (
+          int(np.sum((new + bs - 1) // bs - (old + bs - 1) // bs)) <= p.num_free)):
         return p._granted(np.shape(seq_ids)[0], packed)  # pylint: disable=protected-access
     return joint_ok(_HostView(p), ids, q, K)
 

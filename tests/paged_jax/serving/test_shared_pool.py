@@ -255,3 +255,24 @@ def test_the_steady_decode_path_is_the_device_after_every_step():
     shared_pool.joint_ok = joint
   assert fast["steady"] >= 10 and refused  # the fast paths ran; the pool refused
   assert fast["joint"] < 60  # the joint grant skipped `joint_ok` in most steps
+
+
+def test_the_fast_joint_grant_counts_a_copy_of_a_shared_last_block():
+  """`SharedHost._joint_ok`'s shortcut (everything granted when the pool
+  holds the entries' new blocks) must not apply when an entry grows into a
+  partial last block that a fork shares: that copy needs a block too. With
+  fewer free blocks than the copies, it refuses as `joint_ok` does (host
+  only: no device program)."""
+  B, bs = 4, 4
+  host = shared_pool.SharedHost(shared_pool.init(40, (W, W, None), block_size=bs,
+                                                 max_seqs=6, max_blocks_per_seq=12))
+  _host(host, _args(B, seq_ids=[0, -1, -1, -1], q_lens=[2, 0, 0, 0]))
+  _host(host, _args(B, fork_parents=[0, -1, -1, -1], fork_children=[1, -1, -1, -1]))
+  p = host.pool
+  p.num_free = host.num_sub - 1  # one block short of a copy in every sub-group
+  seq_ids, q_lens = np.array([0, 1, -1, -1]), np.array([1, 1, 0, 0])
+  ids, q, _, _ = host._expanded(seq_ids, q_lens)  # pylint: disable=protected-access
+  want = shared_pool.joint_ok(shared_pool._HostView(p), ids, q, host.num_sub)  # pylint: disable=protected-access
+  got = host._joint_ok(seq_ids, q_lens, ids, q, packed=2)  # pylint: disable=protected-access
+  assert not want[0]  # the copies do not fit
+  assert got.tolist() == want.tolist()
